@@ -1,0 +1,354 @@
+"""Daemon configuration: frozen dataclasses per subsystem, loaded from TOML.
+
+Every key has a default that works on one machine, so an empty file (or no
+file) starts a single-node daemon on the builtin model. Loading is strict: an
+unknown section or key, a value of the wrong type, or a value out of range
+stops start-up with a ConfigError naming the file and the key.
+
+Each section's dataclass validates its own values in ``__post_init__`` by
+raising ``ConfigValueError(key, message)``; the loader adds the file and the
+section to the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot start the daemon; the message names key and file."""
+
+
+class ConfigValueError(ValueError):
+    """Raised by a section's validation; the loader turns it into a ConfigError."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigValueError(key, message)
+
+
+Role = Literal["both", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    # Empty means "<hostname>-<server port>", unique per daemon on one host.
+    id: str = ""
+    role: Role = "both"
+    # Authenticates transfer handshakes and gossip messages. Every node of a
+    # cluster must share it; the default only suits a single trusted host.
+    cluster_secret: str = "mooncaked-insecure-default-secret"
+    # Where the daemon keeps state (SSD tier, logs of its own); empty: a
+    # per-user directory under the system temp dir.
+    data_dir: str = ""
+
+    def __post_init__(self) -> None:
+        _check(len(self.cluster_secret) >= 8, "cluster_secret", "must be at least 8 characters")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    # "builtin:tiny" (no download) or a local Hugging Face model directory.
+    path: str = "builtin:tiny"
+    # Name clients pass as "model"; empty: derived from the path.
+    served_name: str = ""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "auto"
+    # 0: the model's own limit.
+    max_model_len: int = 0
+    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "path", "must not be empty")
+        _check(self.max_model_len >= 0, "max_model_len", "must be >= 0")
+        _check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KVConfig:
+    """The device KV block pool."""
+
+    block_size: int = 16
+    # 0: size the pool from memory_bytes (CPU) or gpu_memory_fraction (CUDA).
+    num_blocks: int = 0
+    memory_bytes: int = 512 * 1024 * 1024
+    gpu_memory_fraction: float = 0.85
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            f"must be a power of two, got {self.block_size}",
+        )
+        _check(self.num_blocks >= 0, "num_blocks", "must be >= 0")
+        _check(self.memory_bytes > 0, "memory_bytes", "must be > 0")
+        _check(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction", "must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    # Most requests decoding at once.
+    max_num_seqs: int = 64
+    # Token budget of one engine step (prefill chunks + decodes).
+    max_num_batched_tokens: int = 1024
+    # Requests waiting beyond this are rejected with 429.
+    max_waiting: int = 256
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
+        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
+        _check(self.max_waiting >= 0, "max_waiting", "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # On SIGTERM: in-flight requests get this long to finish, then are cancelled.
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        _check(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    # auto: console on a terminal, JSON otherwise.
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    host: str = "127.0.0.1"
+    # 0: an ephemeral port, published through gossip.
+    port: int = 0
+    transports: tuple[str, ...] = ("shm", "tcp")
+    streams_per_peer: int = 4
+    slice_bytes: int = 4 * 1024 * 1024
+    op_timeout_s: float = 30.0
+    max_retries: int = 3
+    rdma_device: str = ""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        known = {"tcp", "shm", "rdma"}
+        bad = [t for t in self.transports if t not in known]
+        _check(not bad, "transports", f"unknown transport(s) {bad}; known: {sorted(known)}")
+        _check(self.streams_per_peer > 0, "streams_per_peer", "must be > 0")
+        _check(self.slice_bytes >= 4096, "slice_bytes", "must be >= 4096")
+        _check(self.op_timeout_s > 0, "op_timeout_s", "must be > 0")
+        _check(self.max_retries >= 0, "max_retries", "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Host tiers of the KV block cache."""
+
+    # DRAM tier size: dram_bytes if > 0, else dram_fraction of physical RAM.
+    dram_bytes: int = 256 * 1024 * 1024
+    dram_fraction: float = 0.0
+    # SSD tier: empty path disables it.
+    ssd_path: str = ""
+    ssd_bytes: int = 1024 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
+        _check(0.0 <= self.dram_fraction < 1.0, "dram_fraction", "must be in [0, 1)")
+        _check(self.ssd_bytes >= 0, "ssd_bytes", "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    # host:port of gossip endpoints to join through; empty: a cluster of one.
+    seeds: tuple[str, ...] = ()
+    gossip_host: str = "127.0.0.1"
+    # 0: an ephemeral port.
+    gossip_port: int = 0
+    probe_interval_s: float = 0.5
+    probe_timeout_s: float = 0.2
+    indirect_probes: int = 3
+    suspect_timeout_s: float = 2.0
+    sync_interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.gossip_port <= 65535, "gossip_port", "must be in 0..65535")
+        _check(self.probe_interval_s > 0, "probe_interval_s", "must be > 0")
+        _check(
+            0 < self.probe_timeout_s < self.probe_interval_s,
+            "probe_timeout_s",
+            "must be > 0 and below probe_interval_s",
+        )
+        _check(self.indirect_probes >= 0, "indirect_probes", "must be >= 0")
+        _check(self.suspect_timeout_s > 0, "suspect_timeout_s", "must be > 0")
+        _check(self.sync_interval_s > 0, "sync_interval_s", "must be > 0")
+        for seed in self.seeds:
+            host, sep, port = seed.rpartition(":")
+            _check(
+                bool(sep and host and port.isdigit()),
+                "seeds",
+                f"{seed!r} is not host:port",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    node: NodeConfig = field(default_factory=NodeConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # Where the config came from, for messages; not a TOML key.
+    source: str = field(default="<defaults>", compare=False)
+
+    @property
+    def node_id(self) -> str:
+        return self.node.id or f"{socket.gethostname()}-{self.server.port}"
+
+    @property
+    def data_dir(self) -> Path:
+        if self.node.data_dir:
+            return Path(self.node.data_dir)
+        import tempfile
+
+        return Path(tempfile.gettempdir()) / f"mooncaked-{os.getuid()}" / self.node_id
+
+
+_SECTIONS: dict[str, type] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in dataclasses.fields(Config)
+    if f.name != "source"
+}
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp``; TOML ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigValueError(key, f"must be one of {list(allowed)}, got {value!r}")
+        return value
+    if origin is tuple:
+        (item_tp, _ellipsis) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigValueError(key, f"must be a list, got {type(value).__name__}")
+        return tuple(_coerce(v, item_tp, key) for v in value)
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _coerce(value, arm, key)
+            except ConfigValueError:
+                continue
+        raise ConfigValueError(key, f"has the wrong type: {value!r}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigValueError(key, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigValueError(key, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigValueError(key, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigValueError(key, f"must be a string, got {value!r}")
+        return value
+    raise RuntimeError(f"config type {tp!r} of {key} is not supported by the loader")
+
+
+def _build_section(name: str, cls: type, table: Any, source: str) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: [{name}] must be a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in known:
+            raise ConfigError(
+                f"{source}: unknown key '{name}.{key}' (known keys of [{name}]: "
+                f"{', '.join(sorted(known))})"
+            )
+        try:
+            kwargs[key] = _coerce(value, hints[key], key)
+        except ConfigValueError as exc:
+            raise ConfigError(f"{source}: '{name}.{exc.key}' {exc.message}") from None
+    try:
+        return cls(**kwargs)
+    except ConfigValueError as exc:
+        raise ConfigError(f"{source}: '{name}.{exc.key}' {exc.message}") from None
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> Config:
+    sections: dict[str, Any] = {}
+    for name, table in data.items():
+        cls = _SECTIONS.get(name)
+        if cls is None:
+            raise ConfigError(
+                f"{source}: unknown section [{name}] (known: {', '.join(sorted(_SECTIONS))})"
+            )
+        sections[name] = _build_section(name, cls, table, source)
+    return Config(**sections, source=source)
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """Load a TOML file; ``None`` gives the defaults."""
+    if path is None:
+        return Config()
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config file: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    return config_from_dict(data, str(p))
+
+
+def with_overrides(config: Config, **sections: dict[str, Any]) -> Config:
+    """A copy of ``config`` with some keys replaced, validated like the file.
+
+    ``with_overrides(cfg, server={"port": 0})``: used by the CLI flags and tests.
+    """
+    merged: dict[str, Any] = {}
+    for f in dataclasses.fields(Config):
+        if f.name == "source":
+            continue
+        current = dataclasses.asdict(getattr(config, f.name))
+        current = {k: list(v) if isinstance(v, tuple) else v for k, v in current.items()}
+        current.update(sections.get(f.name, {}))
+        merged[f.name] = current
+    unknown = set(sections) - set(merged)
+    if unknown:
+        raise ConfigError(f"unknown section(s) {sorted(unknown)}")
+    return config_from_dict(merged, config.source)
