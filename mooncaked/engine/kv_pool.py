@@ -1,0 +1,193 @@
+"""The device KV block pool: ref counts, the prefix index and the free queue.
+
+The pool knows block ids and hashes, never tensors. Invariants:
+
+- ``ref_cnt == 0`` means the block is on the free queue; a block with
+  ``ref_cnt > 0`` is held by that many requests.
+- The free queue is in eviction order: blocks without a hash (never filled,
+  or a partial tail) sit at the head and are handed out first; blocks that
+  still hold a cached prefix are appended at the tail as they are freed, so
+  the least recently used cached block is evicted first. Eviction is lazy: a
+  cached block keeps its hash on the free queue and can be revived by a prefix
+  hit until ``allocate`` hands it out again.
+- ``cached_blocks`` maps a block hash to the one block that holds it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from mooncaked.cache.hashing import BlockHash
+
+# (hash, stored: True | removed: False); the tiered store and gossip listen.
+BlockEventListener = Callable[[BlockHash, bool], None]
+
+
+@dataclass(slots=True)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # An OrderedDict used as a linked list: O(1) removal from the middle when
+        # a prefix hit revives a free cached block.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[BlockHash, int] = {}
+        self.listeners: list[BlockEventListener] = []
+        self.num_evictions = 0
+
+    # -- queries ---------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def longest_cached_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Block ids holding the longest prefix of ``hashes``; takes no reference."""
+        if not self.enable_prefix_caching:
+            return []
+        out: list[int] = []
+        for h in hashes:
+            block_id = self.cached_blocks.get(h)
+            if block_id is None:
+                break
+            out.append(block_id)
+        return out
+
+    # -- paired verbs ----------------------------------------------------
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` blocks with ref_cnt 1, or None when the pool is short."""
+        if n > len(self._free):
+            return None
+        out: list[int] = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block_id)
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take a reference on blocks found by a prefix hit (maybe on the free queue)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt == 0:
+                del self._free[block_id]
+            block.ref_cnt += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block; a request frees its whole table."""
+        # Reversed: a request's tail blocks are the least likely to be shared, so
+        # they reach the free queue first and are evicted first.
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block_id} freed with ref_cnt {block.ref_cnt}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    # Nothing worth keeping: hand it out before any cached block.
+                    self._free.move_to_end(block_id, last=False)
+
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Publish a full block under its hash; False if that hash is already held."""
+        if not self.enable_prefix_caching:
+            return False
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if block.block_hash != block_hash:
+                raise RuntimeError(f"block {block_id} re-hashed with different content")
+            return False
+        if block_hash in self.cached_blocks:
+            # Computed twice concurrently: keep the first, this one stays private.
+            return False
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block_id
+        for listener in self.listeners:
+            listener(block_hash, True)
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block not in use; returns how many were dropped."""
+        dropped = 0
+        for block_id in list(self._free):
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+                self._free.move_to_end(block_id, last=False)
+                dropped += 1
+        return dropped
+
+    def _evict(self, block: KVBlock) -> None:
+        h = block.block_hash
+        if h is None:
+            return
+        block.block_hash = None
+        if self.cached_blocks.get(h) == block.block_id:
+            del self.cached_blocks[h]
+        self.num_evictions += 1
+        for listener in self.listeners:
+            listener(h, False)
+
+    # -- self-check ------------------------------------------------------
+
+    def check_integrity(self, holders: Iterable[Sequence[int]] | None = None) -> None:
+        """Raise RuntimeError unless free + used == total and the index is coherent.
+
+        ``holders``: every live block table; when given, each block's ref count
+        must equal the number of tables that hold it.
+        """
+        free_ids = set(self._free)
+        if len(free_ids) != len(self._free):
+            raise RuntimeError("free queue holds a block twice")
+        used = [b for b in self.blocks if b.ref_cnt > 0]
+        if len(free_ids) + len(used) != self.num_blocks:
+            raise RuntimeError(
+                f"free {len(free_ids)} + used {len(used)} != total {self.num_blocks}"
+            )
+        for b in self.blocks:
+            if b.ref_cnt < 0:
+                raise RuntimeError(f"block {b.block_id} has ref_cnt {b.ref_cnt}")
+            if (b.ref_cnt == 0) != (b.block_id in free_ids):
+                raise RuntimeError(f"block {b.block_id} ref_cnt {b.ref_cnt} vs free queue")
+        for h, block_id in self.cached_blocks.items():
+            if self.blocks[block_id].block_hash != h:
+                raise RuntimeError(f"prefix index points at block {block_id} of another hash")
+        num_hashed = sum(1 for b in self.blocks if b.block_hash is not None)
+        if num_hashed != len(self.cached_blocks):
+            raise RuntimeError("a block carries a hash missing from the prefix index")
+        if holders is not None:
+            expected = [0] * self.num_blocks
+            for table in holders:
+                for block_id in table:
+                    expected[block_id] += 1
+            for b in self.blocks:
+                if b.ref_cnt != expected[b.block_id]:
+                    raise RuntimeError(
+                        f"block {b.block_id} ref_cnt {b.ref_cnt}, held by {expected[b.block_id]}"
+                    )

@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import pytest
+
+from mooncaked.cache.hashing import block_hashes, hash_block, root_hash
+from mooncaked.engine.kv_pool import BlockPool
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def test_allocate_hands_out_fresh_blocks_in_order_and_refuses_when_short() -> None:
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+    assert pool.allocate(2) is None
+    assert pool.num_free_blocks == 1
+    pool.check_integrity([[0, 1, 2]])
+
+
+def test_free_keeps_cached_blocks_longest_and_evicts_lru_first() -> None:
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    assert a is not None
+    pool.cache_block(a[0], h(1))
+    pool.cache_block(a[1], h(2))
+    b = pool.allocate(1)
+    assert b == [2]
+    pool.free(a)  # tail first: block 1 (h2) then block 0 (h1)
+    pool.free(b)  # unhashed: goes to the head
+    pool.check_integrity([])
+    # Fresh/unhashed blocks first: 2, then 3, then the cached ones in LRU order.
+    assert pool.allocate(2) == [2, 3]
+    assert pool.cached_blocks == {h(1): 0, h(2): 1}
+    assert pool.allocate(1) == [1]  # h2 freed first: evicted first
+    assert pool.cached_blocks == {h(1): 0}
+    assert pool.num_evictions == 1
+
+
+def test_prefix_hit_revives_a_free_cached_block() -> None:
+    pool = BlockPool(3)
+    ids = pool.allocate(2)
+    assert ids is not None
+    pool.cache_block(ids[0], h(7))
+    pool.cache_block(ids[1], h(8))
+    pool.free(ids)
+    assert pool.longest_cached_prefix([h(7), h(8), h(9)]) == [0, 1]
+    assert pool.longest_cached_prefix([h(8)]) == [1]
+    pool.touch([0, 1])
+    assert pool.num_free_blocks == 1
+    pool.check_integrity([[0, 1]])
+    pool.touch([0])  # shared by a second request
+    pool.free([0, 1])
+    pool.check_integrity([[0]])
+    pool.free([0])
+    pool.check_integrity([])
+
+
+def test_duplicate_hash_keeps_first_block() -> None:
+    pool = BlockPool(2)
+    ids = pool.allocate(2)
+    assert ids is not None
+    assert pool.cache_block(ids[0], h(1))
+    assert not pool.cache_block(ids[1], h(1))
+    assert pool.cached_blocks == {h(1): ids[0]}
+    pool.free(ids)
+    pool.check_integrity([])
+
+
+def test_double_free_is_an_invariant_violation() -> None:
+    pool = BlockPool(2)
+    ids = pool.allocate(1)
+    assert ids is not None
+    pool.free(ids)
+    with pytest.raises(RuntimeError):
+        pool.free(ids)
+
+
+def test_check_integrity_catches_a_wrong_ref_count() -> None:
+    pool = BlockPool(2)
+    ids = pool.allocate(1)
+    assert ids is not None
+    with pytest.raises(RuntimeError, match="ref_cnt 1, held by 0"):
+        pool.check_integrity([])
+
+
+def test_reset_prefix_cache_drops_only_free_cached_blocks_and_reports_events() -> None:
+    pool = BlockPool(3)
+    events: list[tuple[bytes, bool]] = []
+    pool.listeners.append(lambda bh, stored: events.append((bh, stored)))
+    ids = pool.allocate(2)
+    assert ids is not None
+    pool.cache_block(ids[0], h(1))
+    pool.cache_block(ids[1], h(2))
+    pool.free([ids[1]])
+    assert pool.reset_prefix_cache() == 1
+    assert pool.cached_blocks == {h(1): ids[0]}
+    assert events == [(h(1), True), (h(2), True), (h(2), False)]
+    pool.check_integrity([[ids[0]]])
+
+
+def test_disabled_prefix_caching_never_hits() -> None:
+    pool = BlockPool(2, enable_prefix_caching=False)
+    ids = pool.allocate(1)
+    assert ids is not None
+    assert not pool.cache_block(ids[0], h(1))
+    assert pool.longest_cached_prefix([h(1)]) == []
+
+
+def test_block_hashes_chain_and_depend_on_model_and_prefix() -> None:
+    tokens = list(range(40))
+    hs = block_hashes(tokens, 16, "m")
+    assert len(hs) == 2  # the partial tail has no hash
+    assert hs[0] == hash_block(root_hash("m", 16), tokens[:16])
+    assert hs[1] == hash_block(hs[0], tokens[16:32])
+    assert block_hashes(tokens, 16, "other")[0] != hs[0]
+    changed = [99, *tokens[1:]]
+    assert block_hashes(changed, 16, "m")[1] != hs[1]  # the chain carries the prefix
+    assert block_hashes(tokens, 16, "m", parent=hs[0], start_block=1) == hs[1:]
+    with pytest.raises(ValueError):
+        block_hashes(tokens, 16, "m", start_block=1)

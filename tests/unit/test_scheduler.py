@@ -1,0 +1,183 @@
+"""The scheduler driven with sampled token ids, no model: exact plans and orders."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncaked.config import SchedulerConfig
+from mooncaked.engine.kv_pool import BlockPool
+from mooncaked.engine.plan import SampledToken, StepPlan
+from mooncaked.engine.scheduler import QueueFullError, Scheduler
+from mooncaked.request import FinishReason, Request, RequestState, SamplingParams
+
+BS = 4
+EOS = 999
+
+
+def make(
+    num_blocks: int = 64,
+    budget: int = 64,
+    max_num_seqs: int = 8,
+    max_waiting: int = 16,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_waiting=max_waiting
+        ),
+        BlockPool(num_blocks),
+        block_size=BS,
+        max_model_len=256,
+        model_id="test",
+        eos_token_ids=[EOS],
+    )
+
+
+def req(rid: str, n: int, max_tokens: int = 4, base: int = 0, **kw: object) -> Request:
+    return Request(
+        rid, [base + i for i in range(n)], SamplingParams(max_tokens=max_tokens, **kw)
+    )
+
+
+def step(s: Scheduler, token: int = 7) -> tuple[StepPlan, list[Request]]:
+    plan = s.schedule()
+    results = [SampledToken(token) if c.sample else None for c in plan.chunks]
+    out = s.update(plan, results)
+    s.pool.check_integrity(s.block_tables())
+    return plan, out
+
+
+def shape(plan: StepPlan) -> list[tuple[str, int, int, bool]]:
+    return [(c.request.request_id, c.start_pos, c.num_tokens, c.sample) for c in plan.chunks]
+
+
+def test_prefill_then_batched_decode_until_max_tokens() -> None:
+    s = make()
+    s.add_request(req("a", 6, max_tokens=3))
+    s.add_request(req("b", 3, max_tokens=2))
+    plan, out = step(s)
+    assert shape(plan) == [("a", 0, 6, True), ("b", 0, 3, True)]
+    assert [r.request_id for r in out] == ["a", "b"]
+    plan, out = step(s)
+    assert shape(plan) == [("a", 6, 1, True), ("b", 3, 1, True)]
+    assert s.requests.keys() == {"a"}  # b reached max_tokens=2
+    assert out[1].finish_reason is FinishReason.LENGTH
+    plan, _ = step(s)
+    assert shape(plan) == [("a", 7, 1, True)]
+    assert not s.requests
+    assert s.pool.num_used_blocks == 0
+
+
+def test_chunked_prefill_respects_the_token_budget() -> None:
+    s = make(budget=8)
+    s.add_request(req("long", 20))
+    s.add_request(req("short", 2))
+    plan, _ = step(s)
+    assert shape(plan) == [("long", 0, 8, False)]
+    plan, _ = step(s)
+    assert shape(plan) == [("long", 8, 8, False)]
+    plan, _ = step(s)
+    # The last 4 prompt tokens, then the rest of the budget goes to the next arrival.
+    assert shape(plan) == [("long", 16, 4, True), ("short", 0, 2, True)]
+    plan, _ = step(s)
+    assert shape(plan) == [("long", 20, 1, True), ("short", 2, 1, True)]
+
+
+def test_shared_prefix_hits_cached_blocks_and_counts_cached_tokens() -> None:
+    s = make()
+    s.add_request(req("a", 10, max_tokens=1))
+    step(s)  # a finishes after one token; its two full blocks stay cached
+    assert len(s.pool.cached_blocks) == 2
+    b = req("b", 13, max_tokens=1)  # same first 10 tokens (0..9), then more
+    s.add_request(b)
+    plan, _ = step(s)
+    assert shape(plan) == [("b", 8, 5, True)]
+    assert b.num_cached_tokens == 8
+    assert s.prefix_hit_tokens == 8 and s.prefix_queried_tokens == 23
+
+
+def test_fully_cached_prompt_recomputes_its_last_block() -> None:
+    s = make()
+    s.add_request(req("a", 8, max_tokens=1))
+    step(s)
+    s.add_request(req("b", 8, max_tokens=1))
+    plan, _ = step(s)
+    assert shape(plan) == [("b", 4, 4, True)]
+
+
+def test_preemption_frees_the_newest_request_and_it_resumes_by_recompute() -> None:
+    # 4 blocks of 4 tokens: two requests of 7 prompt tokens fill them after one decode.
+    s = make(num_blocks=4)
+    a = req("a", 7, max_tokens=6)
+    b = req("b", 7, max_tokens=6, base=100)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)  # both prefilled: 2 blocks each, 8 tokens held with the sampled one
+    plan, _ = step(s)  # both decode into their 8th slot: no new block needed
+    assert shape(plan) == [("a", 7, 1, True), ("b", 7, 1, True)]
+    plan, _ = step(s)  # a needs a 3rd block: b is preempted
+    assert shape(plan) == [("a", 8, 1, True)]
+    assert [r.request_id for r in plan.preempted] == ["b"]
+    assert b.state is RequestState.PREEMPTED and b.block_ids == []
+    assert s.num_preemptions == 1
+    while "a" in s.requests:
+        step(s)
+    # b comes back: its prompt and its 2 outputs so far are recomputed in one chunk.
+    plan, _ = step(s)
+    assert plan.chunks[0].request is b
+    assert b.num_output_tokens == 3
+    assert b.num_cached_tokens == 0  # reported once, at first admission
+    while s.requests:
+        step(s)
+    assert b.num_output_tokens == 6
+    assert s.pool.num_used_blocks == 0
+
+
+def test_eos_and_stop_token_ids_finish_with_stop() -> None:
+    s = make()
+    a = req("a", 3)
+    b = req("b", 3, stop_token_ids=(5,))
+    c = req("c", 3, ignore_eos=True)
+    for r in (a, b, c):
+        s.add_request(r)
+    plan = s.schedule()
+    s.update(plan, [SampledToken(EOS), SampledToken(5), SampledToken(EOS)])
+    assert a.finish_reason is FinishReason.STOP
+    assert b.finish_reason is FinishReason.STOP
+    assert c.state is RequestState.RUNNING
+
+
+def test_max_num_seqs_caps_running_and_fcfs_order_holds() -> None:
+    s = make(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 2, base=10 * i))
+    plan, _ = step(s)
+    assert [c.request.request_id for c in plan.chunks] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2"]
+
+
+def test_waiting_queue_bound_raises_queue_full_with_retry_after() -> None:
+    s = make(max_waiting=2)
+    s.add_request(req("a", 2))
+    s.add_request(req("b", 2))
+    with pytest.raises(QueueFullError) as err:
+        s.add_request(req("c", 2))
+    assert err.value.retry_after_s >= 1.0
+    step(s)  # a and b leave the waiting queue; ids stay in use until they finish
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(req("a", 2))
+    s.add_request(req("c", 2))
+
+
+def test_abort_while_waiting_and_running_frees_everything() -> None:
+    s = make(budget=4)
+    a = req("a", 10)
+    b = req("b", 3)
+    s.add_request(a)
+    s.add_request(b)
+    step(s)  # a holds a chunk of 4 tokens, b waits
+    s.finish(a, FinishReason.ABORT)
+    s.finish(b, FinishReason.ABORT)
+    s.finish(b, FinishReason.ABORT)  # idempotent
+    assert not s.requests and not s.running and not s.waiting
+    assert s.pool.num_used_blocks == 0
+    s.pool.check_integrity([])
