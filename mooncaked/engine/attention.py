@@ -1,0 +1,392 @@
+"""Attention over a paged KV cache: a torch SDPA backend and a flash-attn backend.
+
+Per layer, K and V live in two tensors ``[num_blocks, block_size, kv_heads,
+head_dim]``. A token at position ``p`` of a sequence lives in slot
+``block_ids[p // block_size] * block_size + p % block_size`` of the flat view
+``[num_blocks * block_size, kv_heads, head_dim]``. Each step first writes the
+new tokens' K/V into their slots, then attends each query token to every key of
+its sequence up to and including its own position, so a chunk that starts at
+``start_pos > 0`` (a prefix-cache hit or a later prefill chunk) sees the cached
+context as well as itself.
+
+The runner builds one ``AttentionMetadata`` per step; every layer reuses it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+# Upstream flash-attn checks this for paged KV in both the varlen and the
+# kvcache kernels ("Paged KV cache block size must be divisible by 256").
+FLASH_BLOCK_SIZE_MULTIPLE = 256
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What every layer needs to write and read the paged cache in one step.
+
+    Sequences appear in plan order; their query tokens are contiguous in the
+    flat batch, sequence ``i`` owning rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``.
+    """
+
+    # [T] flat cache slot of each new token (int64, on the model's device).
+    slot_mapping: torch.Tensor
+    # Host copies of the per-sequence shape, for Python-level dispatch.
+    query_lens: list[int]
+    # Tokens already in the cache before this step (the first query's position).
+    start_positions: list[int]
+    # start + query_len: the keys each sequence attends to, new tokens included.
+    context_lens: list[int]
+    block_size: int
+    # [B + 1] int32 cumulative query / context lengths (flash-attn's varlen form).
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_query_len: int
+    max_context_len: int
+    # [B, max_blocks] int32 block ids, zero padded.
+    block_tables: torch.Tensor
+    # [B] int32 context lengths on the device (flash decode).
+    context_lens_tensor: torch.Tensor
+    # SDPA decode batch: sequences with one query token, attended in one call.
+    decode_seq_ids: list[int]
+    # [Bd] flat row of each decode query.
+    decode_token_index: torch.Tensor | None = None
+    # [Bd, max_ctx] slots of each decode sequence's keys (padding points at slot 0).
+    decode_slots: torch.Tensor | None = None
+    # [Bd, 1, 1, max_ctx] True where a key is real.
+    decode_mask: torch.Tensor | None = None
+    # SDPA prefill: (sequence index, [ctx] slots or None when start_pos == 0).
+    prefill_seq_ids: tuple[int, ...] = ()
+    prefill_slots: tuple[torch.Tensor | None, ...] = ()
+    # Host copy of cu_seqlens_q.
+    query_starts: tuple[int, ...] = ()
+    # The kernel every layer calls through ``paged_attention``.
+    backend: AttentionBackend | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_all_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+def build_metadata(
+    *,
+    query_lens: list[int],
+    start_positions: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    backend: AttentionBackend,
+) -> AttentionMetadata:
+    """Build the step's metadata from host lists (one entry per sequence).
+
+    Raises ValueError when a block table does not cover a sequence's tokens:
+    the caller allocated too few blocks.
+    """
+    num_seqs = len(query_lens)
+    if not (len(start_positions) == len(block_tables) == num_seqs) or num_seqs == 0:
+        raise ValueError(
+            f"metadata needs one query length, start position and block table per "
+            f"sequence, got {len(query_lens)}, {len(start_positions)}, {len(block_tables)}"
+        )
+    context_lens = [s + q for s, q in zip(start_positions, query_lens, strict=True)]
+    slots: list[int] = []
+    for i, (start, ctx, table) in enumerate(
+        zip(start_positions, context_lens, block_tables, strict=True)
+    ):
+        needed = (ctx + block_size - 1) // block_size
+        if len(table) < needed:
+            raise ValueError(
+                f"sequence {i}: block table has {len(table)} blocks, {needed} are needed "
+                f"for {ctx} tokens at block_size {block_size}"
+            )
+        for pos in range(start, ctx):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+
+    max_blocks = max(len(t) for t in block_tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+    cu_q = [0]
+    cu_k = [0]
+    for q, c in zip(query_lens, context_lens, strict=True):
+        cu_q.append(cu_q[-1] + q)
+        cu_k.append(cu_k[-1] + c)
+
+    def i32(values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+        query_lens=list(query_lens),
+        start_positions=list(start_positions),
+        context_lens=context_lens,
+        block_size=block_size,
+        cu_seqlens_q=i32(cu_q),
+        cu_seqlens_k=i32(cu_k),
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        block_tables=i32(padded),
+        context_lens_tensor=i32(context_lens),
+        decode_seq_ids=[],
+        query_starts=tuple(cu_q),
+        backend=backend,
+    )
+    if isinstance(backend, SdpaBackend):
+        _add_sdpa_indices(meta, block_tables, device)
+    return meta
+
+
+def _slots_of(table: list[int], ctx: int, block_size: int) -> torch.Tensor:
+    blocks = torch.tensor(table[: (ctx + block_size - 1) // block_size], dtype=torch.int64)
+    offsets = torch.arange(block_size, dtype=torch.int64)
+    return (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:ctx]
+
+
+def _add_sdpa_indices(
+    meta: AttentionMetadata, block_tables: list[list[int]], device: torch.device
+) -> None:
+    """Precompute gather indices once per step instead of once per layer."""
+    bs = meta.block_size
+    decode_ids = [i for i, q in enumerate(meta.query_lens) if q == 1]
+    prefill_ids = [i for i, q in enumerate(meta.query_lens) if q > 1]
+    meta.decode_seq_ids = decode_ids
+    if decode_ids:
+        max_ctx = max(meta.context_lens[i] for i in decode_ids)
+        slots = torch.zeros(len(decode_ids), max_ctx, dtype=torch.int64)
+        mask = torch.zeros(len(decode_ids), max_ctx, dtype=torch.bool)
+        rows: list[int] = []
+        for j, i in enumerate(decode_ids):
+            ctx = meta.context_lens[i]
+            slots[j, :ctx] = _slots_of(block_tables[i], ctx, bs)
+            mask[j, :ctx] = True
+            rows.append(sum(meta.query_lens[:i]))
+        meta.decode_token_index = torch.tensor(rows, dtype=torch.int64).to(device)
+        meta.decode_slots = slots.to(device)
+        meta.decode_mask = mask[:, None, None, :].to(device)
+    meta.prefill_seq_ids = tuple(prefill_ids)
+    meta.prefill_slots = tuple(
+        None
+        if meta.start_positions[i] == 0
+        else _slots_of(block_tables[i], meta.context_lens[i], bs).to(device)
+        for i in prefill_ids
+    )
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; writes k/v into the caches."""
+        ...
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    kvh, hd = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+
+
+class SdpaBackend:
+    """torch SDPA on any device: decodes batched in one call, prefills one call each.
+
+    GQA without repeating K/V: the query heads that share a KV head are folded
+    into the query-length axis, ``[kv_heads, group * q_len, D]``, so one KV
+    head serves its whole group.
+    """
+
+    name = "sdpa"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kvh, hd, g = self.num_kv_heads, self.head_dim, self.group
+        k_flat = k_cache.view(-1, kvh, hd)
+        v_flat = v_cache.view(-1, kvh, hd)
+        out = torch.empty_like(q)
+
+        if meta.decode_seq_ids:
+            rows = meta.decode_token_index
+            if rows is None or meta.decode_slots is None or meta.decode_mask is None:
+                raise RuntimeError("SDPA decode metadata was not built")
+            bd = rows.numel()
+            # [Bd, H, D] -> [Bd, KVH, G, D]: the group plays the query axis.
+            qd = q.index_select(0, rows).view(bd, kvh, g, hd)
+            kd = k_flat[meta.decode_slots].transpose(1, 2)  # [Bd, KVH, ctx, D]
+            vd = v_flat[meta.decode_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale
+            )
+            out.index_copy_(0, rows, od.reshape(bd, self.num_heads, hd))
+
+        cu = meta.query_starts
+        for i, slots in zip(meta.prefill_seq_ids, meta.prefill_slots, strict=True):
+            lo, hi = cu[i], cu[i + 1]
+            qlen = hi - lo
+            start = meta.start_positions[i]
+            # [q, H, D] -> [KVH, q * G, D], rows ordered (position, group member).
+            qp = q[lo:hi].view(qlen, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, qlen * g, hd)
+            if slots is None:
+                kp = k[lo:hi].transpose(0, 1)
+                vp = v[lo:hi].transpose(0, 1)
+            else:
+                kp = k_flat[slots].transpose(0, 1)
+                vp = v_flat[slots].transpose(0, 1)
+            ctx = start + qlen
+            # Query at position start + i sees keys 0 .. start + i.
+            qpos = torch.arange(start, ctx, device=q.device).repeat_interleave(g)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale)
+            out[lo:hi] = op.view(kvh, qlen, g, hd).permute(1, 0, 2, 3).reshape(qlen, -1, hd)
+        return out
+
+
+class FlashBackend:
+    """flash-attn 2.6+ on CUDA, reading K/V straight from the paged cache.
+
+    A step of decodes only goes through ``flash_attn_with_kvcache``; any step
+    with a prefill chunk goes through one ``flash_attn_varlen_func`` call with
+    ``block_table`` (decodes are one-token sequences there). Causal masks in
+    flash-attn 2.1+ are aligned to the bottom right, which is exactly "query i
+    of a chunk starting at start_pos sees keys 0 .. start_pos + i".
+    """
+
+    name = "flash"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        # Imported here: the package is optional and CUDA-only.
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        self._varlen = flash_attn_varlen_func
+        self._kvcache = flash_attn_with_kvcache
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_all_decode:
+            out = self._kvcache(
+                q.unsqueeze(1),  # [B, 1, H, D]
+                k_cache,
+                v_cache,
+                cache_seqlens=meta.context_lens_tensor,
+                block_table=meta.block_tables,
+                softmax_scale=self.scale,
+                causal=True,
+            )
+            return out.squeeze(1)
+        return self._varlen(
+            q,
+            k_cache,
+            v_cache,
+            cu_seqlens_q=meta.cu_seqlens_q,
+            cu_seqlens_k=meta.cu_seqlens_k,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_context_len,
+            softmax_scale=self.scale,
+            causal=True,
+            block_table=meta.block_tables,
+        )
+
+
+def flash_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_backend(
+    requested: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> AttentionBackend:
+    """``auto``: flash-attn where it can run (CUDA, fp16/bf16, block_size % 256 == 0), else SDPA."""
+    flash_ok_reason: str | None = None
+    if device.type != "cuda":
+        flash_ok_reason = "flash-attn needs a CUDA device"
+    elif dtype not in (torch.float16, torch.bfloat16):
+        flash_ok_reason = f"flash-attn needs float16 or bfloat16, the model runs in {dtype}"
+    elif block_size % FLASH_BLOCK_SIZE_MULTIPLE != 0:
+        flash_ok_reason = (
+            f"flash-attn's paged KV needs kv.block_size divisible by "
+            f"{FLASH_BLOCK_SIZE_MULTIPLE}, got {block_size}"
+        )
+    elif not flash_available():
+        flash_ok_reason = "the flash_attn package is not installed"
+
+    if requested == "flash":
+        if flash_ok_reason is not None:
+            raise ValueError(f"model.attention_backend = 'flash': {flash_ok_reason}")
+        return FlashBackend(num_heads, num_kv_heads, head_dim)
+    if requested == "sdpa" or (requested == "auto" and flash_ok_reason is not None):
+        return SdpaBackend(num_heads, num_kv_heads, head_dim)
+    if requested == "auto":
+        return FlashBackend(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {requested!r}; use auto, sdpa or flash")
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """One layer's attention through the step's backend; writes k/v into the caches."""
+    if meta.backend is None:
+        raise RuntimeError("attention metadata was built without a backend")
+    return meta.backend.forward(q, k, v, k_cache, v_cache, meta)

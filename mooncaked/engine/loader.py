@@ -1,0 +1,271 @@
+"""Load a model: a local Hugging Face directory, or the seeded builtin test model.
+
+``builtin:tiny`` needs no download: its weights come from a CPU
+``torch.Generator`` seeded with ``model.seed``, so every machine builds the
+same model, and greedy output is reproducible across runs and nodes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mooncaked.config import ModelConfig
+from mooncaked.engine.model import CausalLM, ModelArch
+from mooncaked.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+BUILTIN_PREFIX = "builtin:"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: CausalLM
+    arch: ModelArch
+    tokenizer: Tokenizer
+    # Seeds block hashes: equal ids mean equal weights and tokenizer.
+    model_id: str
+    served_name: str
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device = {name!r} but no CUDA device is available")
+    return dev
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    # Reduced-precision matmuls on CPUs without AMX are many times slower
+    # than fp32, so the CPU always computes in fp32.
+    if device.type == "cpu":
+        return torch.float32
+    if name == "auto":
+        return torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+    return _DTYPES[name]
+
+
+def _max_model_len(config: ModelConfig, arch: ModelArch) -> int:
+    limit = arch.max_model_len
+    if config.max_model_len > 0:
+        if config.max_model_len > limit:
+            raise ValueError(
+                f"model.max_model_len = {config.max_model_len} exceeds the model's limit "
+                f"of {limit} positions"
+            )
+        return config.max_model_len
+    return limit
+
+
+def load_model(config: ModelConfig) -> LoadedModel:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if config.path.startswith(BUILTIN_PREFIX):
+        return _load_builtin(config, device, dtype)
+    return _load_hf_dir(config, device, dtype)
+
+
+# ---------------------------------------------------------------------------
+# builtin:tiny
+
+BUILTIN_NAMES = ("tiny",)
+
+
+def builtin_arch(name: str) -> ModelArch:
+    if name != "tiny":
+        raise ValueError(
+            f"unknown builtin model {BUILTIN_PREFIX}{name}; known: "
+            f"{[BUILTIN_PREFIX + n for n in BUILTIN_NAMES]}"
+        )
+    tok = ByteTokenizer(384)
+    return ModelArch(
+        vocab_size=384,
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        qkv_bias=False,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id,
+        eos_token_ids=tok.eos_token_ids,
+    )
+
+
+def _builtin_weights(model: CausalLM, seed: int) -> None:
+    """Fill ``model`` from a seeded CPU generator, in parameter-name order.
+
+    Plain std-0.02 weights with unit norms give a residual stream that the
+    token embedding dominates, and tied embeddings then make greedy decoding
+    echo its last token forever. Instead: random norm gains (so the output
+    head no longer favours the input token), fan-in scaled projections (each
+    keeps its input's size), and sharper attention (q/k x4) so that a
+    continuation depends on the whole context. Rows of special tokens,
+    unused ids and non-printable bytes are shrunk: their logits stay small,
+    so greedy output is printable ASCII, EOS is rarely sampled and requests
+    run to max_tokens. The final norm's gain sets the logits' spread, small
+    enough that temperature sampling is not just greedy.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if name == "model.norm.weight":
+            values = torch.randn(param.shape, generator=gen) * 0.25
+        elif name.endswith("norm.weight"):
+            values = torch.randn(param.shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            values = torch.randn(param.shape, generator=gen)
+            printable = torch.zeros(param.shape[0], dtype=torch.bool)
+            printable[32:127] = True
+            printable[ord("\n")] = True
+            values[~printable] *= 0.05
+        else:
+            values = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1])
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                values *= 4.0
+        param.data.copy_(values)
+
+
+def _load_builtin(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    name = config.path[len(BUILTIN_PREFIX) :]
+    arch = builtin_arch(name)
+    model = CausalLM(arch)
+    _builtin_weights(model, config.seed)
+    model = model.to(device=device, dtype=dtype).eval()
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        tokenizer=ByteTokenizer(arch.vocab_size),
+        model_id=f"{config.path}@{config.seed}",
+        served_name=config.served_name or config.path,
+        device=device,
+        dtype=dtype,
+        max_model_len=_max_model_len(config, arch),
+    )
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face directory
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text("utf-8"))
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _weight_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: has no weight_map")
+        files = sorted({d / str(f) for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names weight files that are missing: {missing}")
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{d}: no *.safetensors weight files")
+    return files
+
+
+def _eos_ids(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [int(v) for v in value if isinstance(v, int)]
+    return []
+
+
+def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from safetensors import safe_open
+
+    d = Path(config.path).expanduser()
+    if not d.is_dir():
+        raise ValueError(f"model.path {config.path!r} is neither builtin:<name> nor a directory")
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"{d}: no config.json")
+    hf_config = _read_json(cfg_path)
+    arch = ModelArch.from_hf(hf_config)
+    files = _weight_files(d)
+
+    gen_cfg_path = d / "generation_config.json"
+    extra_eos = list(arch.eos_token_ids)
+    if gen_cfg_path.is_file():
+        extra_eos += _eos_ids(_read_json(gen_cfg_path).get("eos_token_id"))
+    tokenizer = HFTokenizer(d, extra_eos_token_ids=extra_eos)
+
+    # Built without allocating, then filled tensor by tensor from the files.
+    with torch.device("meta"):
+        model = CausalLM(arch)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    with torch.no_grad():
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for key in st.keys():
+                    param = params.get(key)
+                    if param is None:
+                        continue  # e.g. rotary inv_freq buffers of old exports
+                    tensor = st.get_tensor(key)
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(
+                            f"{f.name}: {key} has shape {tuple(tensor.shape)}, the config "
+                            f"implies {tuple(param.shape)}"
+                        )
+                    param.copy_(tensor)
+                    loaded.add(key)
+    if arch.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"{d}: weights missing from the safetensors files: {shown}")
+    model.eval()
+
+    h = hashlib.sha256()
+    h.update(cfg_path.read_bytes())
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
+    tok_json = d / "tokenizer.json"
+    h.update(hashlib.sha256(tok_json.read_bytes()).digest())
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        tokenizer=tokenizer,
+        model_id=f"hf:{d.name}@{h.hexdigest()[:24]}",
+        served_name=config.served_name or d.name,
+        device=device,
+        dtype=dtype,
+        max_model_len=_max_model_len(config, arch),
+    )

@@ -1,0 +1,322 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV cache.
+
+Parameter names match Hugging Face's, so a safetensors checkpoint loads by
+name. The forward pass takes a flat batch of tokens from many sequences (the
+runner's step), writes their K/V into the paged cache and returns hidden
+states; logits are computed separately, only where the runner samples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mooncaked.engine.attention import AttentionMetadata, paged_attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """RoPE frequency scaling; ``rope_type`` is "linear" or "llama3"."""
+
+    rope_type: str
+    factor: float
+    # llama3 only.
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArch:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    # Llama's attention_bias also puts a bias on o_proj; Qwen2's q/k/v bias does not.
+    o_bias: bool = False
+    # Set when the checkpoint uses sliding-window attention: this model attends
+    # to the full context, which is only exact up to the window.
+    sliding_window: int | None = None
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def max_model_len(self) -> int:
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ModelArch:
+        """Build from a Hugging Face ``config.json`` dict (old and 5.x RoPE formats)."""
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}"
+            )
+
+        def need(key: str) -> Any:
+            if config.get(key) is None:
+                raise ValueError(f"config.json ({model_type}) is missing the key {key!r}")
+            return config[key]
+
+        hidden = int(need("hidden_size"))
+        num_heads = int(need("num_attention_heads"))
+        if config.get("mlp_bias"):
+            raise ValueError("config.json: mlp_bias=true is not supported")
+        hidden_act = config.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"config.json: hidden_act {hidden_act!r} is not supported (silu only)")
+
+        # transformers 5.x writes rope_parameters (with rope_theta inside);
+        # older checkpoints have rope_theta at top level and rope_scaling.
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r}; supported: "
+                f"{list(SUPPORTED_ROPE_TYPES)}"
+            )
+        scaling: RopeScaling | None = None
+        if rope_type == "linear":
+            scaling = RopeScaling("linear", float(_rope_key(rope, "factor")))
+        elif rope_type == "llama3":
+            scaling = RopeScaling(
+                "llama3",
+                float(_rope_key(rope, "factor")),
+                float(_rope_key(rope, "low_freq_factor")),
+                float(_rope_key(rope, "high_freq_factor")),
+                int(_rope_key(rope, "original_max_position_embeddings")),
+            )
+
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+            window = config.get("sliding_window") if config.get("use_sliding_window") else None
+        else:
+            qkv_bias = o_bias = bool(config.get("attention_bias", False))
+            window = config.get("sliding_window") if model_type == "mistral" else None
+
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (
+            () if eos is None else (int(eos),)
+        )
+        bos = config.get("bos_token_id")
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            max_position_embeddings=int(need("max_position_embeddings")),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            sliding_window=int(window) if window else None,
+            model_type=model_type,
+        )
+
+
+def _rope_key(rope: dict[str, Any], key: str) -> Any:
+    if rope.get(key) is None:
+        raise ValueError(f"config.json: rope_scaling of type {rope.get('rope_type')!r} needs {key!r}")
+    return rope[key]
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """Inverse frequencies in fp32 on CPU, computed exactly as transformers does."""
+    dim = arch.head_dim
+    # On the CPU explicitly: the model may be built under a meta-device context.
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (arch.rope_theta**exponents)
+    s = arch.rope_scaling
+    if s is None:
+        return inv_freq
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
+    # llama3: long wavelengths are divided by factor, short ones kept, the
+    # band between interpolated smoothly.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.q_proj = nn.Linear(arch.hidden_size, arch.num_heads * arch.head_dim, bias=arch.qkv_bias)
+        self.k_proj = nn.Linear(
+            arch.hidden_size, arch.num_kv_heads * arch.head_dim, bias=arch.qkv_bias
+        )
+        self.v_proj = nn.Linear(
+            arch.hidden_size, arch.num_kv_heads * arch.head_dim, bias=arch.qkv_bias
+        )
+        self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """``model.*`` + ``lm_head``: the HF ``*ForCausalLM`` parameter layout."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderModel(arch)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.tie_weights()
+        # A plain attribute, not a buffer: it survives construction on the meta
+        # device and is never part of a checkpoint.
+        self._inv_freq_cpu = rope_inv_freq(arch)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def tie_weights(self) -> None:
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self._inv_freq.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq_cpu.to(positions.device)
+            self._inv_freq[positions.device] = inv_freq
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # [T, 1, head_dim]: broadcast over heads.
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] of flat tokens; writes their K/V into ``kv_caches``."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self._rope(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

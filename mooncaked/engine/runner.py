@@ -1,0 +1,180 @@
+"""The model runner: a step plan in, one sampled token per sampling chunk out.
+
+``execute`` turns the plan's chunks into flat tensors (ids, positions, cache
+slots, attention metadata), runs one forward pass over every chunk of the step
+(prefill chunks and decodes mixed), computes logits only at the positions that
+sample, and samples each with its request's settings. It runs synchronously
+under ``torch.inference_mode``; the engine calls it from a worker thread. It
+reads the requests of the plan and never mutates them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mooncaked.engine.attention import AttentionBackend, build_metadata, select_backend
+from mooncaked.engine.loader import LoadedModel
+from mooncaked.engine.model import ModelArch
+from mooncaked.engine.plan import SampledToken, StepPlan
+from mooncaked.engine.sampler import Sampler
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across every layer, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+def num_blocks_for_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype, nbytes: int) -> int:
+    return max(0, nbytes // kv_bytes_per_block(arch, block_size, dtype))
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        backend: str = "auto",
+        sampler: Sampler | None = None,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.loaded = loaded
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = loaded.max_model_len
+        arch = self.arch
+        self.backend: AttentionBackend = select_backend(
+            backend,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=block_size,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+        )
+        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(arch.num_layers)
+        ]
+        self.sampler = sampler if sampler is not None else Sampler()
+
+    @property
+    def block_bytes(self) -> int:
+        return kv_bytes_per_block(self.arch, self.block_size, self.dtype)
+
+    def execute(self, plan: StepPlan) -> list[SampledToken | None]:
+        """One entry per chunk, in plan order: a token where ``chunk.sample``."""
+        if plan.is_empty:
+            return []
+        with torch.inference_mode():
+            hidden, sample_rows = self._forward(plan)
+            results: list[SampledToken | None] = [None] * len(plan.chunks)
+            sampling = [i for i, c in enumerate(plan.chunks) if c.sample]
+            if not sampling:
+                return results
+            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            chunks = [plan.chunks[i] for i in sampling]
+            tokens = self.sampler.sample(
+                logits,
+                [c.request.sampling for c in chunks],
+                [len(c.request.output_token_ids) for c in chunks],
+            )
+            for i, tok in zip(sampling, tokens, strict=True):
+                results[i] = tok
+            return results
+
+    def forward_logits(self, plan: StepPlan) -> list[torch.Tensor]:
+        """Logits [num_tokens, vocab] of every computed position, one tensor per chunk.
+
+        Writes the chunks' K/V like ``execute``; samples nothing. For parity tests.
+        """
+        if plan.is_empty:
+            return []
+        with torch.inference_mode():
+            hidden, _ = self._forward(plan)
+            logits = self.model.compute_logits(hidden).float()
+            out: list[torch.Tensor] = []
+            lo = 0
+            for c in plan.chunks:
+                out.append(logits[lo : lo + c.num_tokens].clone())
+                lo += c.num_tokens
+            return out
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
+        """Hidden states of every token of the plan, and the row of each sampled chunk."""
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        starts: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for i, c in enumerate(plan.chunks):
+            n = c.num_tokens
+            if n == 0:
+                raise ValueError(f"chunk {i} ({c.request.request_id}) has no tokens")
+            end = c.start_pos + n
+            if c.start_pos < 0 or end > self.max_model_len:
+                raise ValueError(
+                    f"chunk {i} ({c.request.request_id}) covers positions "
+                    f"{c.start_pos}..{end - 1}, beyond max_model_len {self.max_model_len}"
+                )
+            bad = [b for b in c.block_ids if not 0 <= b < self.num_blocks]
+            if bad:
+                raise ValueError(
+                    f"chunk {i} ({c.request.request_id}) has block ids {bad[:4]} outside "
+                    f"0..{self.num_blocks - 1}"
+                )
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start_pos, end))
+            query_lens.append(n)
+            starts.append(c.start_pos)
+            tables.append(c.block_ids)
+            if c.sample:
+                sample_rows.append(len(ids) - 1)
+        meta = build_metadata(
+            query_lens=query_lens,
+            start_positions=starts,
+            block_tables=tables,
+            block_size=self.block_size,
+            device=self.device,
+            backend=self.backend,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(input_ids, pos, self.kv_caches, meta)
+        return hidden, sample_rows
+
+    def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Copy whole blocks, every layer, K and V: ``dst_ids[i] <- src_ids[i]``."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(
+                f"copy_blocks needs equal lists, got {len(src_ids)} and {len(dst_ids)}"
+            )
+        if not src_ids:
+            return
+        bad = [b for b in (*src_ids, *dst_ids) if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:4]} outside 0..{self.num_blocks - 1}")
+        src = torch.tensor(list(src_ids), dtype=torch.int64, device=self.device)
+        dst = torch.tensor(list(dst_ids), dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            for k_cache, v_cache in self.kv_caches:
+                k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+                v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
