@@ -1,0 +1,361 @@
+"""EngineCore: the step loop. schedule -> run (worker thread) -> postprocess.
+
+The event loop owns every piece of scheduler state; only ``ModelRunner.execute``
+runs in the worker thread, on a plan that is plain data. Aborts that arrive
+while a step runs are queued and applied between steps, so a block is never
+freed (and handed to another request) while the forward pass still writes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import structlog
+
+from mooncaked.config import Config
+from mooncaked.engine.kv_pool import BlockPool
+from mooncaked.engine.loader import LoadedModel, load_model
+from mooncaked.engine.plan import SampledToken, StepPlan
+from mooncaked.engine.runner import ModelRunner, num_blocks_for_bytes
+from mooncaked.engine.scheduler import QueueFullError, Scheduler
+from mooncaked.engine.tokenizer import IncrementalDetokenizer
+from mooncaked.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+
+__all__ = ["EngineCore", "EngineStats", "PromptTooLongError", "QueueFullError", "RequestStream"]
+
+log = structlog.get_logger(__name__)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt plus the tokens asked for do not fit the model's context."""
+
+
+class EngineClosedError(RuntimeError):
+    """A request reached an engine that is not running."""
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_num_blocks: int
+    kv_num_used_blocks: int
+    kv_usage: float
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+    prefix_hit_rate: float
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+    num_preemptions_total: int
+    num_steps: int
+
+
+class _Tracker:
+    """Per-request output state: detokenizer, stop strings, the caller's queue."""
+
+    __slots__ = ("detok", "held", "num_sent_logprobs", "queue", "request", "stop_window")
+
+    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
+        self.request = request
+        self.detok = detok
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        # Text not yet sent because it may be the start of a stop string.
+        self.held = ""
+        self.num_sent_logprobs = 0
+        self.stop_window = max((len(s) for s in request.sampling.stop), default=0)
+
+
+class RequestStream:
+    """Async iterator of one request's outputs; the last one has ``finished`` set."""
+
+    def __init__(self, engine: EngineCore, tracker: _Tracker) -> None:
+        self._engine = engine
+        self._tracker = tracker
+        self.request_id = tracker.request.request_id
+        self._done = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        out = await self._tracker.queue.get()
+        if out.finished:
+            self._done = True
+        return out
+
+    async def aclose(self) -> None:
+        """Stop listening; aborts the request if it has not finished."""
+        if not self._done:
+            self._done = True
+            self._engine.abort(self.request_id)
+
+
+class EngineCore:
+    def __init__(self, config: Config, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded if loaded is not None else load_model(config.model)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.served_name
+        self.model_id = self.loaded.model_id
+        self.max_model_len = self.loaded.max_model_len
+        kv = config.kv
+        self.block_size = kv.block_size
+        num_blocks = kv.num_blocks or num_blocks_for_bytes(
+            self.loaded.arch, kv.block_size, self.loaded.dtype, kv.memory_bytes
+        )
+        if num_blocks <= 0:
+            raise ValueError(f"kv.memory_bytes {kv.memory_bytes} is too small for one KV block")
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=kv.enable_prefix_caching)
+        self.runner = ModelRunner(
+            self.loaded, num_blocks, kv.block_size, backend=config.model.attention_backend
+        )
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.pool,
+            block_size=kv.block_size,
+            max_model_len=self.max_model_len,
+            model_id=self.model_id,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+        )
+        self._trackers: dict[str, _Tracker] = {}
+        self._pending_aborts: set[str] = set()
+        self._wakeup = asyncio.Event()
+        # Set while no request is unfinished: drain and tests wait on it.
+        self._idle = asyncio.Event()
+        self._idle.set()
+        # One thread: forward passes are serialized, and torch uses its own
+        # intra-op threads inside it.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncaked-step")
+        self._loop_task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    # -- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._loop_task is not None:
+            raise RuntimeError("engine already started")
+        self._loop_task = asyncio.create_task(self._run_loop(), name="engine-step-loop")
+        log.info(
+            "engine started",
+            model=self.model_name,
+            num_blocks=self.pool.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            device=str(self.loaded.device),
+        )
+
+    async def close(self) -> None:
+        """Abort everything in flight and stop the step loop."""
+        self._closing = True
+        for request_id in list(self._trackers):
+            self._pending_aborts.add(request_id)
+        self._wakeup.set()
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            try:
+                await task
+            except Exception:
+                log.exception("engine step loop failed")
+        # Requests never scheduled by a loop that is gone still get their end.
+        self._apply_aborts()
+        self._executor.shutdown(wait=True)
+
+    # -- requests --------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._trackers)
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        if self._closing or self._loop_task is None:
+            raise EngineClosedError("the engine is not running")
+        if not prompt_token_ids:
+            raise ValueError("the prompt must contain at least one token")
+        vocab = self.loaded.arch.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (size {vocab})")
+        total = len(prompt_token_ids) + sampling.max_tokens
+        if total > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens, "
+                f"but {total} were requested ({len(prompt_token_ids)} in the prompt, "
+                f"{sampling.max_tokens} for the completion)"
+            )
+        if -(-total // self.block_size) > self.pool.num_blocks:
+            raise PromptTooLongError(
+                f"{total} tokens need more KV blocks than this node has "
+                f"({self.pool.num_blocks} blocks of {self.block_size} tokens)"
+            )
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
+        req = Request(rid, list(prompt_token_ids), sampling)
+        self.scheduler.add_request(req)
+        self.num_prompt_tokens_total += len(req.prompt_token_ids)
+        tracker = _Tracker(req, IncrementalDetokenizer(self.tokenizer))
+        self._trackers[rid] = tracker
+        self._idle.clear()
+        self._wakeup.set()
+        return RequestStream(self, tracker)
+
+    async def wait_idle(self) -> None:
+        """Return once no request is unfinished."""
+        await self._idle.wait()
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._trackers:
+            self._pending_aborts.add(request_id)
+            self._wakeup.set()
+
+    # -- the loop --------------------------------------------------------
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._apply_aborts()
+            if self._closing:
+                return
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                results = await loop.run_in_executor(self._executor, self.runner.execute, plan)
+            except Exception as exc:
+                # A failed forward pass fails the requests in it, not the daemon.
+                log.exception("forward pass failed", num_chunks=len(plan.chunks))
+                self._fail(plan, f"engine error: {exc}")
+                continue
+            self.num_steps += 1
+            self._postprocess(plan, results)
+
+    def _postprocess(self, plan: StepPlan, results: list[SampledToken | None]) -> None:
+        for req in self.scheduler.update(plan, results):
+            tracker = self._trackers.get(req.request_id)
+            if tracker is None:
+                continue
+            self.num_generation_tokens_total += 1
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            self._emit(tracker, [req.output_token_ids[-1]])
+
+    def _emit(self, tracker: _Tracker, new_ids: list[int]) -> None:
+        req = tracker.request
+        text = tracker.held + tracker.detok.push(new_ids)
+        finished = req.is_finished
+        if finished:
+            text += tracker.detok.flush()
+        reason = req.finish_reason
+        if tracker.stop_window:
+            cut = _find_stop(text, req.sampling.stop)
+            if cut is not None:
+                text = text[:cut]
+                if not finished:
+                    self.scheduler.finish(req, FinishReason.STOP)
+                finished, reason = True, FinishReason.STOP
+            if not finished:
+                # Hold back a tail that could still grow into a stop string.
+                keep = tracker.stop_window - 1
+                text, tracker.held = (text[:-keep], text[-keep:]) if keep else (text, "")
+        logprobs = req.output_logprobs[tracker.num_sent_logprobs :]
+        tracker.num_sent_logprobs = len(req.output_logprobs)
+        self._send(tracker, new_ids, text, finished, reason, logprobs)
+
+    def _send(
+        self,
+        tracker: _Tracker,
+        new_ids: list[int],
+        text: str,
+        finished: bool,
+        reason: FinishReason | None,
+        logprobs: list[TokenLogprob],
+        error: str | None = None,
+    ) -> None:
+        req = tracker.request
+        tracker.queue.put_nowait(
+            RequestOutput(
+                request_id=req.request_id,
+                new_token_ids=new_ids,
+                text=text,
+                finished=finished,
+                finish_reason=reason,
+                logprobs=logprobs,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
+                num_output_tokens=req.num_output_tokens,
+                error=error,
+            )
+        )
+        if finished:
+            del self._trackers[req.request_id]
+            if not self._trackers:
+                self._idle.set()
+
+    def _apply_aborts(self) -> None:
+        while self._pending_aborts:
+            rid = self._pending_aborts.pop()
+            tracker = self._trackers.get(rid)
+            if tracker is None:
+                continue
+            self.scheduler.finish(tracker.request, FinishReason.ABORT)
+            self._send(tracker, [], tracker.held, True, FinishReason.ABORT, [])
+
+    def _fail(self, plan: StepPlan, message: str) -> None:
+        for chunk in plan.chunks:
+            tracker = self._trackers.get(chunk.request.request_id)
+            if tracker is None:
+                continue
+            self.scheduler.finish(chunk.request, FinishReason.ABORT)
+            self._send(tracker, [], "", True, FinishReason.ABORT, [], error=message)
+
+    # -- introspection ---------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        queried = s.prefix_queried_tokens
+        return EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            kv_num_blocks=self.pool.num_blocks,
+            kv_num_used_blocks=self.pool.num_used_blocks,
+            kv_usage=self.pool.usage,
+            prefix_queried_tokens=queried,
+            prefix_hit_tokens=s.prefix_hit_tokens,
+            prefix_hit_rate=s.prefix_hit_tokens / queried if queried else 0.0,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_preemptions_total=s.num_preemptions,
+            num_steps=self.num_steps,
+        )
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity(self.scheduler.block_tables())
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
