@@ -25,7 +25,8 @@ from mooncaked.request import SamplingParams, TokenLogprob
 def token_seed(seed: int, output_index: int) -> int:
     """A 63-bit generator seed for one output position of a seeded request."""
     h = hashlib.blake2b(digest_size=8, person=b"mooncaked.smpl")
-    h.update(seed.to_bytes(16, "little", signed=True))
+    # Any Python int: reduced to 128 bits, two's complement for negatives.
+    h.update((seed % (1 << 128)).to_bytes(16, "little"))
     h.update(output_index.to_bytes(8, "little", signed=False))
     return int.from_bytes(h.digest(), "little") >> 1
 
