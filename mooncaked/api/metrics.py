@@ -1,0 +1,138 @@
+"""Prometheus metrics of one node, in a registry of its own.
+
+Each Node owns an ``ApiMetrics`` with its own ``CollectorRegistry`` (never the
+process-global one), so several Nodes in one test process keep separate
+counts. The HTTP layer records requests, tokens and latencies as they happen;
+engine gauges (load, KV usage, prefix hits) are read from ``EngineCore.stats()``
+at scrape time, so they are never stale and cost nothing between scrapes.
+Other subsystems add their own collectors to ``registry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Seconds; covers a CPU test model (milliseconds) to a large model under load.
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector(Collector):
+    """Reads engine stats at scrape time; nothing while the engine is not up."""
+
+    def __init__(self, stats: Callable[[], Any | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        if s is None:
+            return
+        gauges = (
+            ("mooncaked_num_requests_running", "Requests being scheduled.", s.num_running),
+            (
+                "mooncaked_num_requests_waiting",
+                "Requests queued for a first schedule.",
+                s.num_waiting,
+            ),
+            ("mooncaked_kv_blocks_total", "Device KV blocks in the pool.", s.kv_num_blocks),
+            (
+                "mooncaked_kv_blocks_used",
+                "Device KV blocks held by requests.",
+                s.kv_num_used_blocks,
+            ),
+            ("mooncaked_kv_usage_ratio", "Fraction of device KV blocks in use.", s.kv_usage),
+            (
+                "mooncaked_prefix_cache_hit_rate",
+                "Prompt tokens served from the prefix cache / queried.",
+                s.prefix_hit_rate,
+            ),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        counters = (
+            (
+                "mooncaked_prefix_cache_queried_tokens",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_queried_tokens,
+            ),
+            (
+                "mooncaked_prefix_cache_hit_tokens",
+                "Prompt tokens found in the prefix cache.",
+                s.prefix_hit_tokens,
+            ),
+            (
+                "mooncaked_engine_prompt_tokens",
+                "Prompt tokens the engine computed or reused.",
+                s.num_prompt_tokens_total,
+            ),
+            (
+                "mooncaked_engine_generation_tokens",
+                "Tokens the engine generated.",
+                s.num_generation_tokens_total,
+            ),
+            (
+                "mooncaked_preemptions",
+                "Requests preempted for lack of KV blocks.",
+                s.num_preemptions_total,
+            ),
+            ("mooncaked_engine_steps", "Engine steps run.", s.num_steps),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=float(value))
+
+
+class ApiMetrics:
+    def __init__(self, engine_stats: Callable[[], Any | None] = lambda: None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.http_requests = Counter(
+            "mooncaked_http_requests",
+            "HTTP requests answered, by route and status code.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "mooncaked_prompt_tokens", "Prompt tokens of finished API requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "mooncaked_generation_tokens", "Tokens returned to API clients.", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "mooncaked_cached_prompt_tokens",
+            "Prompt tokens of finished API requests that came from a cache.",
+            registry=r,
+        )
+        self.requests_finished = Counter(
+            "mooncaked_requests_finished",
+            "Generation requests finished, by reason (stop, length, abort, error).",
+            ["reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "mooncaked_time_to_first_token_seconds",
+            "From request arrival to its first token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "mooncaked_inter_token_latency_seconds",
+            "Between consecutive tokens of one request.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "mooncaked_e2e_request_latency_seconds",
+            "From request arrival to its last token.",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        r.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

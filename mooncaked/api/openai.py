@@ -1,0 +1,866 @@
+"""OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models.
+
+A handler turns one JSON body into prompt token ids and ``SamplingParams``,
+hands them to the engine and relays ``RequestOutput``s, either as one JSON
+answer or as server-sent events (``data: {...}`` chunks ending in
+``data: [DONE]``). Every request that reached the engine is closed in a
+``finally``: a client that goes away (the server runs with handler
+cancellation, so a lost connection cancels the handler) gets its request
+aborted and its KV blocks freed.
+
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
+so OpenAI clients show the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from mooncaked.api.metrics import ApiMetrics
+from mooncaked.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from mooncaked.engine.core import EngineCore, RequestStream
+
+log = structlog.get_logger(__name__)
+
+# The most top alternatives a request may ask for (SamplingParams' own limit).
+MAX_TOP_LOGPROBS = 20
+# OpenAI's limit on stop sequences.
+MAX_STOP = 4
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class ApiError(Exception):
+    """An answer other than 200, in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def bad_param(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def json_response(
+    data: Any, *, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data),
+        status=status,
+        headers=headers,
+        content_type="application/json",
+    )
+
+
+class Gate:
+    """Admits generation requests and counts them, so a drain can wait for them.
+
+    ``close()`` starts a drain: new requests get 503 while those already
+    admitted run on; ``wait_idle()`` returns once none is left.
+    """
+
+    def __init__(self) -> None:
+        self._num_inflight = 0
+        self._closed = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def num_inflight(self) -> int:
+        return self._num_inflight
+
+    def close(self) -> None:
+        self._closed = True
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        if self._closed:
+            raise ApiError(
+                503,
+                "mooncaked is shutting down and accepts no new requests; retry on another node",
+                type="service_unavailable",
+                code="draining",
+            )
+        self._num_inflight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._num_inflight -= 1
+            if self._num_inflight == 0:
+                self._idle.set()
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _typename(v: Any) -> str:
+    return {
+        type(None): "null",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        str: "string",
+        list: "array",
+        dict: "object",
+    }.get(type(v), type(v).__name__)
+
+
+def _int(body: dict[str, Any], key: str, default: int | None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise bad_param(key, f"'{key}' must be an integer, got {_typename(v)} {v!r}")
+    return v
+
+
+def _number(body: dict[str, Any], key: str, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise bad_param(key, f"'{key}' must be a number, got {_typename(v)} {v!r}")
+    return float(v)
+
+
+def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_param(key, f"'{key}' must be a boolean, got {_typename(v)} {v!r}")
+    return v
+
+
+def _unsupported(body: dict[str, Any], key: str, allowed: tuple[Any, ...], what: str) -> None:
+    v = body.get(key)
+    if v is not None and v not in allowed:
+        raise bad_param(key, f"'{key}' is not supported by mooncaked ({what})")
+
+
+@dataclass(slots=True)
+class Parsed:
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    # How to report logprobs: None (not asked), "completion" or "chat".
+    logprobs_style: str | None
+
+
+def _parse_sampling(
+    body: dict[str, Any], *, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    if max_tokens is not None and max_tokens < 1:
+        raise bad_param("max_tokens", f"'max_tokens' must be at least 1, got {max_tokens}")
+    temperature = _number(body, "temperature", 1.0)
+    if not 0.0 <= temperature <= 2.0:
+        raise bad_param("temperature", f"'temperature' must be in [0, 2], got {temperature}")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise bad_param("top_p", f"'top_p' must be in (0, 1], got {top_p}")
+    top_k_raw = _int(body, "top_k", None)
+    top_k = 0 if top_k_raw is None else top_k_raw
+    if top_k == -1:  # vLLM's spelling of "off"
+        top_k = 0
+    if top_k < 0:
+        raise bad_param("top_k", f"'top_k' must be >= 0 (0 or -1: off), got {top_k}")
+    seed = _int(body, "seed", None)
+
+    stop_raw = body.get("stop")
+    if stop_raw is None:
+        stop: tuple[str, ...] = ()
+    elif isinstance(stop_raw, str):
+        stop = (stop_raw,)
+    elif isinstance(stop_raw, list) and all(isinstance(s, str) for s in stop_raw):
+        stop = tuple(stop_raw)
+    else:
+        raise bad_param("stop", "'stop' must be a string or an array of strings")
+    if len(stop) > MAX_STOP:
+        raise bad_param("stop", f"'stop' takes at most {MAX_STOP} sequences, got {len(stop)}")
+    if any(not s for s in stop):
+        raise bad_param("stop", "'stop' sequences must not be empty")
+
+    stop_ids_raw = body.get("stop_token_ids")
+    if stop_ids_raw is None:
+        stop_token_ids: tuple[int, ...] = ()
+    elif isinstance(stop_ids_raw, list) and all(_is_int(t) and t >= 0 for t in stop_ids_raw):
+        stop_token_ids = tuple(stop_ids_raw)
+    else:
+        raise bad_param("stop_token_ids", "'stop_token_ids' must be an array of token ids (>= 0)")
+
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise bad_param("n", f"'n' must be 1: mooncaked returns one choice per request, got {n}")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if _number(body, key, 0.0) != 0.0:
+            raise bad_param(key, f"'{key}' is not supported by mooncaked (only 0)")
+    logit_bias = body.get("logit_bias")
+    if logit_bias:
+        raise bad_param("logit_bias", "'logit_bias' is not supported by mooncaked")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_param("user", f"'user' must be a string, got {_typename(user)}")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else 16,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=_bool(body, "ignore_eos", False),
+            logprobs=logprobs,
+        )
+    except ValueError as exc:  # a limit of SamplingParams this layer does not check itself
+        raise ApiError(400, str(exc)) from None
+
+
+def _parse_stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad_param("stream_options", "'stream_options' is only allowed with stream: true")
+        if not isinstance(opts, dict):
+            raise bad_param("stream_options", "'stream_options' must be an object")
+        include_usage = _bool(opts, "include_usage", False)
+    return stream, include_usage
+
+
+def _check_token_ids(ids: list[Any], param: str, vocab_size: int | None) -> list[int]:
+    for t in ids:
+        if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            limit = f" below {vocab_size}" if vocab_size is not None else ""
+            raise bad_param(param, f"'{param}' token ids must be integers >= 0{limit}, got {t!r}")
+    return ids
+
+
+# ------------------------------------------------------------------- the API
+
+
+class OpenAIAPI:
+    """Handlers of the /v1 routes over one engine.
+
+    ``engine`` is a callable because the engine is built after the server
+    starts listening (so /health answers while the model loads); until then
+    the /v1 routes answer 503.
+    """
+
+    def __init__(
+        self,
+        engine: Callable[[], EngineCore | None],
+        metrics: ApiMetrics,
+        gate: Gate,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._gate = gate
+        self._clock = clock
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+        ]
+
+    def _require_engine(self) -> EngineCore:
+        engine = self._engine()
+        if engine is None:
+            raise ApiError(
+                503,
+                "the model is still loading; retry shortly",
+                type="service_unavailable",
+                code="model_loading",
+            )
+        return engine
+
+    # ------------------------------------------------------------ handlers
+
+    async def models(self, request: web.Request) -> web.Response:
+        engine = self._require_engine()
+        return json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": engine.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "mooncaked",
+                        "max_model_len": engine.max_model_len,
+                    }
+                ],
+            }
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrival = self._clock()
+        with self._gate.admit():
+            engine = self._require_engine()
+            body = await _read_json(request)
+            parsed = self._parse(engine, body, chat=chat)
+            prefix = "chatcmpl" if chat else "cmpl"
+            request_id = f"{prefix}-{uuid.uuid4().hex}"
+            stream = self._add_request(engine, parsed, request_id, chat=chat)
+            reply = _Reply(
+                request_id=request_id,
+                model=engine.model_name,
+                created=int(time.time()),
+                chat=chat,
+                parsed=parsed,
+                token_str=engine.tokenizer.token_str,
+            )
+            timer = _Timer(self._metrics, arrival, self._clock)
+            try:
+                if parsed.stream:
+                    return await self._stream(request, stream, reply, timer)
+                return await self._collect(stream, reply, timer)
+            finally:
+                # Aborts the request (frees its blocks) unless it finished:
+                # a client that left, a failed write, a cancelled handler.
+                await stream.aclose()
+                timer.done(reply, self._metrics)
+
+    def _add_request(
+        self, engine: EngineCore, parsed: Parsed, request_id: str, *, chat: bool
+    ) -> RequestStream:
+        from mooncaked.engine.core import EngineClosedError, PromptTooLongError, QueueFullError
+
+        try:
+            return engine.add_request(parsed.prompt_token_ids, parsed.sampling, request_id)
+        except EngineClosedError:
+            raise ApiError(
+                503,
+                "mooncaked is shutting down and accepts no new requests; retry on another node",
+                type="service_unavailable",
+                code="draining",
+            ) from None
+        except QueueFullError as exc:
+            retry = max(1, math.ceil(exc.retry_after_s))
+            raise ApiError(
+                429,
+                f"mooncaked is overloaded: {exc}; retry after {retry} s",
+                type="rate_limit_exceeded",
+                code="queue_full",
+                headers={"Retry-After": str(retry)},
+            ) from None
+        except PromptTooLongError as exc:
+            raise ApiError(
+                400,
+                str(exc),
+                param="messages" if chat else "prompt",
+                code="context_length_exceeded",
+            ) from None
+        except ValueError as exc:  # the engine's own checks of the prompt
+            raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
+
+    async def _collect(self, stream: RequestStream, reply: _Reply, timer: _Timer) -> web.Response:
+        async for out in stream:
+            timer.on_output(out)
+            reply.add(out)
+        if reply.error is not None:
+            raise ApiError(500, f"generation failed: {reply.error}", type="server_error")
+        if reply.finish_reason is FinishReason.ABORT:
+            raise ApiError(
+                503,
+                "the request was cancelled: mooncaked is shutting down",
+                type="service_unavailable",
+                code="aborted",
+            )
+        return json_response(reply.final())
+
+    async def _stream(
+        self, request: web.Request, stream: RequestStream, reply: _Reply, timer: _Timer
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": reply.request_id,
+            }
+        )
+        await resp.prepare(request)
+        try:
+            if reply.chat:
+                await _send(resp, reply.chunk(role=True))
+            async for out in stream:
+                timer.on_output(out)
+                reply.add(out)
+                if out.error is not None:
+                    err = ApiError(500, f"generation failed: {out.error}", type="server_error")
+                    await _send(resp, err.body())
+                    break
+                if out.text or out.finished or out.logprobs:
+                    await _send(resp, reply.chunk(out))
+            if reply.parsed.include_usage and reply.error is None:
+                await _send(resp, reply.usage_chunk())
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:
+            # The client left mid-stream; the caller's finally aborts the request.
+            request[CLIENT_GONE] = True
+        return resp
+
+    # ------------------------------------------------------------- parsing
+
+    def _parse(self, engine: EngineCore, body: dict[str, Any], *, chat: bool) -> Parsed:
+        model = body.get("model")
+        if model is not None:
+            if not isinstance(model, str):
+                raise bad_param("model", f"'model' must be a string, got {_typename(model)}")
+            if model != engine.model_name:
+                raise ApiError(
+                    404,
+                    f"the model '{model}' does not exist; this node serves '{engine.model_name}'",
+                    param="model",
+                    code="model_not_found",
+                )
+        stream, include_usage = _parse_stream(body)
+        if chat:
+            prompt_ids = self._chat_prompt(engine, body)
+            max_tokens = _int(body, "max_completion_tokens", None)
+            max_key = "max_completion_tokens"
+            if max_tokens is None:
+                max_tokens, max_key = _int(body, "max_tokens", None), "max_tokens"
+            want_logprobs = _bool(body, "logprobs", False)
+            top = _int(body, "top_logprobs", None)
+            if top is not None and not want_logprobs:
+                raise bad_param("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+            if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise bad_param(
+                    "top_logprobs", f"'top_logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {top}"
+                )
+            logprobs = (top or 0) if want_logprobs else None
+            for key in ("tools", "functions"):
+                if body.get(key):
+                    raise bad_param(key, f"'{key}' (tool calling) is not supported by mooncaked")
+        else:
+            prompt_ids = self._completion_prompt(engine, body)
+            max_tokens, max_key = _int(body, "max_tokens", 16), "max_tokens"
+            logprobs = _int(body, "logprobs", None)
+            if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+                raise bad_param(
+                    "logprobs", f"'logprobs' must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}"
+                )
+            _unsupported(body, "echo", (False,), "only false")
+            _unsupported(body, "best_of", (1,), "only 1")
+            _unsupported(body, "suffix", ("",), "no insertion")
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_param(max_key, f"'{max_key}' must be at least 1, got {max_tokens}")
+
+        limit = engine.max_model_len
+        num_prompt = len(prompt_ids)
+        prompt_param = "messages" if chat else "prompt"
+        if max_tokens is None:
+            # Chat's default: the rest of the context.
+            max_tokens = limit - num_prompt
+            if max_tokens < 1:
+                raise ApiError(
+                    400,
+                    f"the prompt has {num_prompt} tokens, which leaves no room to generate within "
+                    f"the model's context length of {limit} tokens; shorten the messages",
+                    param=prompt_param,
+                    code="context_length_exceeded",
+                )
+        elif num_prompt + max_tokens > limit:
+            raise ApiError(
+                400,
+                f"the model's context length is {limit} tokens, but {num_prompt + max_tokens} were "
+                f"requested ({num_prompt} in the prompt, {max_tokens} for the completion); "
+                f"shorten the prompt or lower {max_key}",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        sampling = _parse_sampling(body, max_tokens=max_tokens, logprobs=logprobs)
+        return Parsed(
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            stream=stream,
+            include_usage=include_usage,
+            logprobs_style=None if logprobs is None else ("chat" if chat else "completion"),
+        )
+
+    def _completion_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        vocab = getattr(engine.tokenizer, "vocab_size", None)
+        # One-element batches are what some clients send for a single prompt.
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            ids = _check_token_ids(prompt, "prompt", vocab)
+        elif isinstance(prompt, list) and len(prompt) > 1:
+            raise bad_param(
+                "prompt",
+                "'prompt' must be one string or one array of token ids: "
+                "batches of prompts are not supported, send one request per prompt",
+            )
+        elif prompt is None:
+            raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required")
+        else:
+            raise bad_param(
+                "prompt",
+                f"'prompt' must be a string or an array of token ids, got {_typename(prompt)}",
+            )
+        if not ids:
+            raise bad_param("prompt", "'prompt' must not be empty")
+        return list(ids)
+
+    def _chat_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if messages is None:
+            raise ApiError(400, "'messages' is required", param="messages", code="missing_required")
+        if not isinstance(messages, list) or not messages:
+            raise bad_param("messages", "'messages' must be a non-empty array of messages")
+        norm: list[dict[str, str]] = []
+        for i, m in enumerate(messages):
+            param = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise bad_param(param, f"'{param}' must be an object")
+            role = m.get("role")
+            if role not in _CHAT_ROLES:
+                raise bad_param(
+                    f"{param}.role",
+                    f"'{param}.role' must be one of {sorted(_CHAT_ROLES)}, got {role!r}",
+                )
+            content = m.get("content")
+            if content is None:
+                text = ""
+            elif isinstance(content, str):
+                text = content
+            elif isinstance(content, list):
+                parts = []
+                for part in content:
+                    if not (
+                        isinstance(part, dict)
+                        and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)
+                    ):
+                        raise bad_param(
+                            f"{param}.content",
+                            f"'{param}.content' parts must be text parts "
+                            '({"type": "text", "text": ...}); other kinds are not supported',
+                        )
+                    parts.append(part["text"])
+                text = "".join(parts)
+            else:
+                raise bad_param(
+                    f"{param}.content", f"'{param}.content' must be a string or an array"
+                )
+            norm.append({"role": role, "content": text})
+        text = engine.tokenizer.apply_chat_template(norm, add_generation_prompt=True)
+        # The template writes the special tokens (BOS) itself.
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise bad_param("messages", "'messages' produce an empty prompt")
+        return list(ids)
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(
+            400, f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise ApiError(
+            400,
+            f"the request body must be a JSON object, got {_typename(body)}",
+            code="invalid_json",
+        )
+    return body
+
+
+async def _send(resp: web.StreamResponse, obj: Any) -> None:
+    await resp.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+
+# ------------------------------------------------------------- answer shapes
+
+
+@dataclass(slots=True)
+class _Reply:
+    """Accumulates outputs of one request and renders OpenAI's shapes."""
+
+    request_id: str
+    model: str
+    created: int
+    chat: bool
+    parsed: Parsed
+    token_str: Callable[[int], str]
+    text: str = ""
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    # Completions logprobs are column-wise, chat's row-wise; both kept here.
+    lp_rows: list[TokenLogprob] | None = None
+
+    def __post_init__(self) -> None:
+        self.lp_rows = [] if self.parsed.logprobs_style else None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.num_output_tokens += len(out.new_token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if self.lp_rows is not None:
+            self.lp_rows.extend(out.logprobs)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+        if out.error is not None:
+            self.error = out.error
+
+    @property
+    def _object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    def usage(self) -> dict[str, Any]:
+        num_prompt = len(self.parsed.prompt_token_ids)
+        return {
+            "prompt_tokens": num_prompt,
+            "completion_tokens": self.num_output_tokens,
+            "total_tokens": num_prompt + self.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }
+
+    def _finish(self) -> str | None:
+        return None if self.finish_reason is None else self.finish_reason.openai
+
+    def _logprobs(self, rows: list[TokenLogprob]) -> dict[str, Any] | None:
+        style = self.parsed.logprobs_style
+        if style is None:
+            return None
+        ts = self.token_str
+        if style == "chat":
+            return {
+                "content": [
+                    {
+                        "token": ts(r.token_id),
+                        "logprob": r.logprob,
+                        "bytes": list(ts(r.token_id).encode()),
+                        "top_logprobs": [
+                            {"token": ts(t), "logprob": lp, "bytes": list(ts(t).encode())}
+                            for t, lp in r.top
+                        ],
+                    }
+                    for r in rows
+                ]
+            }
+        tokens = [ts(r.token_id) for r in rows]
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [r.logprob for r in rows],
+            "top_logprobs": [{ts(t): lp for t, lp in r.top} for r in rows],
+            "text_offset": offsets,
+        }
+
+    def final(self) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": self.text}
+        else:
+            choice["text"] = self.text
+        choice["logprobs"] = self._logprobs(self.lp_rows or [])
+        choice["finish_reason"] = self._finish()
+        return {
+            "id": self.request_id,
+            "object": self._object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage(),
+        }
+
+    def chunk(self, out: RequestOutput | None = None, *, role: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        text = out.text if out is not None else ""
+        if self.chat:
+            choice["delta"] = (
+                {"role": "assistant", "content": ""}
+                if role
+                else ({"content": text} if text else {})
+            )
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(out.logprobs) if out is not None else None
+        choice["finish_reason"] = (
+            out.finish_reason.openai
+            if out is not None and out.finished and out.finish_reason
+            else None
+        )
+        chunk: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if self.parsed.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": self.usage(),
+        }
+
+
+class _Timer:
+    """Latency of one request: TTFT, gaps between outputs, end to end."""
+
+    __slots__ = ("_arrival", "_clock", "_last", "_metrics")
+
+    def __init__(self, metrics: ApiMetrics, arrival: float, clock: Callable[[], float]) -> None:
+        self._metrics = metrics
+        self._arrival = arrival
+        self._clock = clock
+        self._last: float | None = None
+
+    def on_output(self, out: RequestOutput) -> None:
+        if not out.new_token_ids:
+            return
+        now = self._clock()
+        if self._last is None:
+            self._metrics.ttft.observe(now - self._arrival)
+        else:
+            # One observation per token: an output that carries several
+            # tokens (after a stall) spreads its gap over them.
+            n = len(out.new_token_ids)
+            gap = (now - self._last) / n
+            for _ in range(n):
+                self._metrics.itl.observe(gap)
+        self._last = now
+
+    def done(self, reply: _Reply, metrics: ApiMetrics) -> None:
+        metrics.prompt_tokens.inc(len(reply.parsed.prompt_token_ids))
+        metrics.generation_tokens.inc(reply.num_output_tokens)
+        metrics.cached_prompt_tokens.inc(reply.num_cached_tokens)
+        if reply.error is not None:
+            reason = "error"
+        elif reply.finish_reason is None:  # the client left before the end
+            reason = "abort"
+        else:
+            reason = reply.finish_reason.value
+        metrics.requests_finished.labels(reason=reason).inc()
+        if reply.finish_reason is not None and reply.error is None:
+            metrics.e2e.observe(self._clock() - self._arrival)
+
+
+def api_middleware(metrics: ApiMetrics) -> Any:
+    """Renders ApiError and unexpected exceptions as JSON; counts every answer."""
+
+    @web.middleware
+    async def middleware(
+        request: web.Request, handler: Callable[[web.Request], Any]
+    ) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        # The route's pattern, not the raw path: unknown paths must not grow the label set.
+        endpoint = route.canonical if route is not None else "unmatched"
+        status = 500
+        try:
+            resp = await handler(request)
+            status = 499 if request.get(CLIENT_GONE) else resp.status
+            return resp
+        except ApiError as exc:
+            status = exc.status
+            return exc.response()
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            # The client went away (nginx's 499 "client closed request"), or shutdown.
+            status = 499
+            raise
+        except Exception:
+            log.exception("request failed", endpoint=endpoint)
+            err = ApiError(
+                500, "internal error in mooncaked; see the daemon's log", type="server_error"
+            )
+            return err.response()
+        finally:
+            metrics.http_requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    return middleware
+
+
+# Set on a request whose client disconnected while its answer streamed.
+CLIENT_GONE = "mooncaked_client_gone"
