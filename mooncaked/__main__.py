@@ -1,0 +1,102 @@
+"""``mooncaked``: run one node.
+
+    mooncaked [--config FILE] [--host H] [--port N] [--model PATH] [--role R] [--log-format F]
+
+Flags override the file. Exit status: 0 after a clean drain, 1 when start-up
+fails, 2 for a bad command line or configuration, 3 when a second signal cut
+the drain short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import structlog
+
+from mooncaked.config import Config, ConfigError, load_config, with_overrides
+
+EXIT_OK = 0
+EXIT_STARTUP_FAILED = 1
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mooncaked",
+        description="KVCache-centric LLM serving daemon (OpenAI-compatible HTTP API).",
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML config file (default: built-in defaults)")
+    p.add_argument("--host", help="server.host: address to listen on")
+    p.add_argument("--port", type=int, help="server.port: port to listen on (0: any free port)")
+    p.add_argument("--model", metavar="PATH", help="model.path: HF model directory or builtin:tiny")
+    p.add_argument("--role", help="node.role: both, prefill or decode")
+    p.add_argument("--log-format", dest="log_format", help="log.format: auto, json or console")
+    return p
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    """The file's config with the flags applied; raises ConfigError."""
+    config = load_config(args.config)
+    sections: dict[str, dict[str, Any]] = {}
+    for flag, section, key in (
+        ("host", "server", "host"),
+        ("port", "server", "port"),
+        ("model", "model", "path"),
+        ("role", "node", "role"),
+        ("log_format", "log", "format"),
+    ):
+        value = getattr(args, flag)
+        if value is not None:
+            sections.setdefault(section, {})[key] = value
+    if not sections:
+        return config
+    try:
+        return with_overrides(config, **sections)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (from the command line)") from None
+
+
+def _run_loop(coro: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+    except ImportError:  # platforms without uvloop
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = build_config(args)
+    except ConfigError as exc:
+        print(f"mooncaked: config error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+
+    # Imported after the config is known good: the engine pulls in torch.
+    from mooncaked.daemon import Node
+    from mooncaked.log import configure_logging
+
+    configure_logging(config.log, config.node_id)
+    log = structlog.get_logger("mooncaked")
+
+    def on_ready(node: Node) -> None:
+        log.info("mooncaked listening", url=node.url, node=node.node_id)
+        print(f"mooncaked listening on {node.url}", flush=True)
+
+    async def serve() -> int:
+        node = Node(config)
+        try:
+            return await node.run(on_ready=on_ready)
+        except Exception as exc:
+            log.exception("start-up failed", error=str(exc))
+            return EXIT_STARTUP_FAILED
+
+    return _run_loop(serve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

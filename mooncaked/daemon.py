@@ -1,0 +1,316 @@
+"""Node: one mooncaked daemon, owner of every subsystem's lifecycle.
+
+Start-up is an ordered list of paired steps (start, stop). ``start()`` runs
+them in order; if one fails, the steps already started are stopped in reverse
+and the error propagates. ``stop()`` unwinds every started step in reverse.
+A new subsystem (transfer engine, gossip, tiered store) is one more step in
+``_steps()``, placed after what it depends on.
+
+Drain order (the stop half of the steps, newest first):
+
+1. ``serving``: close the gate: new generation requests get 503 and /ready
+   turns 503, so a load balancer stops sending; wait up to
+   ``server.drain_timeout_s`` for the requests in flight to finish.
+2. ``engine``: close the engine, which aborts whatever is still running
+   (those streams end with finish reason "abort") and stops its step loop.
+3. ``http``: stop listening, then give handlers a short grace to write
+   their last bytes before their connections are closed.
+
+``run()`` adds the signals: the first SIGTERM/SIGINT starts that drain and
+``run`` returns 0 once it is done; a second one exits at once with
+``EXIT_FORCED``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+from aiohttp import web
+
+from mooncaked.api.admin import AdminAPI
+from mooncaked.api.metrics import ApiMetrics
+from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
+from mooncaked.config import Config
+
+if TYPE_CHECKING:
+    from mooncaked.engine.core import EngineCore, EngineStats
+
+EngineFactory = Callable[[Config], "EngineCore"]
+
+# Exit status when a second signal cuts a drain short.
+EXIT_FORCED = 3
+# Handlers still writing when the server stops get this long (seconds) before
+# their connections are closed; by then the engine has ended their streams.
+_HTTP_SHUTDOWN_GRACE_S = 2.0
+# Largest request body accepted (a long prompt as JSON token ids).
+_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def _default_engine_factory(config: Config) -> EngineCore:
+    from mooncaked.engine.core import EngineCore
+
+    return EngineCore(config)
+
+
+@dataclass(slots=True)
+class Step:
+    """One subsystem's paired start and stop."""
+
+    name: str
+    start: Callable[[], Awaitable[None]]
+    stop: Callable[[], Awaitable[None]]
+
+
+class Node:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        engine_factory: EngineFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._engine_factory = engine_factory or _default_engine_factory
+        self._clock = clock
+        self._started_at = clock()
+        self._engine: EngineCore | None = None
+        self._ready = False
+        self._runner: web.AppRunner | None = None
+        self._port: int | None = None
+        self._started: list[Step] = []
+        self._stopping = False
+        self._stop_lock = asyncio.Lock()
+        self._log = structlog.get_logger(__name__).bind(node=self.node_id)
+
+        self.gate = Gate()
+        self.metrics = ApiMetrics(self._engine_stats)
+        self.openai = OpenAIAPI(lambda: self._engine, self.metrics, self.gate, clock)
+        self.admin = AdminAPI(self)
+        # Routes of subsystems added later (/admin/cluster, /admin/cache/...);
+        # append before start().
+        self.extra_routes: list[web.RouteDef] = []
+
+    # ------------------------------------------------------------ accessors
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @property
+    def node_id(self) -> str:
+        if self._config.node.id:
+            return self._config.node.id
+        port = self._port if self._port is not None else self._config.server.port
+        return f"{socket.gethostname()}-{port}"
+
+    @property
+    def engine(self) -> EngineCore | None:
+        """The running engine; None before start-up finished and after stop."""
+        return self._engine
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("the node is not listening; call start() first")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = self._config.server.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self.gate.closed
+
+    @property
+    def draining(self) -> bool:
+        return self.gate.closed
+
+    @property
+    def num_inflight(self) -> int:
+        return self.gate.num_inflight
+
+    def uptime_s(self) -> float:
+        return self._clock() - self._started_at
+
+    def _engine_stats(self) -> EngineStats | None:
+        return self._engine.stats() if self._engine is not None else None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _steps(self) -> list[Step]:
+        return [
+            # HTTP first: /health and /ready answer while the model loads.
+            Step("http", self._start_http, self._stop_http),
+            Step("engine", self._start_engine, self._stop_engine),
+            Step("serving", self._start_serving, self._drain),
+        ]
+
+    async def start(self) -> None:
+        """Starts every step in order; on failure, unwinds those started and raises."""
+        if self._started or self._stopping:
+            raise RuntimeError("a Node starts once; build a new one to start again")
+        self._started_at = self._clock()
+        for step in self._steps():
+            try:
+                await step.start()
+            except BaseException:
+                self._log.error("start-up failed", step=step.name)
+                await self._unwind()
+                raise
+            self._started.append(step)
+        self._log.info("node ready", url=self.url, model=self._engine_name())
+
+    async def stop(self) -> None:
+        """Drains and stops every started step, newest first. Safe to call twice."""
+        async with self._stop_lock:
+            await self._unwind()
+
+    async def _unwind(self) -> None:
+        self._stopping = True
+        while self._started:
+            step = self._started.pop()
+            try:
+                await step.stop()
+            except Exception:
+                # Keep going: a step that fails to stop must not leak the others.
+                self._log.exception("stop failed", step=step.name)
+        self._log.info("node stopped")
+
+    def _engine_name(self) -> str | None:
+        return self._engine.model_name if self._engine is not None else None
+
+    async def _start_http(self) -> None:
+        app = web.Application(
+            middlewares=[api_middleware(self.metrics)], client_max_size=_MAX_BODY_BYTES
+        )
+        app.add_routes(self.admin.routes())
+        app.add_routes(self.openai.routes())
+        app.add_routes(self.extra_routes)
+        # handler_cancellation: a client that disconnects cancels its handler,
+        # whose finally aborts the request in the engine.
+        runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=_HTTP_SHUTDOWN_GRACE_S,
+        )
+        await runner.setup()
+        cfg = self._config.server
+        site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self._port = _bound_port(runner, cfg.port)
+        self._log = self._log.bind(node=self.node_id)
+        self._log.info("listening", url=self.url)
+
+    async def _stop_http(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _start_engine(self) -> None:
+        self._log.info("loading model", path=self._config.model.path)
+        t0 = self._clock()
+        # Loading reads weights and builds tensors for seconds or minutes:
+        # off the loop, so /health keeps answering meanwhile.
+        engine = await asyncio.to_thread(self._engine_factory, self._config)
+        try:
+            await engine.start()
+        except BaseException:
+            await engine.close()
+            raise
+        self._engine = engine
+        self._log.info(
+            "engine started",
+            model=engine.model_name,
+            max_model_len=engine.max_model_len,
+            load_s=round(self._clock() - t0, 3),
+        )
+
+    async def _stop_engine(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            # Aborts what the drain left running; their streams end now.
+            await engine.close()
+
+    async def _start_serving(self) -> None:
+        self._ready = True
+
+    async def _drain(self) -> None:
+        self._ready = False
+        self.gate.close()
+        timeout = self._config.server.drain_timeout_s
+        if self.gate.num_inflight:
+            self._log.info("draining", inflight=self.gate.num_inflight, timeout_s=timeout)
+        try:
+            await asyncio.wait_for(self.gate.wait_idle(), timeout)
+        except TimeoutError:
+            self._log.warning("drain timed out; aborting the rest", inflight=self.gate.num_inflight)
+            return
+        engine = self._engine
+        if engine is not None:
+            # Idle: a good moment for the pool's self-check.
+            try:
+                engine.check_integrity()
+            except RuntimeError:
+                self._log.exception("KV pool integrity check failed at shutdown")
+        self._log.info("drained")
+
+    # -------------------------------------------------------------- signals
+
+    async def run(self, on_ready: Callable[[Node], None] | None = None) -> int:
+        """Start, serve until SIGTERM/SIGINT, drain and stop; returns the exit status.
+
+        A signal during start-up takes effect once start-up finished. A second
+        signal exits the process at once with ``EXIT_FORCED``.
+        """
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+
+        def on_signal(signum: int) -> None:
+            name = signal.Signals(signum).name
+            if stop_requested.is_set():
+                self._log.warning("second signal: exiting without drain", signal=name)
+                sys.stderr.flush()
+                os._exit(EXIT_FORCED)
+            self._log.info("signal: draining", signal=name)
+            stop_requested.set()
+
+        signals = (signal.SIGINT, signal.SIGTERM)
+        for sig in signals:
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            await self.start()
+            if on_ready is not None:
+                on_ready(self)
+            await stop_requested.wait()
+            await self.stop()
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+        return 0
+
+
+def _bound_port(runner: web.AppRunner, configured: int) -> int:
+    # With port 0 the OS picks one; read it back from the listening socket.
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            return int(addr[1])
+    return configured
