@@ -1,0 +1,209 @@
+"""Shared fixtures: real daemons on loopback, as a subprocess or in-process.
+
+- ``daemon``: one ``python -m mooncaked`` subprocess per test module, on an
+  ephemeral port (read back from the line it prints once the model is loaded).
+- ``daemon_factory(toml=..., *args)``: a fresh subprocess for a test that
+  signals or kills it; stopped at teardown.
+- ``node``: a ``Node`` running in the test's event loop on an ephemeral port,
+  so a test can reach into its engine (a second Node in one process starts in
+  well under a second); ``node_factory(**sections)`` for one with other
+  settings.
+
+Everything uses the builtin model with a small KV pool so start-up is quick.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from mooncaked.config import Config, with_overrides
+from mooncaked.daemon import Node
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# A small pool: 512 blocks x 16 tokens is plenty for the tests and allocates fast.
+TEST_TOML = """\
+[server]
+host = "127.0.0.1"
+port = 0
+drain_timeout_s = 20.0
+
+[kv]
+num_blocks = 512
+
+[log]
+level = "info"
+format = "json"
+"""
+
+_START_TIMEOUT_S = 60.0
+
+
+def make_config(**sections: dict[str, Any]) -> Config:
+    """Defaults for an in-process Node: ephemeral port, small KV pool."""
+    base = with_overrides(
+        Config(), server={"port": 0, "drain_timeout_s": 20.0}, kv={"num_blocks": 512}
+    )
+    return with_overrides(base, **sections) if sections else base
+
+
+@dataclass
+class DaemonProcess:
+    proc: subprocess.Popen[bytes]
+    url: str
+    stderr_path: Path
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, wait; SIGKILL if it does not exit. The exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.pop("MOONCAKED_URL", None)
+    return env
+
+
+def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
+    """One line of the child's stdout, or b"" if it exits or the time runs out."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    buf = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while not buf.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                return b""
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                return b""
+            buf += chunk
+    return buf
+
+
+def spawn_daemon(workdir: Path, toml: str = TEST_TOML, *extra_args: str) -> DaemonProcess:
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = workdir / "mooncaked.toml"
+    cfg.write_text(toml)
+    stderr_path = workdir / "mooncaked.stderr"
+    with stderr_path.open("wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mooncaked", "--config", str(cfg), *extra_args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=_env(),
+            cwd=workdir,
+        )
+    line = _read_line(proc, _START_TIMEOUT_S).decode()
+    prefix = "mooncaked listening on "
+    if not line.startswith(prefix):
+        proc.kill()
+        proc.wait(10)
+        raise RuntimeError(
+            f"mooncaked did not start (exit {proc.returncode}); stdout {line!r}; stderr:\n"
+            + stderr_path.read_text(errors="replace")[-4000:]
+        )
+    daemon = DaemonProcess(proc, line[len(prefix) :].strip(), stderr_path)
+    wait_ready(daemon.url)
+    return daemon
+
+
+def wait_ready(url: str, timeout: float = _START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/ready did not answer 200 within {timeout} s")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = spawn_daemon(tmp_path_factory.mktemp("daemon"))
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    spawned: list[DaemonProcess] = []
+
+    def spawn(toml: str = TEST_TOML, *args: str) -> DaemonProcess:
+        d = spawn_daemon(tmp_path / f"daemon{len(spawned)}", toml, *args)
+        spawned.append(d)
+        return d
+
+    try:
+        yield spawn
+    finally:
+        for d in spawned:
+            d.stop()
+
+
+@pytest_asyncio.fixture
+async def node_factory() -> AsyncIterator[Callable[..., Awaitable[Node]]]:
+    started: list[Node] = []
+
+    async def start(**sections: dict[str, Any]) -> Node:
+        n = Node(make_config(**sections))
+        await n.start()
+        started.append(n)
+        return n
+
+    try:
+        yield start
+    finally:
+        for n in reversed(started):
+            await n.stop()
+
+
+@pytest_asyncio.fixture
+async def node() -> AsyncIterator[Node]:
+    n = Node(make_config())
+    await n.start()
+    try:
+        yield n
+    finally:
+        await n.stop()
