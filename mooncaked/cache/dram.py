@@ -1,0 +1,651 @@
+"""The DRAM tier: one preallocated host pool of fixed-size block slots.
+
+A block is every layer's K and V for ``block_size`` tokens, laid out in a slot
+as ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``, so one slot
+is one contiguous byte range that a peer can read at ``slot * block_bytes``.
+
+The pool knows hashes, slots and leases; it never does I/O. Every method runs
+on the owner's thread (the event loop); only the bytes inside a slot are
+touched from worker threads, and only while the slot is ``PENDING`` (being
+filled) or leased (being read). Slot states:
+
+- ``FREE``: on the free list, holds nothing.
+- ``PENDING``: reserved by ``allocate`` for one hash and being filled; not
+  visible to lookups, never evicted. ``commit`` publishes it, ``abort`` frees it.
+- ``CACHED``: visible under its hash. With no lease it sits in the evictable
+  queue in LRU order (least recently used first); with leases it is out of that
+  queue, so it can be neither evicted nor overwritten.
+- ``DEAD``: removed while leased; the hash is already gone from the index and
+  the slot goes back to the free list when its last lease ends.
+
+Invariant (``check_integrity``): free + pending + cached + dead == num_slots.
+
+Leases have an owner and a deadline (from the injected clock) so a reader that
+died cannot pin a slot forever: ``allocate`` reaps expired leases when it finds
+no other slot. ``release`` tells the reader whether its lease still held: a
+False means the slot may have been reused under it and what it read must be
+discarded.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import mmap
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from mooncaked.cache.hashing import BlockHash
+
+log = structlog.get_logger(__name__)
+
+Clock = Callable[[], float]
+# (hash) when a block becomes visible in the pool.
+StoredListener = Callable[[BlockHash], None]
+# (hash, slot, evicted) when a block leaves the index; the slot's bytes are
+# still intact during the call (it is reused only after the call returns).
+RemovedListener = Callable[[BlockHash, int, bool], None]
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """The shape of one KV block: what a slot holds, on every tier."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"BlockLayout.{name} must be > 0, got {value}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"BlockLayout.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    @classmethod
+    def from_kv_caches(cls, kv_caches: KVCaches) -> BlockLayout:
+        if not kv_caches:
+            raise ValueError("kv_caches is empty: need at least one layer")
+        k, _ = kv_caches[0]
+        if k.dim() != 4:
+            raise ValueError(
+                f"KV cache tensors must be [num_blocks, block_size, kv_heads, head_dim], "
+                f"got shape {tuple(k.shape)}"
+            )
+        _, block_size, num_kv_heads, head_dim = k.shape
+        return cls(len(kv_caches), block_size, num_kv_heads, head_dim, k.dtype)
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        n = 1
+        for d in self.block_shape:
+            n *= d
+        return n * self.itemsize
+
+    def fingerprint(self) -> bytes:
+        """16 bytes that differ whenever the byte layout of a block differs."""
+        text = (
+            f"{self.num_layers}/{self.block_size}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}"
+        )
+        return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+    def typed(self, rows: torch.Tensor) -> torch.Tensor:
+        """A uint8 ``[n, block_bytes]`` tensor seen as ``[n, *block_shape]`` of dtype."""
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.block_bytes:
+            raise ValueError(
+                f"expected a uint8 tensor [n, {self.block_bytes}], "
+                f"got {rows.dtype} {tuple(rows.shape)}"
+            )
+        return rows.view(self.dtype).view(rows.shape[0], *self.block_shape)
+
+    def check_kv_caches(self, kv_caches: KVCaches) -> None:
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} layers of KV cache, got {len(kv_caches)}")
+        want = (self.block_size, self.num_kv_heads, self.head_dim)
+        for i, (k, v) in enumerate(kv_caches):
+            for t in (k, v):
+                if tuple(t.shape[1:]) != want or t.dtype != self.dtype:
+                    raise ValueError(
+                        f"layer {i}: KV tensor {t.dtype} {tuple(t.shape)} does not match "
+                        f"[num_blocks, {', '.join(map(str, want))}] {self.dtype}"
+                    )
+
+
+def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) runs where both index lists step by one."""
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if out:
+            s0, d0, n = out[-1]
+            if s == s0 + n and d == d0 + n:
+                out[-1] = (s0, d0, n + 1)
+                continue
+        out.append((s, d, 1))
+    return out
+
+
+# Beyond this many contiguous runs, one index_select/index_copy per layer beats
+# a slice copy per run (measured by tools/bench_cache.py on CPU).
+_MAX_SLICE_RUNS = 4
+
+
+def _rows(rows: Sequence[int] | None, n: int) -> list[int]:
+    return list(range(n)) if rows is None else list(rows)
+
+
+def gather_blocks(
+    kv_caches: KVCaches,
+    block_ids: Sequence[int],
+    out: torch.Tensor,
+    out_rows: Sequence[int] | None = None,
+) -> None:
+    """Copy device blocks ``block_ids`` into rows of ``out`` (uint8 ``[n, block_bytes]``).
+
+    Row ``out_rows[i]`` (``i`` when None) receives block ``block_ids[i]``; pass a
+    pool's ``slots`` and slot ids to fill DRAM slots in one call. Returns when
+    the bytes are in ``out``.
+    """
+    layout = BlockLayout.from_kv_caches(kv_caches)
+    rows = _rows(out_rows, len(block_ids))
+    if len(rows) != len(block_ids):
+        raise ValueError(f"{len(block_ids)} block ids but {len(rows)} output rows")
+    if not block_ids:
+        return
+    dst = layout.typed(out)
+    device = kv_caches[0][0].device
+    if device == out.device:
+        runs = _runs(block_ids, rows)
+        if len(runs) <= _MAX_SLICE_RUNS:
+            for layer, (k, v) in enumerate(kv_caches):
+                for s, d, n in runs:
+                    dst[d : d + n, layer, 0].copy_(k[s : s + n])
+                    dst[d : d + n, layer, 1].copy_(v[s : s + n])
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        for layer, (k, v) in enumerate(kv_caches):
+            dst[:, layer, 0].index_copy_(0, idx, k.index_select(0, ids))
+            dst[:, layer, 1].index_copy_(0, idx, v.index_select(0, ids))
+        return
+    # Across devices: gather on the device into one contiguous staging buffer,
+    # then one copy per run of destination rows (a DMA each when out is pinned).
+    staged = torch.empty((len(block_ids), layout.block_bytes), dtype=torch.uint8, device=device)
+    staged_t = layout.typed(staged)
+    ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+    for layer, (k, v) in enumerate(kv_caches):
+        staged_t[:, layer, 0] = k.index_select(0, ids)
+        staged_t[:, layer, 1] = v.index_select(0, ids)
+    for s, d, n in _runs(range(len(rows)), rows):
+        out[d : d + n].copy_(staged[s : s + n], non_blocking=out.is_pinned())
+    _synchronize(device)
+
+
+def scatter_blocks(
+    kv_caches: KVCaches,
+    block_ids: Sequence[int],
+    src: torch.Tensor,
+    src_rows: Sequence[int] | None = None,
+) -> None:
+    """Copy rows of ``src`` (uint8 ``[n, block_bytes]``) into device blocks ``block_ids``.
+
+    Block ``block_ids[i]`` receives row ``src_rows[i]`` (``i`` when None).
+    Returns when the bytes are in the device blocks.
+    """
+    layout = BlockLayout.from_kv_caches(kv_caches)
+    rows = _rows(src_rows, len(block_ids))
+    if len(rows) != len(block_ids):
+        raise ValueError(f"{len(block_ids)} block ids but {len(rows)} source rows")
+    if not block_ids:
+        return
+    device = kv_caches[0][0].device
+    if device == src.device:
+        srct = layout.typed(src)
+        runs = _runs(rows, block_ids)
+        if len(runs) <= _MAX_SLICE_RUNS:
+            for layer, (k, v) in enumerate(kv_caches):
+                for s, d, n in runs:
+                    k[d : d + n].copy_(srct[s : s + n, layer, 0])
+                    v[d : d + n].copy_(srct[s : s + n, layer, 1])
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        for layer, (k, v) in enumerate(kv_caches):
+            k.index_copy_(0, ids, srct[:, layer, 0].index_select(0, idx))
+            v.index_copy_(0, ids, srct[:, layer, 1].index_select(0, idx))
+        return
+    # Across devices: one copy per run of source rows into a device staging
+    # buffer, then a device-side scatter per layer.
+    staged = torch.empty((len(rows), layout.block_bytes), dtype=torch.uint8, device=device)
+    for s, d, n in _runs(rows, range(len(rows))):
+        staged[d : d + n].copy_(src[s : s + n], non_blocking=src.is_pinned())
+    staged_t = layout.typed(staged)
+    ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+    for layer, (k, v) in enumerate(kv_caches):
+        k.index_copy_(0, ids, staged_t[:, layer, 0])
+        v.index_copy_(0, ids, staged_t[:, layer, 1])
+    _synchronize(device)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    PENDING = "pending"
+    CACHED = "cached"
+    DEAD = "dead"
+
+
+@dataclass(slots=True)
+class Lease:
+    """Slots a reader may read until it releases the lease or the deadline passes."""
+
+    lease_id: int
+    owner: str
+    hashes: tuple[BlockHash, ...]
+    slot_ids: tuple[int, ...]
+    deadline: float
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.slot_ids)
+
+
+class DramPool:
+    """Fixed-size block slots in one host buffer; hash -> slot, LRU, leases."""
+
+    def __init__(
+        self,
+        layout: BlockLayout,
+        num_slots: int,
+        *,
+        clock: Clock = time.monotonic,
+        pin_memory: bool | None = None,
+        shm_path: str | os.PathLike[str] | None = None,
+        lease_timeout_s: float = 30.0,
+        on_stored: StoredListener | None = None,
+        on_removed: RemovedListener | None = None,
+    ) -> None:
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        if lease_timeout_s <= 0:
+            raise ValueError(f"lease_timeout_s must be > 0, got {lease_timeout_s}")
+        self.layout = layout
+        self.block_bytes = layout.block_bytes
+        self.num_slots = num_slots
+        self.lease_timeout_s = lease_timeout_s
+        self._clock = clock
+        self.on_stored = on_stored
+        self.on_removed = on_removed
+        self.shm_path = str(shm_path) if shm_path is not None else None
+        self._mmap: mmap.mmap | None = None
+        self.buffer = self._allocate_buffer(pin_memory)
+        # [num_slots, block_bytes]: row i is slot i, at byte offset i * block_bytes.
+        self.slots = self.buffer.view(num_slots, self.block_bytes)
+
+        self._state = [SlotState.FREE] * num_slots
+        self._slot_hash: list[BlockHash | None] = [None] * num_slots
+        self._num_leases = [0] * num_slots
+        # Popped from the end: slot 0 is handed out first.
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._cached: dict[BlockHash, int] = {}
+        self._pending: dict[BlockHash, int] = {}
+        # Cached and unleased, least recently used first.
+        self._evictable: OrderedDict[BlockHash, None] = OrderedDict()
+        self._leases: dict[int, Lease] = {}
+        self._next_lease_id = 1
+        self.num_dead = 0
+        self.num_evictions = 0
+        self.num_expired_leases = 0
+
+    def _allocate_buffer(self, pin_memory: bool | None) -> torch.Tensor:
+        size = self.num_slots * self.block_bytes
+        cuda = torch.cuda.is_available()
+        pin = cuda if pin_memory is None else pin_memory
+        if pin and not cuda:
+            raise ValueError("pin_memory=True needs CUDA; pass None to pin only when it is present")
+        if self.shm_path is None or size == 0:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=pin and size > 0)
+        # A file in a tmpfs (/dev/shm) lets a process on the same host map the
+        # pool and read slots without a copy through this process.
+        fd = os.open(self.shm_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        buf = torch.frombuffer(self._mmap, dtype=torch.uint8, count=size)
+        if pin and size:
+            rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of the DRAM pool failed with {rc}")
+        return buf
+
+    def close(self) -> None:
+        """Unmap and unlink a shared-memory backing; the pool is unusable afterwards."""
+        if self._mmap is not None:
+            self.buffer = torch.empty(0, dtype=torch.uint8)
+            self.slots = self.buffer.view(0, self.block_bytes)
+            try:
+                self._mmap.close()
+            except BufferError:
+                # A view of the buffer is still alive somewhere; the mapping
+                # goes when it does.
+                log.warning("dram.unmap_deferred", path=self.shm_path)
+            self._mmap = None
+            if self.shm_path is not None:
+                try:
+                    os.unlink(self.shm_path)
+                except FileNotFoundError:
+                    pass
+
+    # -- queries ---------------------------------------------------------
+
+    def slot_offset(self, slot: int) -> int:
+        """Byte offset of ``slot`` in ``buffer``: what a peer addresses."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        return slot * self.block_bytes
+
+    def slot(self, slot: int) -> torch.Tensor:
+        return self.slots[slot]
+
+    def get_slot(self, block_hash: BlockHash) -> int | None:
+        """The slot of a visible block; no LRU update."""
+        return self._cached.get(block_hash)
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
+    def has(self, block_hash: BlockHash) -> bool:
+        """Visible or being filled: an offload of it would be redundant."""
+        return block_hash in self._cached or block_hash in self._pending
+
+    def hash_of(self, slot: int) -> BlockHash | None:
+        return self._slot_hash[slot]
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Visible blocks; the evictable ones least recently used first, leased ones last."""
+        leased = [h for h in self._cached if h not in self._evictable]
+        return [*self._evictable, *leased]
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    @property
+    def num_leased_slots(self) -> int:
+        return sum(1 for n in self._num_leases if n > 0)
+
+    # -- filling slots -----------------------------------------------------
+
+    def can_allocate(self) -> bool:
+        return bool(self._free) or bool(self._evictable) or self._any_expired()
+
+    def allocate(self, block_hash: BlockHash) -> int | None:
+        """Reserve a slot for ``block_hash`` (PENDING); None when every slot is busy.
+
+        Evicts the least recently used unleased block when no slot is free; the
+        ``on_removed`` listener sees it (evicted=True) while its bytes are intact.
+        """
+        if block_hash in self._cached or block_hash in self._pending:
+            raise ValueError(f"block {block_hash.hex()} is already in the pool; check has() first")
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        self._state[slot] = SlotState.PENDING
+        self._slot_hash[slot] = block_hash
+        self._pending[block_hash] = slot
+        return slot
+
+    def commit(self, slot: int) -> BlockHash:
+        """Publish a PENDING slot whose bytes are now in place; it becomes most recent."""
+        if self._state[slot] is not SlotState.PENDING:
+            raise RuntimeError(f"commit of slot {slot} in state {self._state[slot].value}")
+        block_hash = self._slot_hash[slot]
+        if block_hash is None:
+            raise RuntimeError(f"pending slot {slot} has no hash")
+        del self._pending[block_hash]
+        self._state[slot] = SlotState.CACHED
+        self._cached[block_hash] = slot
+        self._evictable[block_hash] = None
+        if self.on_stored is not None:
+            self.on_stored(block_hash)
+        return block_hash
+
+    def abort(self, slot: int) -> None:
+        """Give back a PENDING slot whose fill failed or was abandoned."""
+        if self._state[slot] is not SlotState.PENDING:
+            raise RuntimeError(f"abort of slot {slot} in state {self._state[slot].value}")
+        block_hash = self._slot_hash[slot]
+        if block_hash is not None:
+            del self._pending[block_hash]
+        self._free_slot(slot)
+
+    def touch(self, hashes: Sequence[BlockHash]) -> None:
+        """Mark blocks as just used (most recent last, so pass them in order)."""
+        for h in hashes:
+            if h in self._evictable:
+                self._evictable.move_to_end(h)
+
+    # -- leases ------------------------------------------------------------
+
+    def lease(
+        self, hashes: Sequence[BlockHash], owner: str, ttl_s: float | None = None
+    ) -> Lease | None:
+        """Lease the longest visible prefix of ``hashes``; None when the first is absent."""
+        ttl = self.lease_timeout_s if ttl_s is None else ttl_s
+        if ttl <= 0:
+            raise ValueError(f"lease ttl_s must be > 0, got {ttl}")
+        leased: list[BlockHash] = []
+        slot_ids: list[int] = []
+        for h in hashes:
+            slot = self._cached.get(h)
+            if slot is None:
+                break
+            leased.append(h)
+            slot_ids.append(slot)
+        if not slot_ids:
+            return None
+        for h, slot in zip(leased, slot_ids, strict=True):
+            if self._num_leases[slot] == 0:
+                del self._evictable[h]
+            self._num_leases[slot] += 1
+        lease = Lease(
+            self._next_lease_id, owner, tuple(leased), tuple(slot_ids), self._clock() + ttl
+        )
+        self._next_lease_id += 1
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def renew(self, lease: Lease, ttl_s: float | None = None) -> bool:
+        """Push the deadline out; False if the lease already ended."""
+        if self._leases.get(lease.lease_id) is not lease:
+            return False
+        lease.deadline = self._clock() + (self.lease_timeout_s if ttl_s is None else ttl_s)
+        return True
+
+    def release(self, lease: Lease) -> bool:
+        """End a lease. False if it had already ended (expired and reaped, or released):
+        then the slots may have been reused while the reader read them."""
+        if self._leases.pop(lease.lease_id, None) is None:
+            return False
+        self._drop_lease(lease)
+        return True
+
+    def release_owner(self, owner: str) -> int:
+        """End every lease of ``owner`` (a reader known to be gone); how many ended."""
+        mine = [lease for lease in self._leases.values() if lease.owner == owner]
+        for lease in mine:
+            self.release(lease)
+        return len(mine)
+
+    def reap_expired(self) -> int:
+        """End the leases whose deadline has passed; how many ended."""
+        now = self._clock()
+        expired = [lease for lease in self._leases.values() if lease.deadline < now]
+        for lease in expired:
+            del self._leases[lease.lease_id]
+            self._drop_lease(lease)
+            log.warning(
+                "dram.lease_expired",
+                owner=lease.owner,
+                lease_id=lease.lease_id,
+                num_blocks=lease.num_blocks,
+            )
+        self.num_expired_leases += len(expired)
+        return len(expired)
+
+    def _any_expired(self) -> bool:
+        now = self._clock()
+        return any(lease.deadline < now for lease in self._leases.values())
+
+    def _drop_lease(self, lease: Lease) -> None:
+        # Leases ended in the order they were taken: the first block of a
+        # prefix ends up least recent among them, which matches how prefixes
+        # are shared (a tail block is needed only together with its prefix).
+        for slot in lease.slot_ids:
+            n = self._num_leases[slot] - 1
+            if n < 0:
+                raise RuntimeError(f"slot {slot} lease count went negative")
+            self._num_leases[slot] = n
+            if n > 0:
+                continue
+            state = self._state[slot]
+            if state is SlotState.CACHED:
+                h = self._slot_hash[slot]
+                if h is None:
+                    raise RuntimeError(f"cached slot {slot} has no hash")
+                self._evictable[h] = None
+            elif state is SlotState.DEAD:
+                self.num_dead -= 1
+                self._free_slot(slot)
+            else:
+                raise RuntimeError(f"leased slot {slot} in state {state.value}")
+
+    # -- removal -----------------------------------------------------------
+
+    def remove(self, block_hash: BlockHash) -> bool:
+        """Drop a visible block; a leased one stays readable until its leases end."""
+        slot = self._cached.get(block_hash)
+        if slot is None:
+            return False
+        self._unindex(slot, evicted=False)
+        return True
+
+    def clear(self) -> int:
+        """Drop every visible block; pending fills are left to finish or abort."""
+        hashes = list(self._cached)
+        for h in hashes:
+            self.remove(h)
+        return len(hashes)
+
+    def _unindex(self, slot: int, *, evicted: bool) -> None:
+        block_hash = self._slot_hash[slot]
+        if block_hash is None or self._state[slot] is not SlotState.CACHED:
+            raise RuntimeError(f"unindex of slot {slot} in state {self._state[slot].value}")
+        del self._cached[block_hash]
+        self._evictable.pop(block_hash, None)
+        if self.on_removed is not None:
+            self.on_removed(block_hash, slot, evicted)
+        if self._num_leases[slot] > 0:
+            self._state[slot] = SlotState.DEAD
+            self.num_dead += 1
+        else:
+            self._free_slot(slot)
+
+    def _take_slot(self) -> int | None:
+        if not self._free and not self._evictable and self._any_expired():
+            self.reap_expired()
+        if self._free:
+            return self._free.pop()
+        if not self._evictable:
+            return None
+        victim = next(iter(self._evictable))
+        slot = self._cached[victim]
+        self.num_evictions += 1
+        self._unindex(slot, evicted=True)
+        # An unleased victim goes straight back to the free list.
+        return self._free.pop()
+
+    def _free_slot(self, slot: int) -> None:
+        self._state[slot] = SlotState.FREE
+        self._slot_hash[slot] = None
+        self._free.append(slot)
+
+    # -- self-check --------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if the pool's bookkeeping disagrees with itself."""
+        counts = dict.fromkeys(SlotState, 0)
+        for s in self._state:
+            counts[s] += 1
+        problems: list[str] = []
+        if sum(counts.values()) != self.num_slots:
+            problems.append("slot states do not cover the pool")
+        if counts[SlotState.FREE] != len(self._free) or len(set(self._free)) != len(self._free):
+            problems.append(f"{counts[SlotState.FREE]} free slots but free list {len(self._free)}")
+        if counts[SlotState.CACHED] != len(self._cached):
+            problems.append(f"{counts[SlotState.CACHED]} cached slots, index {len(self._cached)}")
+        if counts[SlotState.PENDING] != len(self._pending):
+            problems.append(f"{counts[SlotState.PENDING]} pending slots, {len(self._pending)}")
+        if counts[SlotState.DEAD] != self.num_dead:
+            problems.append(f"{counts[SlotState.DEAD]} dead slots, counter {self.num_dead}")
+        for h, slot in self._cached.items():
+            if self._slot_hash[slot] != h or self._state[slot] is not SlotState.CACHED:
+                problems.append(f"index entry {h.hex()} -> slot {slot} is stale")
+            if (self._num_leases[slot] == 0) != (h in self._evictable):
+                problems.append(f"slot {slot}: leases {self._num_leases[slot]} vs evictable")
+        for h, slot in self._pending.items():
+            if self._slot_hash[slot] != h or self._state[slot] is not SlotState.PENDING:
+                problems.append(f"pending entry {h.hex()} -> slot {slot} is stale")
+        if len(self._evictable) > len(self._cached):
+            problems.append("evictable queue holds blocks that are not cached")
+        want = [0] * self.num_slots
+        for lease in self._leases.values():
+            for slot in lease.slot_ids:
+                want[slot] += 1
+        if want != self._num_leases:
+            problems.append("lease counts disagree with the live leases")
+        for slot in self._free:
+            if self._num_leases[slot]:
+                problems.append(f"free slot {slot} is leased")
+        if problems:
+            raise RuntimeError("DRAM pool integrity: " + "; ".join(problems))
