@@ -72,10 +72,14 @@ class ModelConfig:
     max_model_len: int = 0
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     seed: int = 0
+    # torch intra-op threads for CPU inference; 0: one per core but one, which
+    # is left to the event loop (oversubscribed OpenMP threads spin and stall).
+    cpu_threads: int = 0
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "path", "must not be empty")
         _check(self.max_model_len >= 0, "max_model_len", "must be >= 0")
+        _check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0")
         _check(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             "device",
@@ -172,25 +176,68 @@ class StoreConfig:
     # SSD tier: empty path disables it.
     ssd_path: str = ""
     ssd_bytes: int = 1024 * 1024 * 1024
+    # Copy every block offloaded to DRAM on to the SSD in the background (so a
+    # restart finds it); off: only blocks evicted from DRAM are written.
+    ssd_write_through: bool = True
+    # Threads doing SSD reads, writes and log appends.
+    ssd_io_threads: int = 4
+    # Blocks waiting to be written to the SSD; beyond this, writes are dropped
+    # (and counted), never waited for.
+    ssd_write_queue: int = 64
+    # Read and check every SSD block on start instead of on its first load.
+    ssd_verify_on_start: bool = False
+    # Offload requests (device -> DRAM) waiting; beyond this they are dropped.
+    offload_queue: int = 64
+    # How long a peer may hold DRAM slots it reads before they can be reused.
+    lease_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
         _check(0.0 <= self.dram_fraction < 1.0, "dram_fraction", "must be in [0, 1)")
         _check(self.ssd_bytes >= 0, "ssd_bytes", "must be >= 0")
+        _check(self.ssd_io_threads > 0, "ssd_io_threads", "must be > 0")
+        _check(self.ssd_write_queue > 0, "ssd_write_queue", "must be > 0")
+        _check(self.offload_queue > 0, "offload_queue", "must be > 0")
+        _check(self.lease_timeout_s > 0, "lease_timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
+    """Gossip: SWIM membership, state spread, push-pull sync, the block index.
+
+    A crashed node is suspected within about two probe intervals (every live
+    node probes one member per interval, round-robin) and declared dead
+    suspect_timeout_s later; the news then spreads in a few gossip rounds.
+    """
+
     # host:port of gossip endpoints to join through; empty: a cluster of one.
     seeds: tuple[str, ...] = ()
     gossip_host: str = "127.0.0.1"
-    # 0: an ephemeral port.
+    # 0: an ephemeral port. UDP (probes, gossip) and TCP (sync, pulls) share it.
     gossip_port: int = 0
     probe_interval_s: float = 0.5
     probe_timeout_s: float = 0.2
     indirect_probes: int = 3
     suspect_timeout_s: float = 2.0
+    # Piggy-backed news is also pushed to gossip_fanout random members this often.
+    gossip_interval_s: float = 0.2
+    gossip_fanout: int = 3
+    # Each piece of news is sent retransmit_mult * ceil(log10(members + 1)) times.
+    retransmit_mult: int = 4
+    # Full push-pull state exchange with one random member (and one dead one,
+    # to heal partitions) this often.
     sync_interval_s: float = 5.0
+    sync_timeout_s: float = 2.0
+    # Largest UDP datagram; fits an Ethernet MTU so nothing fragments.
+    max_message_bytes: int = 1400
+    # Largest TCP message (a sync, or one chunk of a block snapshot).
+    max_sync_bytes: int = 16 * 1024 * 1024
+    # Most queued pieces of news; beyond it the most-sent are dropped first.
+    max_broadcasts: int = 1024
+    # Recent block-index batches kept so lagging peers get a delta, not a snapshot.
+    block_log_entries: int = 65536
+    # Dead and left members are forgotten after this long.
+    dead_reap_s: float = 300.0
 
     def __post_init__(self) -> None:
         _check(0 <= self.gossip_port <= 65535, "gossip_port", "must be in 0..65535")
@@ -202,7 +249,24 @@ class ClusterConfig:
         )
         _check(self.indirect_probes >= 0, "indirect_probes", "must be >= 0")
         _check(self.suspect_timeout_s > 0, "suspect_timeout_s", "must be > 0")
+        _check(self.gossip_interval_s > 0, "gossip_interval_s", "must be > 0")
+        _check(self.gossip_fanout > 0, "gossip_fanout", "must be > 0")
+        _check(self.retransmit_mult > 0, "retransmit_mult", "must be > 0")
         _check(self.sync_interval_s > 0, "sync_interval_s", "must be > 0")
+        _check(self.sync_timeout_s > 0, "sync_timeout_s", "must be > 0")
+        _check(
+            512 <= self.max_message_bytes <= 65507,
+            "max_message_bytes",
+            "must be in 512..65507 (a UDP datagram)",
+        )
+        _check(
+            self.max_sync_bytes >= 64 * 1024,
+            "max_sync_bytes",
+            "must be >= 65536",
+        )
+        _check(self.max_broadcasts > 0, "max_broadcasts", "must be > 0")
+        _check(self.block_log_entries > 0, "block_log_entries", "must be > 0")
+        _check(self.dead_reap_s > 0, "dead_reap_s", "must be > 0")
         for seed in self.seeds:
             host, sep, port = seed.rpartition(":")
             _check(

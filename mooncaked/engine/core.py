@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import structlog
+import torch
 
 from mooncaked.config import Config
 from mooncaked.engine.kv_pool import BlockPool
@@ -108,6 +110,8 @@ class EngineCore:
     def __init__(self, config: Config, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.loaded = loaded if loaded is not None else load_model(config.model)
+        if self.loaded.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(config.model.cpu_threads))
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.served_name
         self.model_id = self.loaded.model_id
@@ -353,6 +357,14 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity(self.scheduler.block_tables())
+
+
+def cpu_threads(configured: int) -> int:
+    """Intra-op threads for CPU inference: the configured count, else cores - 1."""
+    if configured > 0:
+        return configured
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) - 1)
 
 
 def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
