@@ -119,10 +119,10 @@ class EngineCore:
         kv = config.kv
         self.block_size = kv.block_size
         num_blocks = kv.num_blocks or num_blocks_for_bytes(
-            self.loaded.arch, kv.block_size, self.loaded.dtype, kv.memory_bytes
+            self.loaded.arch, kv.block_size, self.loaded.dtype, self._kv_budget_bytes()
         )
         if num_blocks <= 0:
-            raise ValueError(f"kv.memory_bytes {kv.memory_bytes} is too small for one KV block")
+            raise ValueError("the KV memory budget is too small for one KV block (see [kv])")
         self.pool = BlockPool(num_blocks, enable_prefix_caching=kv.enable_prefix_caching)
         self.runner = ModelRunner(
             self.loaded, num_blocks, kv.block_size, backend=config.model.attention_backend
@@ -150,6 +150,16 @@ class EngineCore:
         self.num_steps = 0
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+
+    def _kv_budget_bytes(self) -> int:
+        kv = self.config.kv
+        device = self.loaded.device
+        if device.type != "cuda":
+            return kv.memory_bytes
+        # Weights are loaded already: what the fraction of the card leaves
+        # beyond what is in use now goes to KV blocks.
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total * kv.gpu_memory_fraction) - (total - free)
 
     # -- lifecycle -------------------------------------------------------
 
