@@ -1,0 +1,112 @@
+"""HTTP routes of the cluster subsystem, for the daemon's (or the gossip node's) app.
+
+- ``GET /admin/cluster``: ``ClusterView.to_json()``, what ``mooncakectl nodes``
+  and ``mooncakectl cluster`` render.
+- ``POST /admin/cluster/prefix`` ``{"hashes": [hex, ...]}``: ``longest_prefix``
+  per node, for operators checking where a prompt's blocks live.
+
+With ``test_hooks`` (off unless a flag asks for them; never in production):
+
+- ``POST /admin/test/blocks`` ``{"stored": [hex], "removed": [hex], "tier": "dram"}``
+  publishes fake block events as the KV cache would.
+- ``POST /admin/test/drop_peers`` ``{"peers": [node id, ...]}`` drops all gossip
+  traffic to and from those peers (``[]`` heals), to stage a partition.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from mooncaked.cache.hashing import BLOCK_HASH_BYTES
+from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.state import BlockOp
+
+_MAX_HASHES = 1 << 20
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _bad(message: str) -> web.Response:
+    return _json({"error": {"message": message, "type": "invalid_request_error"}}, status=400)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        data = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        raise ValueError("body is not JSON") from None
+    if not isinstance(data, dict):
+        raise ValueError("body must be a JSON object")
+    return data
+
+
+def _hashes(data: dict[str, Any], key: str) -> list[bytes]:
+    raw = data.get(key, [])
+    if not isinstance(raw, list) or len(raw) > _MAX_HASHES:
+        raise ValueError(f"{key!r} must be a list of at most {_MAX_HASHES} hex strings")
+    out = []
+    for h in raw:
+        try:
+            b = bytes.fromhex(h) if isinstance(h, str) else b""
+        except ValueError:
+            b = b""
+        if len(b) != BLOCK_HASH_BYTES:
+            raise ValueError(f"{key!r}: {h!r} is not a {BLOCK_HASH_BYTES}-byte hex block hash")
+        out.append(b)
+    return out
+
+
+def cluster_routes(service: ClusterService, *, test_hooks: bool = False) -> list[web.RouteDef]:
+    async def cluster(_request: web.Request) -> web.Response:
+        return _json(service.view.to_json())
+
+    async def prefix(request: web.Request) -> web.Response:
+        try:
+            hashes = _hashes(await _body(request), "hashes")
+        except ValueError as exc:
+            return _bad(str(exc))
+        matches = service.view.longest_prefix(hashes)
+        return _json(
+            {
+                node_id: {"num_blocks": m.num_blocks, "tier_blocks": list(m.tier_blocks)}
+                for node_id, m in sorted(matches.items())
+            }
+        )
+
+    async def test_blocks(request: web.Request) -> web.Response:
+        try:
+            data = await _body(request)
+            tier = data.get("tier", "dram")
+            events = [(h, tier, BlockOp.STORED) for h in _hashes(data, "stored")]
+            events += [(h, tier, BlockOp.REMOVED) for h in _hashes(data, "removed")]
+            changed = service.publish_block_events(events)
+        except ValueError as exc:
+            return _bad(str(exc))
+        return _json({"changed": changed})
+
+    async def test_drop_peers(request: web.Request) -> web.Response:
+        try:
+            data = await _body(request)
+        except ValueError as exc:
+            return _bad(str(exc))
+        peers = data.get("peers")
+        if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+            return _bad("'peers' must be a list of node ids")
+        service.set_blocked_peers(peers)
+        return _json({"blocked": sorted(peers)})
+
+    routes = [
+        web.get("/admin/cluster", cluster),
+        web.post("/admin/cluster/prefix", prefix),
+    ]
+    if test_hooks:
+        routes += [
+            web.post("/admin/test/blocks", test_blocks),
+            web.post("/admin/test/drop_peers", test_drop_peers),
+        ]
+    return routes

@@ -1,0 +1,296 @@
+"""The gossip wire format: authenticated packets of typed frames.
+
+A packet (one UDP datagram, or one length-prefixed TCP message) is::
+
+    mac[16] | b"MG" | wire version u8 | sender id length u8 | sender id | frames
+
+and each frame is ``kind u8 | length u32 | payload``. The MAC is keyed
+BLAKE2b-128 over everything after it, with a key derived from the cluster
+secret; it is checked before anything else is parsed, so a forgery costs one
+hash and never reaches the decoders. Control frames are orjson objects;
+block deltas are packed binary (``BlockDelta``), because they are the bulk of
+the traffic and must decode at millions of entries per second.
+
+Every decoder validates types and lengths and raises ``WireError`` (a
+ValueError) on anything else: the caller counts and drops, it never crashes.
+Replays are not detected; they are harmless because every accepted update is
+ordered by incarnation or version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import orjson
+
+from mooncaked.cache.hashing import BLOCK_HASH_BYTES
+from mooncaked.cluster.state import BlockDelta, NodeLoad, NodeState
+
+MAC_BYTES = 16
+MAGIC = b"MG"
+WIRE_VERSION = 1
+MAX_NODE_ID_BYTES = 255
+
+FRAME_MSG = 1
+FRAME_BLOCKS = 2
+
+FRAME_HEAD = struct.Struct("<BI")
+_DELTA_HEAD = struct.Struct("<QQQIIB")
+# A TCP message is prefixed with its length.
+TCP_LEN = struct.Struct("<I")
+
+
+class WireError(ValueError):
+    """A packet or frame that is malformed, oversized or not authentic."""
+
+
+class AuthError(WireError):
+    """The MAC did not match: a forgery, a corruption, or another cluster's secret."""
+
+
+def derive_key(secret: bytes) -> bytes:
+    if len(secret) < 8:
+        raise ValueError("the cluster secret must be at least 8 bytes")
+    return hashlib.blake2b(secret, digest_size=32, person=b"mooncaked.gossip").digest()
+
+
+class Codec:
+    """Seals and opens packets for one node under the cluster key."""
+
+    __slots__ = ("_header", "_key")
+
+    def __init__(self, secret: bytes, node_id: str) -> None:
+        self._key = derive_key(secret)
+        raw_id = node_id.encode("utf-8")
+        if not raw_id or len(raw_id) > MAX_NODE_ID_BYTES:
+            raise ValueError(
+                f"node id must be 1..{MAX_NODE_ID_BYTES} bytes of UTF-8, got {node_id!r}"
+            )
+        self._header = MAGIC + bytes((WIRE_VERSION, len(raw_id))) + raw_id
+
+    def seal(self, frames: Iterable[bytes]) -> bytes:
+        body = self._header + b"".join(frames)
+        mac = hashlib.blake2b(body, key=self._key, digest_size=MAC_BYTES).digest()
+        return mac + body
+
+    @property
+    def overhead(self) -> int:
+        return MAC_BYTES + len(self._header)
+
+    def open(self, packet: bytes, max_bytes: int) -> tuple[str, list[tuple[int, memoryview]]]:
+        """Verify and split a packet; returns (sender id, [(frame kind, payload)])."""
+        if len(packet) > max_bytes:
+            raise WireError(f"packet of {len(packet)} bytes exceeds the {max_bytes} byte limit")
+        if len(packet) < MAC_BYTES + 4:
+            raise WireError("packet too short")
+        view = memoryview(packet)
+        body = view[MAC_BYTES:]
+        mac = hashlib.blake2b(body, key=self._key, digest_size=MAC_BYTES).digest()
+        if not hmac.compare_digest(mac, view[:MAC_BYTES]):
+            raise AuthError("bad MAC")
+        if body[:2] != MAGIC or body[2] != WIRE_VERSION:
+            raise WireError("unknown magic or wire version")
+        id_len = body[3]
+        pos = 4 + id_len
+        if id_len == 0 or pos > len(body):
+            raise WireError("bad sender id")
+        try:
+            sender = bytes(body[4:pos]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise WireError("sender id is not UTF-8") from None
+        frames: list[tuple[int, memoryview]] = []
+        end = len(body)
+        while pos < end:
+            if pos + FRAME_HEAD.size > end:
+                raise WireError("truncated frame header")
+            kind, length = FRAME_HEAD.unpack_from(body, pos)
+            pos += FRAME_HEAD.size
+            if pos + length > end:
+                raise WireError("truncated frame")
+            frames.append((kind, body[pos : pos + length]))
+            pos += length
+        return sender, frames
+
+
+def msg_frame(obj: Mapping[str, Any]) -> bytes:
+    payload = orjson.dumps(obj)
+    return FRAME_HEAD.pack(FRAME_MSG, len(payload)) + payload
+
+
+def blocks_frame(delta: BlockDelta) -> bytes:
+    raw_id = delta.node_id.encode("utf-8")
+    n = delta.num_entries
+    head = (
+        bytes((len(raw_id),))
+        + raw_id
+        + _DELTA_HEAD.pack(
+            delta.generation,
+            delta.from_version,
+            delta.to_version,
+            n,
+            delta.num_upserts,
+            1 if delta.is_snapshot else 0,
+        )
+    )
+    length = len(head) + len(delta.hashes) + n
+    return b"".join((FRAME_HEAD.pack(FRAME_BLOCKS, length), head, delta.hashes, delta.masks))
+
+
+def blocks_frame_size(node_id: str, num_entries: int) -> int:
+    return (
+        FRAME_HEAD.size
+        + 1
+        + len(node_id.encode("utf-8"))
+        + _DELTA_HEAD.size
+        + num_entries * (BLOCK_HASH_BYTES + 1)
+    )
+
+
+def decode_msg(payload: memoryview) -> dict[str, Any]:
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        raise WireError("control frame is not JSON") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("t"), str):
+        raise WireError("control frame is not an object with a type")
+    return obj
+
+
+def decode_blocks(payload: memoryview) -> BlockDelta:
+    if len(payload) < 1:
+        raise WireError("empty block frame")
+    id_len = payload[0]
+    pos = 1 + id_len
+    if id_len == 0 or pos + _DELTA_HEAD.size > len(payload):
+        raise WireError("truncated block frame")
+    try:
+        node_id = bytes(payload[1:pos]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise WireError("block frame node id is not UTF-8") from None
+    generation, from_v, to_v, n, n_up, flags = _DELTA_HEAD.unpack_from(payload, pos)
+    pos += _DELTA_HEAD.size
+    if len(payload) - pos != n * (BLOCK_HASH_BYTES + 1):
+        raise WireError("block frame length does not match its entry count")
+    if n_up > n or from_v > to_v or flags > 1:
+        raise WireError("inconsistent block frame header")
+    split = pos + n * BLOCK_HASH_BYTES
+    return BlockDelta(
+        node_id,
+        generation,
+        from_v,
+        to_v,
+        bytes(payload[pos:split]),
+        bytes(payload[split:]),
+        n_up,
+        is_snapshot=bool(flags),
+    )
+
+
+# ---- typed field access for control messages -------------------------------------------
+
+
+def get_str(obj: Mapping[str, Any], key: str) -> str:
+    v = obj.get(key)
+    if not isinstance(v, str) or not v:
+        raise WireError(f"field {key!r} must be a non-empty string")
+    return v
+
+
+def get_int(obj: Mapping[str, Any], key: str) -> int:
+    v = obj.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise WireError(f"field {key!r} must be a non-negative integer")
+    return v
+
+
+def get_float(obj: Mapping[str, Any], key: str) -> float:
+    v = obj.get(key)
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise WireError(f"field {key!r} must be a number")
+    return float(v)
+
+
+def get_addr(obj: Mapping[str, Any], key: str) -> tuple[str, int]:
+    v = obj.get(key)
+    if (
+        not isinstance(v, list)
+        or len(v) != 2
+        or not isinstance(v[0], str)
+        or not isinstance(v[1], int)
+        or not 0 < v[1] < 65536
+    ):
+        raise WireError(f"field {key!r} must be [host, port]")
+    return (v[0], v[1])
+
+
+def parse_addr(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise WireError(f"{text!r} is not host:port")
+    return (host, int(port))
+
+
+def state_to_json(st: NodeState) -> dict[str, Any]:
+    load = st.load
+    return {
+        "node": st.node_id,
+        "gen": st.generation,
+        "ver": st.version,
+        "gaddr": st.gossip_addr,
+        "role": st.role,
+        "model": st.model_id,
+        "api": st.api_addr,
+        "drain": st.draining,
+        "load": [
+            load.queued_prefill_tokens,
+            load.running_decode_batch,
+            load.kv_usage,
+            load.predicted_queue_s,
+        ],
+        "bver": st.block_version,
+        "nblk": st.num_blocks,
+        "sver": st.segments_version,
+    }
+
+
+def state_from_json(obj: Mapping[str, Any]) -> NodeState:
+    load = obj.get("load")
+    if not isinstance(load, list) or len(load) != 4:
+        raise WireError("field 'load' must be a list of 4 numbers")
+    drain = obj.get("drain")
+    if not isinstance(drain, bool):
+        raise WireError("field 'drain' must be a boolean")
+    role, model, api = obj.get("role"), obj.get("model"), obj.get("api")
+    if not isinstance(role, str) or not isinstance(model, str) or not isinstance(api, str):
+        raise WireError("fields 'role', 'model', 'api' must be strings")
+    load_obj = {"a": load[0], "b": load[1], "c": load[2], "d": load[3]}
+    return NodeState(
+        node_id=get_str(obj, "node"),
+        generation=get_int(obj, "gen"),
+        version=get_int(obj, "ver"),
+        gossip_addr=get_str(obj, "gaddr"),
+        role=role,
+        model_id=model,
+        api_addr=api,
+        draining=drain,
+        load=NodeLoad(
+            get_int(load_obj, "a"),
+            get_int(load_obj, "b"),
+            get_float(load_obj, "c"),
+            get_float(load_obj, "d"),
+        ),
+        block_version=get_int(obj, "bver"),
+        num_blocks=get_int(obj, "nblk"),
+        segments_version=get_int(obj, "sver"),
+    )
+
+
+def get_segments(obj: Mapping[str, Any], key: str) -> tuple[dict[str, Any], ...]:
+    v = obj.get(key)
+    if not isinstance(v, list) or not all(isinstance(d, dict) for d in v):
+        raise WireError(f"field {key!r} must be a list of objects")
+    return tuple(v)

@@ -1,0 +1,273 @@
+"""NodeBlocks, BlockLog, deltas, longest_prefix, the wire codec and the view's JSON."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncaked.cluster import wire
+from mooncaked.cluster.state import (
+    ApplyResult,
+    BlockDelta,
+    BlockLog,
+    BlockOp,
+    ClusterView,
+    Member,
+    MemberStatus,
+    NodeBlocks,
+    NodeLoad,
+    NodeState,
+    Tier,
+    join_chunks,
+    merge_deltas,
+)
+
+GEN = 5
+
+
+def h(i: int) -> bytes:
+    # Some hashes end in zero bytes: packing must not strip them.
+    return i.to_bytes(4, "big") + bytes(12)
+
+
+def new_log(max_log_entries: int = 1000) -> BlockLog:
+    return BlockLog("a", GEN, NodeBlocks(GEN), max_log_entries)
+
+
+def stored(*ids: int, tier: Tier = Tier.DRAM) -> list[tuple[bytes, Tier, BlockOp]]:
+    return [(h(i), tier, BlockOp.STORED) for i in ids]
+
+
+def removed(*ids: int, tier: Tier = Tier.DRAM) -> list[tuple[bytes, Tier, BlockOp]]:
+    return [(h(i), tier, BlockOp.REMOVED) for i in ids]
+
+
+def test_record_keeps_a_tier_mask_per_block() -> None:
+    log = new_log()
+    assert log.record(stored(1, 2)) == 2
+    assert log.record(stored(1, tier=Tier.SSD)) == 1
+    assert log.record(stored(1)) == 0  # already there: no change, no event
+    assert log.record(removed(2)) == 1
+    assert log.index.masks == {h(1): 0b110}
+    assert log.num_events == 5
+
+
+def test_flush_coalesces_upserts_first_then_removals() -> None:
+    log = new_log()
+    log.record(stored(1, 2, 3))
+    first = log.flush()
+    assert first is not None
+    assert (first.from_version, first.to_version, first.num_upserts) == (0, 3, 3)
+    log.record(removed(2))
+    log.record(stored(4))
+    log.record(removed(4))  # stored and removed in one batch: a removal
+    log.record(stored(5))
+    d = log.flush()
+    assert d is not None
+    assert (d.from_version, d.to_version, d.num_upserts) == (3, 6, 1)
+    assert d.hashes == h(5) + h(2) + h(4)
+    assert d.masks == bytes([0b10, 0, 0])
+    assert log.flush() is None
+
+
+def test_replica_applies_in_order_ignores_stale_and_reports_gaps() -> None:
+    log = new_log()
+    log.record(stored(1, 2))
+    d1 = log.flush()
+    log.record(removed(1))
+    log.record(stored(3))
+    d2 = log.flush()
+    assert d1 is not None and d2 is not None
+    replica = NodeBlocks(GEN)
+    assert replica.apply(d2) is ApplyResult.GAP
+    assert replica.masks == {}
+    assert replica.apply(d1) is ApplyResult.APPLIED
+    assert replica.apply(d1) is ApplyResult.STALE
+    assert replica.apply(d2) is ApplyResult.APPLIED
+    assert replica.masks == log.index.masks
+    assert replica.version == log.version == 4
+
+
+def test_overlapping_merged_delta_is_harmless() -> None:
+    log = new_log()
+    log.record(stored(1))
+    d1 = log.flush()
+    log.record(removed(1))
+    log.record(stored(2))
+    d2 = log.flush()
+    log.record(stored(1, tier=Tier.SSD))
+    d3 = log.flush()
+    assert d1 and d2 and d3
+    replica = NodeBlocks(GEN)
+    replica.apply(d1)
+    replica.apply(d2)
+    # A replica at version 3 gets the merge of all three (from 0): same result.
+    merged = merge_deltas([d1, d2, d3])
+    assert (merged.from_version, merged.to_version) == (0, 4)
+    assert replica.apply(merged) is ApplyResult.APPLIED
+    assert replica.masks == log.index.masks == {h(1): 0b100, h(2): 0b010}
+
+
+def test_since_gives_a_delta_from_the_log_or_a_snapshot_once_trimmed() -> None:
+    log = new_log(max_log_entries=4)
+    for i in range(5):
+        log.record(stored(10 * i, 10 * i + 1))
+        log.flush()
+    # 10 entries in batches of 2; the log keeps the last 2 batches (4 entries).
+    assert log.since(GEN, log.version) is None
+    recent = log.since(GEN, 6)
+    assert recent is not None and not recent.is_snapshot
+    assert (recent.from_version, recent.to_version) == (6, 10)
+    old = log.since(GEN, 2)
+    assert old is not None and old.is_snapshot
+    other_gen = log.since(GEN - 1, 6)
+    assert other_gen is not None and other_gen.is_snapshot
+    replica = NodeBlocks(GEN)
+    replica.masks[h(999)] = 1  # junk a snapshot must wipe
+    assert replica.apply(old) is ApplyResult.APPLIED
+    assert replica.masks == log.index.masks and replica.version == 10
+
+
+def test_new_generation_resets_the_replica() -> None:
+    replica = NodeBlocks(GEN)
+    replica.masks[h(1)] = 1
+    replica.version = 7
+    d = BlockDelta("a", GEN + 1, 0, 1, h(2), b"\x01", 1)
+    assert replica.apply(d) is ApplyResult.APPLIED
+    assert replica.masks == {h(2): 1} and replica.generation == GEN + 1
+    old = BlockDelta("a", GEN, 7, 8, h(3), b"\x01", 1)
+    assert replica.apply(old) is ApplyResult.STALE
+
+
+def test_split_pieces_chain_and_chunks_rejoin() -> None:
+    log = new_log()
+    log.record(stored(*range(10)))
+    log.record(removed(3))  # stored and removed before a flush: goes out as a removal
+    log.flush()
+    log.record(removed(*range(4)))  # 3 is already gone: no change
+    log.record(stored(20, 21))
+    d = log.flush()
+    assert d is not None and d.num_entries == 5 and d.num_upserts == 2
+    pieces = d.split(4)
+    assert [(p.from_version, p.to_version, p.num_upserts) for p in pieces] == [
+        (10, 14, 2),
+        (14, 15, 0),
+    ]
+    whole = log.since(GEN, 0)
+    assert whole is not None and (whole.from_version, whole.to_version) == (0, 15)
+    replica = NodeBlocks(GEN)
+    assert replica.apply(whole) is ApplyResult.APPLIED
+    assert replica.masks == log.index.masks
+    chunks = d.chunks(4)
+    assert [(c.from_version, c.to_version, c.num_upserts) for c in chunks] == [
+        (10, 15, 2),
+        (10, 15, 0),
+    ]
+    assert join_chunks(chunks) == d
+    with pytest.raises(ValueError):
+        join_chunks([chunks[0], BlockDelta("b", GEN, 10, 15, b"", b"", 0)])
+    with pytest.raises(RuntimeError):
+        whole.split(1)
+
+
+def test_split_pieces_apply_in_sequence() -> None:
+    log = new_log()
+    log.record(stored(*range(7)))
+    d = log.flush()
+    assert d is not None
+    replica = NodeBlocks(GEN)
+    pieces = d.split(3)
+    assert len(pieces) == 3
+    assert replica.apply(pieces[1]) is ApplyResult.GAP
+    for p in pieces:
+        assert replica.apply(p) is ApplyResult.APPLIED
+    assert replica.masks == log.index.masks
+
+
+def test_record_rejects_bad_events() -> None:
+    log = new_log()
+    with pytest.raises(ValueError, match="tier"):
+        log.record([(h(1), "nvme", BlockOp.STORED)])
+    with pytest.raises(ValueError, match="16 bytes"):
+        log.record([(b"short", Tier.DRAM, BlockOp.STORED)])
+    with pytest.raises(ValueError, match="op"):
+        log.record([(h(1), Tier.DRAM, "kept")])
+
+
+def _member(node_id: str, status: MemberStatus = MemberStatus.ALIVE) -> Member:
+    st = NodeState(
+        node_id,
+        1,
+        3,
+        "127.0.0.1:1",
+        "decode",
+        "m",
+        "127.0.0.1:8000",
+        False,
+        NodeLoad(10, 2, 0.5, 0.1),
+        0,
+        0,
+        0,
+    )
+    return Member(node_id, ("127.0.0.1", 1), 1, 1, status, 0.0, 0.0, st)
+
+
+def test_longest_prefix_counts_leading_blocks_and_tiers() -> None:
+    view = ClusterView("a", clock=lambda: 10.0)
+    seq = [h(i) for i in range(6)]
+    a = NodeBlocks(1)
+    a.masks.update({seq[0]: 0b001, seq[1]: 0b011, seq[2]: 0b100, seq[4]: 0b001})
+    b = NodeBlocks(1)
+    b.masks.update({seq[0]: 0b100, seq[1]: 0b100, seq[2]: 0b110, seq[3]: 1, seq[4]: 1, seq[5]: 1})
+    c = NodeBlocks(1)
+    c.masks.update({seq[1]: 1, seq[2]: 1})  # no first block: no prefix at all
+    view.blocks.update({"a": a, "b": b, "c": c})
+    m = view.longest_prefix(seq)
+    assert sorted(m) == ["a", "b"]
+    assert (m["a"].num_blocks, m["a"].tier_blocks) == (3, (2, 0, 1))
+    assert (m["b"].num_blocks, m["b"].tier_blocks) == (6, (3, 1, 2))
+    assert m["a"].slowest_tier is Tier.SSD
+    assert view.longest_prefix([]) == {}
+
+
+def test_to_json_lists_members_and_summary() -> None:
+    view = ClusterView("a", clock=lambda: 10.0)
+    view.members["a"] = _member("a")
+    view.members["b"] = _member("b", MemberStatus.SUSPECT)
+    view.members["c"] = _member("c", MemberStatus.DEAD)
+    view.blocks["a"] = NodeBlocks(1)
+    view.blocks["a"].masks[h(1)] = 1
+    doc = view.to_json()
+    assert doc["self"] == "a"
+    assert [n["node_id"] for n in doc["nodes"]] == ["a", "b", "c"]
+    assert [n["status"] for n in doc["nodes"]] == ["alive", "suspect", "dead"]
+    assert doc["nodes"][0]["cached_blocks"] == 1 and doc["nodes"][0]["last_heard_s"] == 10.0
+    assert doc["summary"]["by_status"] == {"alive": 1, "suspect": 1, "dead": 1, "left": 0}
+    assert doc["summary"]["by_role"] == {"decode": 2}
+    assert doc["summary"]["queued_prefill_tokens"] == 20
+    assert "packets_sent" in doc["counters"]
+    assert [m.node_id for m in view.schedulable()] == ["a"]
+
+
+def test_wire_roundtrip_of_state_and_blocks() -> None:
+    codec = wire.Codec(b"secret-secret", "node-1")
+    st = _member("node-1").state
+    assert st is not None
+    d = BlockDelta("node-1", 7, 3, 5, h(1) + h(2), b"\x05\x00", 1)
+    packet = codec.seal(
+        [wire.msg_frame({"t": "state", **wire.state_to_json(st)}), wire.blocks_frame(d)]
+    )
+    sender, frames = wire.Codec(b"secret-secret", "other").open(packet, 1400)
+    assert sender == "node-1"
+    assert [k for k, _ in frames] == [wire.FRAME_MSG, wire.FRAME_BLOCKS]
+    assert wire.state_from_json(wire.decode_msg(frames[0][1])) == st
+    assert wire.decode_blocks(frames[1][1]) == d
+    assert len(wire.blocks_frame(d)) == wire.blocks_frame_size("node-1", 2)
+    with pytest.raises(wire.AuthError):
+        wire.Codec(b"another-secret", "x").open(packet, 1400)
+    with pytest.raises(wire.WireError, match="exceeds"):
+        codec.open(packet, 10)
+    bad = dict(wire.state_to_json(st), load=[1, 2, "x", 4])
+    with pytest.raises(wire.WireError):
+        wire.state_from_json(bad)
+    with pytest.raises(ValueError):
+        wire.Codec(b"short", "x")

@@ -1,0 +1,457 @@
+"""The gossip protocol on an injected clock over an in-memory network.
+
+``SimNet`` moves the cores' datagrams instantly, runs their TCP exchanges
+(sync, pull) as direct calls, and advances a fake clock from deadline to
+deadline, so every run is deterministic and takes no wall time.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import replace
+
+import pytest
+
+from mooncaked.cluster import wire
+from mooncaked.cluster.gossip import GossipCore
+from mooncaked.cluster.state import BlockOp, LocalState, MemberStatus, NodeLoad, Tier
+from mooncaked.config import ClusterConfig
+
+SECRET = b"test-cluster-secret"
+Addr = tuple[str, int]
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class SimNet:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.clock = FakeClock()
+        self.cores: dict[Addr, GossipCore] = {}
+        self.down: set[str] = set()
+        self.paused: dict[str, list[tuple[bytes, Addr]]] = {}
+        self.loads: dict[str, LocalState] = {}
+        # Status history per (observer, target): what each node believed, in order.
+        self.history: dict[tuple[str, str], list[MemberStatus]] = {}
+
+    def addr_of(self, node_id: str) -> Addr:
+        for addr, core in self.cores.items():
+            if core.node_id == node_id:
+                return addr
+        raise KeyError(node_id)
+
+    def core(self, node_id: str) -> GossipCore:
+        return self.cores[self.addr_of(node_id)]
+
+    def add(
+        self, node_id: str, port: int, *, seeds: tuple[str, ...] = (), generation: int = 0
+    ) -> GossipCore:
+        self.loads[node_id] = LocalState(role="both", model_id="m")
+        core = GossipCore(
+            replace(self.config, seeds=seeds),
+            node_id,
+            SECRET,
+            clock=self.clock,
+            rng=random.Random(f"{node_id}:{port}"),
+            generation=generation or 1_000 + port,
+            local_state=lambda: self.loads[node_id],
+        )
+        addr = ("127.0.0.1", port)
+        core.bind(addr)
+        # Replace an older process at the same address (a restart).
+        self.cores[addr] = core
+        self.down.discard(node_id)
+        for seed in seeds:
+            self._sync(core, wire.parse_addr(seed), None, join=True)
+        self.deliver()
+        return core
+
+    def up(self, core: GossipCore) -> bool:
+        return core.node_id not in self.down and core.node_id not in self.paused
+
+    # ---------------------------------------------------------------- network
+
+    def _reachable(self, src: GossipCore, addr: Addr) -> GossipCore | None:
+        dst = self.cores.get(addr)
+        if dst is None or dst.node_id in self.down or not self.up(src):
+            return None
+        return dst
+
+    def deliver(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for src_addr, src in list(self.cores.items()):
+                if not self.up(src):
+                    src.take_outbox()
+                    continue
+                for addr, packet in src.take_outbox():
+                    dst = self._reachable(src, addr)
+                    if dst is None:
+                        continue
+                    if dst.node_id in self.paused:
+                        self.paused[dst.node_id].append((packet, src_addr))
+                        continue
+                    dst.on_datagram(packet, src_addr)
+                    moved = True
+                for target in src.sync_requests:
+                    self._sync(src, target.addr, target.node_id, join=target.join)
+                    moved = True
+                src.sync_requests.clear()
+                for node_id in src.pull_requests:
+                    self._pull(src, node_id)
+                    moved = True
+                src.pull_requests.clear()
+            self._record()
+
+    def _sync(self, src: GossipCore, addr: Addr, node_id: str | None, *, join: bool) -> bool:
+        dst = self._reachable(src, addr)
+        if dst is None or dst.node_id in self.paused:
+            src.counters.syncs_failed += 1
+            return False
+        try:
+            replies = dst.handle_tcp_request(src.sync_packet("sync", join))
+            src.handle_sync_reply(replies[0], node_id)
+        except PermissionError:
+            src.counters.syncs_failed += 1
+            return False
+        return True
+
+    def _pull(self, src: GossipCore, node_id: str) -> None:
+        m = src.view.members[node_id]
+        dst = self._reachable(src, m.addr)
+        if dst is None or dst.node_id in self.paused:
+            src.pull_done(node_id, False)
+            return
+        try:
+            replies = dst.handle_tcp_request(src.pull_request(node_id))
+            src.handle_pull_reply(node_id, replies)
+        except PermissionError:
+            src.pull_done(node_id, False)
+            return
+        src.pull_done(node_id, True)
+
+    def _record(self) -> None:
+        for core in self.cores.values():
+            for m in core.view.members.values():
+                hist = self.history.setdefault((core.node_id, m.node_id), [])
+                if not hist or hist[-1] is not m.status:
+                    hist.append(m.status)
+
+    # ------------------------------------------------------------------- time
+
+    def run_for(self, seconds: float) -> None:
+        end = self.clock.t + seconds
+        while True:
+            live = [c for c in self.cores.values() if self.up(c)]
+            nxt = min((c.next_deadline() for c in live), default=end)
+            if nxt > end:
+                self.clock.t = end
+                return
+            self.clock.t = max(self.clock.t, nxt)
+            for core in live:
+                if core.next_deadline() <= self.clock.t:
+                    core.on_timer()
+            self.deliver()
+
+    def run_until(self, cond, limit: float, step: float = 0.05) -> float:
+        """Runs until ``cond()`` holds; returns the simulated seconds it took."""
+        start = self.clock.t
+        while not cond():
+            if self.clock.t - start > limit:
+                raise AssertionError(f"condition not met within {limit} simulated seconds")
+            self.run_for(step)
+        return self.clock.t - start
+
+    def pause(self, node_id: str) -> None:
+        self.paused[node_id] = []
+
+    def resume(self, node_id: str) -> None:
+        queued = self.paused.pop(node_id)
+        core = self.core(node_id)
+        for packet, src in queued:
+            core.on_datagram(packet, src)
+        self.deliver()
+
+    # ---------------------------------------------------------------- queries
+
+    def status(self, observer: str, target: str) -> MemberStatus | None:
+        m = self.core(observer).view.members.get(target)
+        return None if m is None else m.status
+
+    def all_see(self, target: str, status: MemberStatus, *, except_: tuple[str, ...] = ()) -> bool:
+        return all(
+            self.status(c.node_id, target) is status
+            for c in self.cores.values()
+            if self.up(c) and c.node_id != target and c.node_id not in except_
+        )
+
+
+CONFIG = ClusterConfig(
+    probe_interval_s=0.5,
+    probe_timeout_s=0.2,
+    suspect_timeout_s=2.0,
+    gossip_interval_s=0.2,
+    sync_interval_s=5.0,
+    dead_reap_s=60.0,
+)
+
+
+def make_cluster(n: int, config: ClusterConfig = CONFIG) -> SimNet:
+    net = SimNet(config)
+    net.add("n0", 7000)
+    for i in range(1, n):
+        net.add(f"n{i}", 7000 + i, seeds=("127.0.0.1:7000",))
+    net.run_until(lambda: all(net.all_see(f"n{i}", MemberStatus.ALIVE) for i in range(n)), 10)
+    return net
+
+
+def test_join_through_one_seed_reaches_everyone() -> None:
+    net = make_cluster(5)
+    for core in net.cores.values():
+        assert sorted(core.view.members) == ["n0", "n1", "n2", "n3", "n4"]
+        assert all(
+            m.state is not None and m.state.model_id == "m" for m in core.view.members.values()
+        )
+
+
+def test_crash_goes_alive_suspect_dead_within_bound() -> None:
+    net = make_cluster(5)
+    crash_at = net.clock.t
+    net.down.add("n3")
+    suspected = net.run_until(
+        lambda: any(net.status(o, "n3") is MemberStatus.SUSPECT for o in ("n0", "n1", "n2", "n4")),
+        5,
+    )
+    # Every live node probes one member per interval round-robin, so someone
+    # probes n3 within one full round (3 peers), plus the failed probe's interval.
+    assert suspected <= 4 * CONFIG.probe_interval_s
+    net.run_until(lambda: net.all_see("n3", MemberStatus.DEAD), 10)
+    dead_after = net.clock.t - crash_at
+    assert dead_after <= 4 * CONFIG.probe_interval_s + CONFIG.suspect_timeout_s + 1.0
+    for observer in ("n0", "n1", "n2", "n4"):
+        # Exactly the SWIM path, never straight to dead or back to alive.
+        assert net.history[(observer, "n3")] == [
+            MemberStatus.ALIVE,
+            MemberStatus.SUSPECT,
+            MemberStatus.DEAD,
+        ]
+        assert net.core(observer).view.num_cached_blocks("n3") == 0
+
+
+def test_suspicion_lasts_suspect_timeout_at_the_first_suspecter() -> None:
+    net = make_cluster(4)
+    net.down.add("n2")
+    net.run_until(
+        lambda: any(net.status(o, "n2") is MemberStatus.SUSPECT for o in ("n0", "n1", "n3")), 5
+    )
+    first = next(o for o in ("n0", "n1", "n3") if net.status(o, "n2") is MemberStatus.SUSPECT)
+    m = net.core(first).view.members["n2"]
+    since = m.status_since
+    net.run_until(lambda: net.status(first, "n2") is MemberStatus.DEAD, 5)
+    # The first suspecter's timer is the first to run out: dead exactly then.
+    assert m.status_since - since == pytest.approx(CONFIG.suspect_timeout_s)
+
+
+def test_paused_node_refutes_its_suspicion() -> None:
+    net = make_cluster(4)
+    inc_before = net.core("n1").incarnation
+    net.pause("n1")
+    net.run_until(
+        lambda: any(net.status(o, "n1") is MemberStatus.SUSPECT for o in ("n0", "n2", "n3")), 5
+    )
+    net.resume("n1")
+    net.run_until(lambda: net.all_see("n1", MemberStatus.ALIVE), 1.5)
+    n1 = net.core("n1")
+    assert n1.counters.refutations >= 1
+    assert n1.incarnation > inc_before
+    for observer in ("n0", "n2", "n3"):
+        assert MemberStatus.DEAD not in net.history[(observer, "n1")]
+        assert net.core(observer).view.members["n1"].incarnation == n1.incarnation
+
+
+def test_stale_suspicion_is_ignored_after_refutation() -> None:
+    net = make_cluster(3)
+    n0 = net.core("n0")
+    inc = n0.view.members["n1"].incarnation
+    # An old rumour: suspect n1 at an incarnation lower than known.
+    packet = net.core("n2").codec.seal(
+        [wire.msg_frame({"t": "suspect", "node": "n1", "inc": inc - 1, "from": "n2"})]
+    )
+    n0.on_datagram(packet, net.addr_of("n2"))
+    assert n0.view.members["n1"].status is MemberStatus.ALIVE
+
+
+def test_restarted_node_rejoins_with_new_incarnation() -> None:
+    net = make_cluster(4)
+    old = net.core("n2")
+    old.publish_block_events([(bytes(16), Tier.DRAM, BlockOp.STORED)])
+    net.run_for(1.0)
+    assert net.core("n0").view.num_cached_blocks("n2") == 1
+    net.down.add("n2")
+    net.run_until(lambda: net.all_see("n2", MemberStatus.DEAD), 10)
+    new = net.add("n2", 7002, seeds=("127.0.0.1:7000",), generation=old.generation + 5000)
+    net.run_until(lambda: net.all_see("n2", MemberStatus.ALIVE), 5)
+    assert new.incarnation > old.incarnation
+    for observer in ("n0", "n1", "n3"):
+        m = net.core(observer).view.members["n2"]
+        assert m.generation == new.generation
+        assert m.state is not None and m.state.generation == new.generation
+        # The old process's blocks are not attributed to the new one.
+        assert net.core(observer).view.num_cached_blocks("n2") == 0
+    assert sorted(new.view.members) == ["n0", "n1", "n2", "n3"]
+    assert all(m.status is MemberStatus.ALIVE for m in new.view.members.values())
+
+
+def test_graceful_leave_is_seen_at_once_without_suspicion() -> None:
+    net = make_cluster(4)
+    net.core("n3").leave()
+    net.deliver()
+    assert net.all_see("n3", MemberStatus.LEFT)
+    net.down.add("n3")
+    net.run_for(5.0)
+    for observer in ("n0", "n1", "n2"):
+        assert net.history[(observer, "n3")] == [MemberStatus.ALIVE, MemberStatus.LEFT]
+
+
+def test_dead_members_are_reaped() -> None:
+    net = make_cluster(3, replace(CONFIG, dead_reap_s=6.0, sync_interval_s=1.0))
+    net.down.add("n2")
+    net.run_until(lambda: net.all_see("n2", MemberStatus.DEAD), 10)
+    net.run_until(lambda: "n2" not in net.core("n0").view.members, 10)
+    assert "n2" not in net.core("n0").view.blocks
+
+
+def test_state_changes_spread_by_gossip() -> None:
+    net = make_cluster(5)
+    net.loads["n4"] = LocalState(role="prefill", model_id="m", load=NodeLoad(1234, 7, 0.5, 0.25))
+    net.run_until(
+        lambda: all(
+            (st := c.view.members["n4"].state) is not None and st.load.queued_prefill_tokens == 1234
+            for c in net.cores.values()
+        ),
+        2.0,
+    )
+    st = net.core("n0").view.members["n4"].state
+    assert st is not None
+    assert (st.role, st.load) == ("prefill", NodeLoad(1234, 7, 0.5, 0.25))
+    assert sum(c.counters.syncs_ok for c in net.cores.values()) < 10  # by gossip, not sync
+
+
+def test_segments_reach_peers_by_pull() -> None:
+    net = make_cluster(3)
+    segs = [{"name": "kv0", "addr": "127.0.0.1:9000", "length": 1 << 20}]
+    net.core("n1").set_segments(segs)
+    net.run_until(
+        lambda: all(c.view.members["n1"].segments == tuple(segs) for c in net.cores.values()), 3
+    )
+    assert net.core("n0").counters.pulls_ok >= 1
+
+
+def test_block_events_reach_every_index() -> None:
+    net = make_cluster(5)
+    hashes = [os.urandom(16) for _ in range(40)]
+    n2 = net.core("n2")
+    n2.publish_block_events([(h, Tier.DRAM, BlockOp.STORED) for h in hashes])
+    n2.publish_block_events([(h, "ssd", "stored") for h in hashes[:10]])
+    n2.publish_block_events([(h, Tier.DRAM, BlockOp.REMOVED) for h in hashes[30:]])
+    expected = dict(n2.view.blocks["n2"].masks)
+    assert len(expected) == 30
+    net.run_until(
+        lambda: all(c.view.blocks["n2"].masks == expected for c in net.cores.values()), 2.0
+    )
+    match = net.core("n0").view.longest_prefix(hashes)
+    assert match["n2"].num_blocks == 30
+    # The first 10 sit in DRAM and SSD: DRAM is the faster copy.
+    assert match["n2"].tier_blocks == (0, 30, 0)
+    assert sum(c.counters.pulls_ok for c in net.cores.values()) == 0
+
+
+def test_block_gap_is_repaired_by_pull() -> None:
+    net = make_cluster(3)
+    n1, n0 = net.core("n1"), net.core("n0")
+    net.down.add("n0")  # n0 misses the first batch entirely
+    n1.publish_block_events([(os.urandom(16), Tier.DEVICE, BlockOp.STORED) for _ in range(5)])
+    net.run_for(1.0)
+    net.down.discard("n0")
+    # Only the second batch reaches n0, straight from n1.
+    n1.publish_block_events([(os.urandom(16), Tier.DEVICE, BlockOp.STORED) for _ in range(3)])
+    second = n1.blocks.flush()
+    assert second is not None
+    n0.on_datagram(n1.codec.seal([wire.blocks_frame(second)]), net.addr_of("n1"))
+    assert n0.counters.block_gaps == 1
+    net.run_until(lambda: n0.view.blocks["n1"].masks == n1.view.blocks["n1"].masks, 3.0)
+    assert n0.counters.pulls_ok >= 1
+
+
+def test_burst_too_big_for_datagrams_is_pulled() -> None:
+    net = make_cluster(3)
+    n1 = net.core("n1")
+    n1.publish_block_events([(os.urandom(16), Tier.SSD, BlockOp.STORED) for _ in range(5000)])
+    net.run_until(lambda: all(len(c.view.blocks["n1"]) == 5000 for c in net.cores.values()), 3.0)
+    assert net.core("n0").counters.pulls_ok >= 1
+
+
+def test_partition_heals_after_it_ends() -> None:
+    net = make_cluster(5, replace(CONFIG, sync_interval_s=1.0))
+    a, b = ["n0", "n1", "n2"], ["n3", "n4"]
+    for n in a:
+        net.core(n).blocked = frozenset(b)
+    for n in b:
+        net.core(n).blocked = frozenset(a)
+    net.run_until(
+        lambda: (
+            all(net.status(x, y) is MemberStatus.DEAD for x in a for y in b)
+            and all(net.status(y, x) is MemberStatus.DEAD for x in a for y in b)
+        ),
+        15,
+    )
+    for core in net.cores.values():
+        core.blocked = frozenset()
+    net.run_until(lambda: all(net.all_see(f"n{i}", MemberStatus.ALIVE) for i in range(5)), 15)
+
+
+def test_garbage_and_forgeries_are_counted_not_fatal() -> None:
+    net = make_cluster(2)
+    n0 = net.core("n0")
+    src = net.addr_of("n1")
+    before = {k: v for k, v in n0.counters.to_json().items()}
+    forger = wire.Codec(b"some-other-secret", "n1")
+    n0.on_datagram(
+        forger.seal([wire.msg_frame({"t": "dead", "node": "n1", "inc": 10**12, "from": "n1"})]), src
+    )
+    n0.on_datagram(os.urandom(200), src)
+    n0.on_datagram(b"", src)
+    n0.on_datagram(b"x" * (CONFIG.max_message_bytes + 1), src)
+    n1 = net.core("n1").codec
+    n0.on_datagram(n1.seal([b"\x01\xff\xff\x00\x00garbage"]), src)  # truncated frame
+    n0.on_datagram(n1.seal([wire.msg_frame({"t": "alive", "node": "x"})]), src)  # fields missing
+    n0.on_datagram(n1.seal([wire.msg_frame({"t": "nonsense"})]), src)
+    n0.on_datagram(n1.seal([b"\x02\x03\x00\x00\x00abc"]), src)  # bad block frame
+    good = n1.seal([wire.msg_frame({"t": "g"})])
+    n0.on_datagram(good[:-1] + bytes([good[-1] ^ 1]), src)  # one flipped bit
+    after = n0.counters.to_json()
+    # Forged, random and bit-flipped packets fail the MAC before any parsing.
+    assert after["dropped_bad_mac"] - before["dropped_bad_mac"] == 3
+    assert after["dropped_oversize"] - before["dropped_oversize"] == 1
+    assert after["dropped_malformed"] - before["dropped_malformed"] == 5
+    assert n0.view.members["n1"].status is MemberStatus.ALIVE
+    net.run_for(2.0)
+    assert net.all_see("n1", MemberStatus.ALIVE)
+
+
+def test_tcp_request_forgery_raises_wire_error() -> None:
+    net = make_cluster(2)
+    forger = wire.Codec(b"some-other-secret", "n1")
+    with pytest.raises(wire.AuthError):
+        net.core("n0").handle_tcp_request(
+            forger.seal([wire.msg_frame({"t": "sync", "members": []})])
+        )
+    assert net.core("n0").counters.dropped_bad_mac == 1

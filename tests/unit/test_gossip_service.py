@@ -1,0 +1,159 @@
+"""ClusterService on real loopback sockets, several in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from mooncaked.cluster import wire
+from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.state import BlockOp, LocalState, MemberStatus, NodeLoad, Tier
+from mooncaked.config import ClusterConfig
+
+SECRET = b"service-test-secret"
+FAST = ClusterConfig(
+    probe_interval_s=0.2,
+    probe_timeout_s=0.1,
+    suspect_timeout_s=1.0,
+    gossip_interval_s=0.05,
+    sync_interval_s=0.5,
+    sync_timeout_s=1.0,
+)
+
+
+async def wait_for(cond: Callable[[], bool], limit: float) -> None:
+    """A correctness bound, not a timing measurement."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {limit} s")
+        await asyncio.sleep(0.02)
+
+
+def all_alive(services: list[ClusterService]) -> bool:
+    ids = {s.node_id for s in services}
+    return all(
+        set(s.view.members) >= ids
+        and all(s.view.members[i].status is MemberStatus.ALIVE for i in ids)
+        for s in services
+    )
+
+
+@pytest.fixture
+async def trio() -> AsyncIterator[list[ClusterService]]:
+    loads = {f"s{i}": LocalState(role="both", model_id="m") for i in range(3)}
+    services: list[ClusterService] = []
+    try:
+        first = ClusterService(FAST, "s0", SECRET, local_state=lambda: loads["s0"])
+        await first.start()
+        services.append(first)
+        seed = (f"127.0.0.1:{first.gossip_port}",)
+        for i in (1, 2):
+            s = ClusterService(
+                ClusterConfig(**{**_fields(FAST), "seeds": seed}),
+                f"s{i}",
+                SECRET,
+                local_state=lambda i=i: loads[f"s{i}"],
+            )
+            assert await s.start() == 1
+            services.append(s)
+        await wait_for(lambda: all_alive(services), 10)
+        yield services
+    finally:
+        for s in services:
+            await s.close()
+
+
+def _fields(config: ClusterConfig) -> dict[str, object]:
+    return {name: getattr(config, name) for name in config.__slots__}  # type: ignore[attr-defined]
+
+
+async def test_blocks_segments_and_leave_over_real_sockets(trio: list[ClusterService]) -> None:
+    s0, s1, s2 = trio
+    hashes = [os.urandom(16) for _ in range(300)]
+    assert s1.publish_block_events([(h, Tier.DRAM, BlockOp.STORED) for h in hashes]) == 300
+    s1.set_segments([{"name": "dram", "port": 1234, "length": 4096}])
+    await wait_for(
+        lambda: all(
+            s.view.num_cached_blocks("s1") == 300
+            and s.view.members["s1"].segments == ({"name": "dram", "port": 1234, "length": 4096},)
+            for s in trio
+        ),
+        10,
+    )
+    assert s0.view.longest_prefix(hashes)["s1"].num_blocks == 300
+    assert s1.counters.bytes_sent > 0 and s0.counters.packets_received > 0
+
+    await s2.leave()
+    await wait_for(
+        lambda: (
+            s0.view.members["s2"].status is MemberStatus.LEFT
+            and s1.view.members["s2"].status is MemberStatus.LEFT
+        ),
+        5,
+    )
+    await s2.close()
+
+
+async def test_forgeries_and_garbage_do_not_disturb(trio: list[ClusterService]) -> None:
+    s0 = trio[0]
+    forger = wire.Codec(b"not-the-cluster-secret", "s1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(os.urandom(300), ("127.0.0.1", s0.gossip_port))
+        sock.sendto(
+            forger.seal([wire.msg_frame({"t": "dead", "node": "s1", "inc": 10**15, "from": "x"})]),
+            ("127.0.0.1", s0.gossip_port),
+        )
+        sock.sendto(b"z" * 3000, ("127.0.0.1", s0.gossip_port))
+    # A TCP peer that sends a huge length prefix, one that sends junk, one that hangs up.
+    for payload in (b"\xff\xff\xff\x7f", b"\x28\x00\x00\x00" + os.urandom(40), b""):
+        _, writer = await asyncio.open_connection("127.0.0.1", s0.gossip_port)
+        writer.write(payload)
+        await writer.drain()
+        writer.close()
+    await wait_for(
+        lambda: (
+            s0.counters.dropped_bad_mac >= 3
+            and s0.counters.dropped_oversize >= 1
+            and s0.counters.dropped_malformed >= 1
+        ),
+        5,
+    )
+    await asyncio.sleep(FAST.suspect_timeout_s)
+    assert all_alive(trio)
+    assert s0.counters.handler_errors == 0
+
+
+async def test_crashed_service_is_declared_dead_then_rejoins(
+    trio: list[ClusterService],
+) -> None:
+    s0, s1, s2 = trio
+    port = s2.gossip_port
+    # close() without leave(): to the others it is a crash.
+    await s2.close()
+    await wait_for(
+        lambda: (
+            s0.view.members["s2"].status is MemberStatus.DEAD
+            and s1.view.members["s2"].status is MemberStatus.DEAD
+        ),
+        FAST.probe_interval_s * 4 + FAST.suspect_timeout_s + 5,
+    )
+    again = ClusterService(
+        ClusterConfig(
+            **{**_fields(FAST), "seeds": (f"127.0.0.1:{s0.gossip_port}",), "gossip_port": port}
+        ),
+        "s2",
+        SECRET,
+        local_state=lambda: LocalState(load=NodeLoad(queued_prefill_tokens=99)),
+    )
+    trio[2] = again
+    await again.start()
+    await wait_for(lambda: all_alive(trio), 10)
+    st = s0.view.members["s2"].state
+    assert st is not None and st.load.queued_prefill_tokens == 99
+    assert s0.view.members["s2"].generation == again.core.generation
