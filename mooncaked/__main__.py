@@ -80,14 +80,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mooncaked.daemon import Node
     from mooncaked.log import configure_logging
 
-    configure_logging(config.log, config.node_id)
     log = structlog.get_logger("mooncaked")
 
-    def on_ready(node: Node) -> None:
-        log.info("mooncaked listening", url=node.url, node=node.node_id)
-        print(f"mooncaked listening on {node.url}", flush=True)
+    def on_ready(ready: Node) -> None:
+        log.info("mooncaked listening", url=ready.url)
+        print(f"mooncaked listening on {ready.url}", flush=True)
+
+    node: Node | None = None
+
+    def node_id() -> str:
+        # The bound port (with port 0) is part of the default id.
+        return node.node_id if node is not None else config.node_id
+
+    # Before any logger is bound: a bound logger keeps the config it saw.
+    configure_logging(config.log, node_id)
 
     async def serve() -> int:
+        nonlocal node
         node = Node(config)
         try:
             return await node.run(on_ready=on_ready)

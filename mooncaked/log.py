@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import orjson
@@ -31,9 +32,12 @@ def _orjson_dumps(obj: Any, **_: Any) -> str:
     return orjson.dumps(obj, default=str).decode()
 
 
-def _add_node_id(node_id: str) -> structlog.types.Processor:
+def _add_node_id(node_id: str | Callable[[], str]) -> structlog.types.Processor:
+    # A callable: the node id may depend on the port the OS picks at bind time.
+    get = node_id if callable(node_id) else (lambda: node_id)
+
     def add(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
-        event.setdefault("node", node_id)
+        event.setdefault("node", get())
         return event
 
     return add
@@ -46,7 +50,9 @@ def use_json(config: LogConfig, stream: TextIO) -> bool:
     return config.format == "json"
 
 
-def configure_logging(config: LogConfig, node_id: str, stream: TextIO | None = None) -> None:
+def configure_logging(
+    config: LogConfig, node_id: str | Callable[[], str], stream: TextIO | None = None
+) -> None:
     """Route structlog and stdlib logging to ``stream`` (stderr) at ``config.level``."""
     stream = stream if stream is not None else sys.stderr
     level = _LEVELS[config.level]
