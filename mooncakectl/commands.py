@@ -1,0 +1,137 @@
+"""Node commands: ``status`` and ``generate``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from mooncakectl.registry import Env, ExitStatus, command
+
+
+def print_json(env: Env, data: Any) -> None:
+    env.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def print_fields(env: Env, title: str, rows: list[tuple[str, str]]) -> None:
+    """Key/value rows: a rich table on a terminal, ``key: value`` lines otherwise."""
+    if env.stdout_isatty:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title, show_header=False, box=None, pad_edge=False)
+        table.add_column(style="bold")
+        table.add_column()
+        for key, value in rows:
+            table.add_row(key, value)
+        Console(file=env.stdout, force_terminal=True).print(table)
+        return
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        env.stdout.write(f"{key + ':':<{width + 1}} {value}\n")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100.0 * x:.1f}%"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m {s}s"
+    if minutes:
+        return f"{minutes}m {s}s"
+    return f"{seconds:.1f}s"
+
+
+def status_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
+    state = "draining" if st.get("draining") else ("ready" if st.get("ready") else "loading")
+    load = st.get("load") or {}
+    kv = st.get("kv")
+    prefix = st.get("prefix_cache")
+    rows = [
+        ("node", str(st.get("node_id"))),
+        ("state", state),
+        ("model", str(st.get("model") or "-")),
+        ("role", str(st.get("role"))),
+        ("version", str(st.get("version"))),
+        ("uptime", _duration(float(st.get("uptime_s", 0.0)))),
+        ("load", f"{load.get('running', 0)} running, {load.get('waiting', 0)} waiting"),
+    ]
+    if kv:
+        rows.append(
+            ("kv cache", f"{kv['blocks_used']}/{kv['blocks_total']} blocks ({_pct(kv['usage'])})")
+        )
+    else:
+        rows.append(("kv cache", "-"))
+    rows.append(("prefix hit rate", _pct(prefix["hit_rate"]) if prefix else "-"))
+    return rows
+
+
+@command("status", "show the node: model, role, load, KV usage, prefix hit rate")
+def status(args: argparse.Namespace, env: Env) -> int:
+    st = env.client(args).get_json("/admin/status")
+    if args.json:
+        print_json(env, st)
+    else:
+        print_fields(env, "mooncaked", status_rows(st))
+    return ExitStatus.OK
+
+
+def _configure_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt (with --chat: the user message)")
+    p.add_argument("--max-tokens", type=int, dest="max_tokens", help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, help="0 for greedy; the daemon's default is 1")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a chat user message")
+    p.add_argument("--model", help="model name (default: the one the node serves)")
+
+
+@command("generate", "stream a completion to the terminal", configure=_configure_generate)
+def generate(args: argparse.Namespace, env: Env) -> int:
+    body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
+    if args.chat:
+        path = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        path = "/v1/completions"
+        body["prompt"] = args.prompt
+    for key in ("max_tokens", "temperature", "model"):
+        value = getattr(args, key)
+        if value is not None:
+            body[key] = value
+
+    text: list[str] = []
+    finish_reason = None
+    usage = None
+    request_id = None
+    for chunk in env.client(args).stream(path, body):
+        request_id = chunk.get("id", request_id)
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk.get("choices", []):
+            piece = choice.get("text") if not args.chat else choice.get("delta", {}).get("content")
+            if piece:
+                text.append(piece)
+                if not args.json:
+                    # Token by token, as it arrives.
+                    env.stdout.write(piece)
+                    env.stdout.flush()
+            finish_reason = choice.get("finish_reason") or finish_reason
+    if args.json:
+        print_json(
+            env,
+            {
+                "id": request_id,
+                "text": "".join(text),
+                "finish_reason": finish_reason,
+                "usage": usage,
+            },
+        )
+    else:
+        env.stdout.write("\n")
+    return ExitStatus.OK
