@@ -1,0 +1,152 @@
+"""Config loading: the reference file, strict validation, overrides, CLI flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from mooncaked.__main__ import _parser, build_config
+from mooncaked.config import Config, ConfigError, config_from_dict, load_config, with_overrides
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SINGLE = REPO_ROOT / "config" / "single.toml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "mooncaked.toml"
+    p.write_text(text)
+    return p
+
+
+def test_single_toml_is_the_defaults() -> None:
+    # config/single.toml doubles as the reference: it must not drift from
+    # the dataclasses. No key is deliberately different from its default.
+    assert load_config(SINGLE) == Config()
+
+
+def test_single_toml_lists_every_key_with_a_comment() -> None:
+    data = tomllib.loads(SINGLE.read_text())
+    for f in dataclasses.fields(Config):
+        if f.name == "source":
+            continue
+        section = getattr(Config(), f.name)
+        keys = {k.name for k in dataclasses.fields(section)}
+        assert set(data[f.name]) == keys, f"[{f.name}] keys differ from the dataclass"
+    lines = SINGLE.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if "=" in line and not line.startswith("#"):
+            assert lines[i - 1].startswith("#"), f"no comment above {line!r}"
+
+
+def test_no_file_and_empty_file_give_the_defaults(tmp_path: Path) -> None:
+    assert load_config(None) == Config()
+    assert load_config(write(tmp_path, "")) == Config()
+
+
+def test_values_are_read_and_ints_accepted_for_floats(tmp_path: Path) -> None:
+    cfg = load_config(
+        write(
+            tmp_path,
+            (
+                "[server]\nport = 9000\ndrain_timeout_s = 5\n"
+                '[transfer]\ntransports = ["tcp"]\n'
+                '[node]\nrole = "prefill"\n'
+            ),
+        )
+    )
+    assert cfg.server.port == 9000
+    assert cfg.server.drain_timeout_s == 5.0 and isinstance(cfg.server.drain_timeout_s, float)
+    assert cfg.transfer.transports == ("tcp",)
+    assert cfg.node.role == "prefill"
+    assert cfg.source == str(tmp_path / "mooncaked.toml")
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("[server]\nprot = 1\n", ["'server.prot'", "unknown key", "port"]),
+        ("[servr]\nport = 1\n", ["unknown section [servr]", "server"]),
+        ('[server]\nport = "80"\n', ["'server.port'", "integer"]),
+        ("[server]\nport = true\n", ["'server.port'", "integer"]),
+        ("[server]\nport = 70000\n", ["'server.port'", "65535"]),
+        ("[kv]\nenable_prefix_caching = 1\n", ["'kv.enable_prefix_caching'", "true or false"]),
+        ("[kv]\nblock_size = 24\n", ["'kv.block_size'", "power of two"]),
+        ('[log]\nlevel = "loud"\n', ["'log.level'", "loud", "debug"]),
+        (
+            '[transfer]\ntransports = ["carrier-pigeon"]\n',
+            ["'transfer.transports'", "carrier-pigeon"],
+        ),
+        ('[transfer]\ntransports = "tcp"\n', ["'transfer.transports'", "list"]),
+        ("[cluster]\nprobe_timeout_s = 1.0\n", ["'cluster.probe_timeout_s'", "probe_interval_s"]),
+        ('[cluster]\nseeds = ["nohostport"]\n', ["'cluster.seeds'", "host:port"]),
+        ('[node]\ncluster_secret = "short"\n', ["'node.cluster_secret'", "8 characters"]),
+        ("server = 1\n", ["[server] must be a table"]),
+        ("[server\nport = 1\n", ["not valid TOML"]),
+    ],
+)
+def test_bad_config_names_key_and_file(tmp_path: Path, text: str, words: list[str]) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    msg = str(exc.value)
+    assert msg.startswith(str(path)), msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_config_error_is_a_value_error() -> None:
+    # A caller's mistake: callers may catch ValueError.
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_with_overrides_validates_like_the_file() -> None:
+    cfg = with_overrides(Config(), server={"port": 0}, model={"path": "builtin:tiny"})
+    assert cfg.server.port == 0
+    assert cfg.server.host == Config().server.host
+    with pytest.raises(ConfigError, match=re.escape("'server.port'")):
+        with_overrides(Config(), server={"port": -1})
+    with pytest.raises(ConfigError, match=re.escape("unknown key 'kv.blocks'")):
+        with_overrides(Config(), kv={"blocks": 1})
+    with pytest.raises(ConfigError, match="unknown section"):
+        with_overrides(Config(), gpu={"x": 1})
+
+
+def test_configs_compare_by_value_not_source() -> None:
+    assert config_from_dict({}, "a.toml") == config_from_dict({}, "b.toml")
+
+
+def test_node_id_defaults_to_host_and_port() -> None:
+    import socket
+
+    assert Config().node_id == f"{socket.gethostname()}-8000"
+    assert with_overrides(Config(), node={"id": "n1"}).node_id == "n1"
+
+
+def test_flags_override_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, '[server]\nhost = "127.0.0.1"\nport = 9000\n[node]\nrole = "decode"\n')
+    args = _parser().parse_args(
+        ["--config", str(path), "--port", "0", "--role", "prefill", "--log-format", "json"]
+    )
+    cfg = build_config(args)
+    assert cfg.server.port == 0
+    assert cfg.server.host == "127.0.0.1"
+    assert cfg.node.role == "prefill"
+    assert cfg.log.format == "json"
+    assert build_config(_parser().parse_args(["--config", str(path)])) == load_config(path)
+
+
+def test_bad_flag_names_key_file_and_command_line(tmp_path: Path) -> None:
+    path = write(tmp_path, "")
+    with pytest.raises(ConfigError) as exc:
+        build_config(_parser().parse_args(["--config", str(path), "--role", "router"]))
+    msg = str(exc.value)
+    assert "'node.role'" in msg and str(path) in msg and "command line" in msg
