@@ -56,13 +56,17 @@ class AttentionMetadata:
     decode_seq_ids: list[int]
     # [Bd] flat row of each decode query.
     decode_token_index: torch.Tensor | None = None
-    # [Bd, max_ctx] slots of each decode sequence's keys (padding points at slot 0).
-    decode_slots: torch.Tensor | None = None
-    # [Bd, 1, 1, max_ctx] True where a key is real.
+    # [Bd * max_blocks] the decode sequences' block tables, flattened and padded
+    # with block 0: K/V are gathered whole blocks at a time, far cheaper than
+    # one slot at a time.
+    decode_blocks: torch.Tensor | None = None
+    # [Bd, 1, 1, max_blocks * block_size] True where a key is real.
     decode_mask: torch.Tensor | None = None
-    # SDPA prefill: (sequence index, [ctx] slots or None when start_pos == 0).
+    # SDPA prefill: the sequences with more than one query token, and for each
+    # its blocks ([n] int64), or None when start_pos == 0 and the chunk's own
+    # K/V are the whole context.
     prefill_seq_ids: tuple[int, ...] = ()
-    prefill_slots: tuple[torch.Tensor | None, ...] = ()
+    prefill_blocks: tuple[torch.Tensor | None, ...] = ()
     # Host copy of cu_seqlens_q.
     query_starts: tuple[int, ...] = ()
     # The kernel every layer calls through ``paged_attention``.
@@ -143,12 +147,6 @@ def build_metadata(
     return meta
 
 
-def _slots_of(table: list[int], ctx: int, block_size: int) -> torch.Tensor:
-    blocks = torch.tensor(table[: (ctx + block_size - 1) // block_size], dtype=torch.int64)
-    offsets = torch.arange(block_size, dtype=torch.int64)
-    return (blocks[:, None] * block_size + offsets[None, :]).reshape(-1)[:ctx]
-
-
 def _add_sdpa_indices(
     meta: AttentionMetadata, block_tables: list[list[int]], device: torch.device
 ) -> None:
@@ -158,23 +156,27 @@ def _add_sdpa_indices(
     prefill_ids = [i for i, q in enumerate(meta.query_lens) if q > 1]
     meta.decode_seq_ids = decode_ids
     if decode_ids:
-        max_ctx = max(meta.context_lens[i] for i in decode_ids)
-        slots = torch.zeros(len(decode_ids), max_ctx, dtype=torch.int64)
-        mask = torch.zeros(len(decode_ids), max_ctx, dtype=torch.bool)
-        rows: list[int] = []
-        for j, i in enumerate(decode_ids):
-            ctx = meta.context_lens[i]
-            slots[j, :ctx] = _slots_of(block_tables[i], ctx, bs)
-            mask[j, :ctx] = True
-            rows.append(sum(meta.query_lens[:i]))
-        meta.decode_token_index = torch.tensor(rows, dtype=torch.int64).to(device)
-        meta.decode_slots = slots.to(device)
+        ctxs = [meta.context_lens[i] for i in decode_ids]
+        nblk = (max(ctxs) + bs - 1) // bs
+        blocks: list[int] = []
+        for i, ctx in zip(decode_ids, ctxs, strict=True):
+            table = block_tables[i][: (ctx + bs - 1) // bs]
+            blocks.extend(table)
+            blocks.extend([0] * (nblk - len(table)))
+        key_pos = torch.arange(nblk * bs)
+        mask = key_pos[None, :] < torch.tensor(ctxs)[:, None]
+        meta.decode_token_index = torch.tensor(
+            [meta.query_starts[i] for i in decode_ids], dtype=torch.int64
+        ).to(device)
+        meta.decode_blocks = torch.tensor(blocks, dtype=torch.int64).to(device)
         meta.decode_mask = mask[:, None, None, :].to(device)
     meta.prefill_seq_ids = tuple(prefill_ids)
-    meta.prefill_slots = tuple(
+    meta.prefill_blocks = tuple(
         None
         if meta.start_positions[i] == 0
-        else _slots_of(block_tables[i], meta.context_lens[i], bs).to(device)
+        else torch.tensor(
+            block_tables[i][: (meta.context_lens[i] + bs - 1) // bs], dtype=torch.int64
+        ).to(device)
         for i in prefill_ids
     )
 
@@ -235,38 +237,38 @@ class SdpaBackend:
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         kvh, hd, g = self.num_kv_heads, self.head_dim, self.group
-        k_flat = k_cache.view(-1, kvh, hd)
-        v_flat = v_cache.view(-1, kvh, hd)
         out = torch.empty_like(q)
 
         if meta.decode_seq_ids:
             rows = meta.decode_token_index
-            if rows is None or meta.decode_slots is None or meta.decode_mask is None:
+            blocks = meta.decode_blocks
+            if rows is None or blocks is None or meta.decode_mask is None:
                 raise RuntimeError("SDPA decode metadata was not built")
             bd = rows.numel()
             # [Bd, H, D] -> [Bd, KVH, G, D]: the group plays the query axis.
             qd = q.index_select(0, rows).view(bd, kvh, g, hd)
-            kd = k_flat[meta.decode_slots].transpose(1, 2)  # [Bd, KVH, ctx, D]
-            vd = v_flat[meta.decode_slots].transpose(1, 2)
+            # [Bd * nblk, bs, KVH, D] -> [Bd, KVH, nblk * bs, D]
+            kd = k_cache.index_select(0, blocks).view(bd, -1, kvh, hd).transpose(1, 2)
+            vd = v_cache.index_select(0, blocks).view(bd, -1, kvh, hd).transpose(1, 2)
             od = F.scaled_dot_product_attention(
                 qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale
             )
             out.index_copy_(0, rows, od.reshape(bd, self.num_heads, hd))
 
         cu = meta.query_starts
-        for i, slots in zip(meta.prefill_seq_ids, meta.prefill_slots, strict=True):
+        for i, blocks_i in zip(meta.prefill_seq_ids, meta.prefill_blocks, strict=True):
             lo, hi = cu[i], cu[i + 1]
             qlen = hi - lo
             start = meta.start_positions[i]
             # [q, H, D] -> [KVH, q * G, D], rows ordered (position, group member).
             qp = q[lo:hi].view(qlen, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, qlen * g, hd)
-            if slots is None:
+            ctx = start + qlen
+            if blocks_i is None:
                 kp = k[lo:hi].transpose(0, 1)
                 vp = v[lo:hi].transpose(0, 1)
             else:
-                kp = k_flat[slots].transpose(0, 1)
-                vp = v_flat[slots].transpose(0, 1)
-            ctx = start + qlen
+                kp = k_cache.index_select(0, blocks_i).view(-1, kvh, hd)[:ctx].transpose(0, 1)
+                vp = v_cache.index_select(0, blocks_i).view(-1, kvh, hd)[:ctx].transpose(0, 1)
             # Query at position start + i sees keys 0 .. start + i.
             qpos = torch.arange(start, ctx, device=q.device).repeat_interleave(g)
             mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
