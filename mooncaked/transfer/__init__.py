@@ -1,1 +1,32 @@
+"""Transfer engine: batched READ/WRITE of registered memory between nodes over
+TCP, shared memory (same host) and RDMA (where a NIC exists)."""
 
+from mooncaked.transfer.batch import (
+    Batch,
+    OpKind,
+    OpStatus,
+    TransferError,
+    TransferMetrics,
+    TransferOp,
+)
+from mooncaked.transfer.engine import TransferEngine
+from mooncaked.transfer.segment import (
+    Segment,
+    SegmentDescriptor,
+    SegmentError,
+    SharedBuffer,
+)
+
+__all__ = [
+    "Batch",
+    "OpKind",
+    "OpStatus",
+    "Segment",
+    "SegmentDescriptor",
+    "SegmentError",
+    "SharedBuffer",
+    "TransferEngine",
+    "TransferError",
+    "TransferMetrics",
+    "TransferOp",
+]

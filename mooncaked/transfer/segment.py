@@ -1,0 +1,368 @@
+"""Registered memory: segments, and the descriptors other nodes address them by.
+
+A segment is a named, contiguous byte range a peer may read or write, and the
+only memory of a node a peer can reach: every remote op is checked against
+the segment it names before a byte moves. A segment wraps
+
+- host memory: a bytearray, a writable memoryview/mmap/numpy array, a
+  contiguous CPU torch tensor;
+- shared memory: a :class:`SharedBuffer` (memfd) or a
+  ``multiprocessing.shared_memory.SharedMemory``; peers on the same host map
+  these and copy without a socket;
+- device memory: a contiguous CUDA tensor, reached through a pinned host
+  bounce buffer per slice.
+
+Names are unique per node; ids are unique per engine incarnation and never
+reused, so a peer holding a stale id (the segment was unregistered, or the
+node restarted) gets "unknown segment" instead of another segment's bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+# Transports a descriptor can list.
+TRANSPORTS = ("shm", "rdma", "tcp")
+
+
+class SegmentError(ValueError):
+    """A segment cannot be registered, found or used as asked."""
+
+
+def _view_address(view: memoryview) -> int:
+    """Address of the first byte of a writable, contiguous byte view."""
+    if len(view) == 0:
+        return 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def memmove(dst: int, src: int, length: int) -> None:
+    """memcpy between raw addresses; ctypes drops the GIL for the call."""
+    ctypes.memmove(dst, src, length)
+
+
+class SharedBuffer:
+    """Anonymous shared memory (memfd), mappable by a peer given its fd.
+
+    The fd travels to a peer on the same host over the authenticated unix
+    channel (SCM_RIGHTS), so no name in /dev/shm can leak or be guessed, and
+    the memory is freed by the kernel when the last process lets go.
+    """
+
+    __slots__ = ("_fd", "_map", "address", "nbytes", "view")
+
+    def __init__(self, fd: int, nbytes: int, *, owns_fd: bool = True) -> None:
+        if nbytes <= 0:
+            raise SegmentError(f"a shared buffer needs a positive size, got {nbytes}")
+        if not owns_fd:
+            fd = os.dup(fd)
+        self._fd = fd
+        self.nbytes = nbytes
+        self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        self.view = memoryview(self._map)
+        self.address = _view_address(self.view)
+
+    @classmethod
+    def create(cls, nbytes: int, tag: str = "segment") -> SharedBuffer:
+        if nbytes <= 0:
+            raise SegmentError(f"a shared buffer needs a positive size, got {nbytes}")
+        fd = os.memfd_create(f"mooncaked-{tag}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, nbytes)
+            return cls(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @classmethod
+    def attach(cls, fd: int, nbytes: int) -> SharedBuffer:
+        """Map an fd received from a peer; it must hold at least ``nbytes``."""
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise SegmentError(f"shared memory holds {size} bytes, descriptor says {nbytes}")
+        return cls(fd, nbytes, owns_fd=True)
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        self.view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            # Someone still holds a view (a tensor made with frombuffer, a
+            # slice in flight): the mapping goes when the last view does.
+            pass
+        self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentDescriptor:
+    """What another node needs to address a segment: plain data for gossip."""
+
+    node_id: str
+    name: str
+    length: int
+    location: str  # "cpu" or "cuda:N"
+    transports: tuple[str, ...]
+    # host:port of the node's transfer endpoint; shm and rdma are negotiated
+    # over the authenticated connection made there.
+    address: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "name": self.name,
+            "length": self.length,
+            "location": self.location,
+            "transports": list(self.transports),
+            "address": self.address,
+        }
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SegmentDescriptor:
+        try:
+            node_id, name, length = data["node_id"], data["name"], data["length"]
+            location, transports, address = data["location"], data["transports"], data["address"]
+        except (KeyError, TypeError) as exc:
+            raise SegmentError(f"segment descriptor lacks {exc}") from None
+        if not (isinstance(node_id, str) and node_id and isinstance(name, str) and name):
+            raise SegmentError("segment descriptor needs non-empty node_id and name")
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise SegmentError(f"segment descriptor length must be an int >= 0, got {length!r}")
+        if not isinstance(transports, list) or any(t not in TRANSPORTS for t in transports):
+            raise SegmentError(f"segment descriptor transports must be a subset of {TRANSPORTS}")
+        if not isinstance(location, str) or not isinstance(address, str):
+            raise SegmentError("segment descriptor location and address must be strings")
+        return cls(node_id, name, length, location, tuple(transports), address)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> SegmentDescriptor:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise SegmentError(f"segment descriptor is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise SegmentError("segment descriptor must be a JSON object")
+        return cls.from_dict(data)
+
+
+@dataclass(slots=True, eq=False)
+class Segment:
+    """A registered local segment.
+
+    Host segments expose ``view`` (the registered bytes, zero-copy) and
+    ``address``; device segments have neither and stage through pinned host
+    memory in :meth:`source` and :meth:`destination`.
+    """
+
+    name: str
+    seg_id: int
+    length: int
+    location: str
+    view: memoryview | None
+    address: int
+    # Keeps the registered object alive as long as the segment is.
+    owner: Any = field(repr=False)
+    # The memfd that peers on this host map; -1 if not shared memory.
+    shm_fd: int = -1
+    # A SharedBuffer the engine allocated and must close on unregister.
+    owned: SharedBuffer | None = field(default=None, repr=False)
+    # CUDA tensor as flat bytes, for device segments.
+    device_bytes: Any = field(default=None, repr=False)
+    # Local batches using this segment; unregister refuses while > 0.
+    busy: int = 0
+    _busy_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def is_host(self) -> bool:
+        return self.view is not None
+
+    @property
+    def is_shared(self) -> bool:
+        return self.shm_fd >= 0
+
+    def check_range(self, offset: int, length: int) -> str | None:
+        """Why [offset, offset+length) is not inside this segment, or None."""
+        if offset < 0 or length < 0:
+            return f"negative offset or length ({offset}, {length}) for segment {self.name!r}"
+        if offset + length > self.length:
+            return (
+                f"range [{offset}, {offset + length}) is outside segment {self.name!r} "
+                f"of {self.length} bytes"
+            )
+        return None
+
+    def acquire(self) -> None:
+        with self._busy_lock:
+            self.busy += 1
+
+    def release(self) -> None:
+        with self._busy_lock:
+            self.busy -= 1
+
+    def source(self, offset: int, length: int) -> memoryview:
+        """Bytes to send from [offset, offset+length): the registered memory itself
+        for host segments, a pinned copy for device segments."""
+        if self.view is not None:
+            return self.view[offset : offset + length]
+        import torch
+
+        staging = torch.empty(length, dtype=torch.uint8, pin_memory=True)
+        staging.copy_(self.device_bytes[offset : offset + length])
+        return memoryview(staging.numpy())
+
+    def destination(self, offset: int, length: int) -> tuple[memoryview, Callable[[], None] | None]:
+        """Where to land bytes for [offset, offset+length), and what to call once
+        they are all there (None for host segments: they land in place)."""
+        if self.view is not None:
+            return self.view[offset : offset + length], None
+        import torch
+
+        staging = torch.empty(length, dtype=torch.uint8, pin_memory=True)
+        target = self.device_bytes[offset : offset + length]
+
+        def commit() -> None:
+            target.copy_(staging)
+            torch.cuda.current_stream(target.device).synchronize()
+
+        return memoryview(staging.numpy()), commit
+
+
+def _host_view(buffer: Any) -> memoryview:
+    try:
+        view = memoryview(buffer)
+    except TypeError:
+        raise SegmentError(
+            f"cannot register a {type(buffer).__name__}: expected a torch tensor, bytearray, "
+            "writable memoryview/mmap/numpy array, SharedBuffer or SharedMemory"
+        ) from None
+    if view.readonly:
+        raise SegmentError("cannot register read-only memory: peers may write to a segment")
+    if not view.c_contiguous:
+        raise SegmentError("cannot register non-contiguous memory")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _torch_segment_parts(tensor: Any) -> tuple[memoryview | None, Any, str]:
+    """(host view or None, flat device bytes or None, location) of a tensor."""
+    if not tensor.is_contiguous():
+        raise SegmentError("cannot register a non-contiguous tensor; call .contiguous() first")
+    flat = tensor.reshape(-1).view(__import__("torch").uint8)
+    if tensor.device.type == "cpu":
+        return memoryview(flat.numpy()), None, "cpu"
+    if tensor.device.type == "cuda":
+        index = tensor.device.index if tensor.device.index is not None else 0
+        return None, flat, f"cuda:{index}"
+    raise SegmentError(f"cannot register a tensor on {tensor.device}; only cpu and cuda")
+
+
+class SegmentTable:
+    """The node's registered segments, by name and by id.
+
+    Mutated on the event loop; read by serving threads (plain dict lookups,
+    atomic under the GIL).
+    """
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, Segment] = {}
+        self._by_id: dict[int, Segment] = {}
+        self._next_id = 1
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def get(self, name: str) -> Segment | None:
+        return self._by_name.get(name)
+
+    def by_id(self, seg_id: int) -> Segment | None:
+        return self._by_id.get(seg_id)
+
+    def register(self, name: str, buffer: Any) -> Segment:
+        if not name or len(name.encode()) > 255:
+            raise SegmentError(f"segment name must be 1..255 bytes, got {name!r}")
+        if name in self._by_name:
+            raise SegmentError(f"segment {name!r} is already registered; unregister it first")
+        seg_id = self._next_id
+        owner: Any = buffer
+        shm_fd = -1
+        device_bytes = None
+        location = "cpu"
+        torch = sys.modules.get("torch")
+        if isinstance(buffer, SharedBuffer):
+            view: memoryview | None = buffer.view
+            shm_fd = buffer.fd
+        elif torch is not None and isinstance(buffer, torch.Tensor):
+            view, device_bytes, location = _torch_segment_parts(buffer)
+        elif type(buffer).__name__ == "SharedMemory" and hasattr(buffer, "buf"):
+            view = _host_view(buffer.buf)
+            try:
+                shm_fd = os.open(f"/dev/shm/{buffer.name.lstrip('/')}", os.O_RDWR | os.O_CLOEXEC)
+            except OSError:
+                shm_fd = -1  # still usable over tcp
+            owner = (buffer, shm_fd)
+        else:
+            view = _host_view(buffer)
+        length = len(view) if view is not None else int(device_bytes.numel())
+        if length == 0:
+            raise SegmentError(f"cannot register empty segment {name!r}")
+        address = _view_address(view) if view is not None else 0
+        segment = Segment(
+            name=name,
+            seg_id=seg_id,
+            length=length,
+            location=location,
+            view=view,
+            address=address,
+            owner=owner,
+            shm_fd=shm_fd,
+            device_bytes=device_bytes,
+        )
+        self._next_id += 1
+        self._by_name[name] = segment
+        self._by_id[seg_id] = segment
+        return segment
+
+    def unregister(self, name: str) -> Segment:
+        segment = self._by_name.get(name)
+        if segment is None:
+            raise SegmentError(f"segment {name!r} is not registered")
+        if segment.busy:
+            raise SegmentError(
+                f"segment {name!r} has {segment.busy} local batch(es) in flight; "
+                "await or cancel them before unregistering"
+            )
+        del self._by_name[name]
+        del self._by_id[segment.seg_id]
+        if isinstance(segment.owner, tuple) and len(segment.owner) == 2 and segment.shm_fd >= 0:
+            os.close(segment.shm_fd)  # the fd we opened for a SharedMemory
+        if segment.owned is not None:
+            segment.owned.close()
+        return segment
+
+    def clear(self) -> None:
+        for name in list(self._by_name):
+            segment = self._by_name[name]
+            segment.busy = 0
+            self.unregister(name)

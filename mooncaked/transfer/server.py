@@ -1,0 +1,300 @@
+"""The serving side of the transfer endpoint.
+
+Accepts on a tcp listener (data streams, lookups) and, when shared memory is
+enabled, on an abstract unix socket (shared-memory fds for peers on this
+host). Each accepted connection is authenticated, then served by a thread of
+its own doing blocking I/O: WRITE payloads are received straight into the
+target segment and READs are sent straight from it. Every op is checked
+against its segment first; a bad op is answered with a status and the
+connection keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import structlog
+
+from mooncaked.transfer import protocol as p
+from mooncaked.transfer.batch import TransferMetrics
+from mooncaked.transfer.segment import Segment, SegmentTable
+from mooncaked.transfer.threads import ThreadGroup
+
+log = structlog.get_logger(__name__)
+
+# Most connections served at once; beyond it new ones are closed at accept.
+MAX_CONNECTIONS = 1024
+_SCRATCH_BYTES = 1024 * 1024
+
+# SHM_OPEN reply: status, registry slot, segment length, registry slots.
+SHM_REPLY = struct.Struct("<HxxIQI")
+
+
+def tune_socket(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+class TransferServer:
+    def __init__(
+        self,
+        table: SegmentTable,
+        secret: bytes,
+        metrics: TransferMetrics,
+        info: Callable[[], dict[str, Any]],
+        shm_fds: Callable[[Segment], tuple[int, int, int] | None] | None = None,
+        rdma_region: Callable[[Segment], tuple[int, int] | None] | None = None,
+        rdma_accept: Callable[[str, Any], Any] | None = None,
+    ) -> None:
+        """``info`` gives the handshake info; ``shm_fds`` maps a shared segment to
+        (its fd, registry fd, registry slot), or None if it cannot be shared;
+        ``rdma_region`` gives a segment's (addr, rkey); ``rdma_accept`` connects a
+        QP for a peer's RDMA_CONNECT body and returns the reply body."""
+        self._table = table
+        self._secret = secret
+        self._metrics = metrics
+        self._info = info
+        self._shm_fds = shm_fds
+        self._rdma_region = rdma_region
+        self._rdma_accept = rdma_accept
+        self._listeners: list[socket.socket] = []
+        self._accept_tasks: list[asyncio.Task[None]] = []
+        self._threads = ThreadGroup("xfer-serve")
+        self._conns: set[socket.socket] = set()
+        self._closing = False
+        self.address = ""
+        self.unix_address = ""
+
+    async def start(self, host: str, port: int, unix_name: str | None) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            tcp = socket.create_server((host, port), backlog=256, reuse_port=False)
+            tcp.setblocking(False)
+            self._listeners.append(tcp)
+            bound_host, bound_port = tcp.getsockname()[:2]
+            self.address = f"{bound_host}:{bound_port}"
+            self._accept_tasks.append(
+                loop.create_task(self._accept_loop(tcp, p.Channel.STREAM), name="xfer-accept-tcp")
+            )
+            if unix_name is not None:
+                unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                # Abstract namespace: no file to clean up, reachable only from
+                # this host's network namespace; the handshake still applies.
+                unix.bind("\0" + unix_name)
+                unix.listen(64)
+                unix.setblocking(False)
+                self._listeners.append(unix)
+                self.unix_address = unix_name
+                self._accept_tasks.append(
+                    loop.create_task(
+                        self._accept_loop(unix, p.Channel.SHM), name="xfer-accept-unix"
+                    )
+                )
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in self._accept_tasks:
+            task.cancel()
+        for task in self._accept_tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                try:
+                    await task
+                except Exception:
+                    log.exception("transfer accept loop failed")
+        self._accept_tasks.clear()
+        for listener in self._listeners:
+            listener.close()
+        self._listeners.clear()
+        self.drop_connections()
+        await self._threads.join_async(5.0)
+
+    def drop_connections(self) -> int:
+        """Cut every served connection (peers reconnect); returns how many."""
+        conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+        return len(conns)
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._conns)
+
+    async def _accept_loop(self, listener: socket.socket, channel: p.Channel) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                if self._closing:
+                    return
+                log.warning("transfer accept failed", error=str(exc))
+                continue
+            if len(self._conns) >= MAX_CONNECTIONS:
+                log.warning("transfer connection limit reached; refusing", limit=MAX_CONNECTIONS)
+                conn.close()
+                continue
+            conn.setblocking(True)
+            tune_socket(conn)
+            self._conns.add(conn)
+            self._threads.start(f"conn-{conn.fileno()}", lambda c=conn: self._serve(c, channel))
+
+    # -- per-connection thread --------------------------------------------
+
+    def _serve(self, conn: socket.socket, channel: p.Channel) -> None:
+        peer = "?"
+        try:
+            conn.settimeout(p.HANDSHAKE_TIMEOUT_S)
+            try:
+                peer, got_channel = p.server_handshake(conn, self._secret, self._info())
+            except p.AuthError as exc:
+                self._metrics.add("handshakes_refused", 1)
+                log.warning("transfer handshake refused", reason=str(exc))
+                return
+            if got_channel is not channel:
+                log.warning("transfer channel kind mismatch", peer=peer, channel=got_channel.name)
+                return
+            conn.settimeout(None)
+            scratch = memoryview(bytearray(_SCRATCH_BYTES))
+            while not self._closing:
+                kind, count, _reserved, payload = p.FRAME.unpack(p.recv_exact(conn, p.FRAME.size))
+                if kind == p.FrameKind.DATA and channel is p.Channel.STREAM:
+                    self._serve_data(conn, count, payload, scratch)
+                elif kind == p.FrameKind.LOOKUP:
+                    self._serve_lookup(conn, payload)
+                elif kind == p.FrameKind.SHM_OPEN and channel is p.Channel.SHM:
+                    self._serve_shm_open(conn, payload)
+                elif kind == p.FrameKind.RDMA_CONNECT and self._rdma_accept is not None:
+                    if payload > p.MAX_CONTROL_BYTES:
+                        raise p.ProtocolError(f"rdma connect of {payload} bytes")
+                    body = orjson.loads(bytes(p.recv_exact(conn, payload)))
+                    p.send_control(conn, p.FrameKind.RDMA_CONNECT, self._rdma_accept(peer, body))
+                else:
+                    raise p.ProtocolError(f"unexpected frame kind {kind} on {channel.name}")
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            if not self._closing and not isinstance(exc, ConnectionResetError):
+                log.info("transfer connection closed", peer=peer, reason=str(exc))
+        except p.ProtocolError as exc:
+            log.warning("transfer peer broke the protocol", peer=peer, reason=str(exc))
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    def _serve_lookup(self, conn: socket.socket, size: int) -> None:
+        if size > p.MAX_CONTROL_BYTES:
+            raise p.ProtocolError(f"lookup of {size} bytes")
+        body = orjson.loads(bytes(p.recv_exact(conn, size)))
+        names = body.get("names") if isinstance(body, dict) else None
+        if not isinstance(names, list):
+            raise p.ProtocolError("lookup without names")
+        entries: list[dict[str, Any] | None] = []
+        for name in names:
+            seg = self._table.get(name) if isinstance(name, str) else None
+            if seg is None:
+                entries.append(None)
+                continue
+            entries.append(
+                {
+                    "name": seg.name,
+                    "id": seg.seg_id,
+                    "length": seg.length,
+                    "location": seg.location,
+                    "shm": seg.is_shared and self._shm_fds is not None,
+                    "rdma": self._rdma_region(seg) if self._rdma_region is not None else None,
+                }
+            )
+        p.send_control(conn, p.FrameKind.LOOKUP, {"segments": entries})
+
+    def _serve_shm_open(self, conn: socket.socket, size: int) -> None:
+        body = orjson.loads(bytes(p.recv_exact(conn, size)))
+        seg_id = body.get("id") if isinstance(body, dict) else None
+        seg = self._table.by_id(seg_id) if isinstance(seg_id, int) else None
+        fds = self._shm_fds(seg) if (seg is not None and self._shm_fds is not None) else None
+        if seg is None or fds is None:
+            conn.sendall(SHM_REPLY.pack(p.Status.UNKNOWN_SEGMENT, 0, 0, 0))
+            return
+        seg_fd, registry_fd, slot = fds
+        socket.send_fds(
+            conn, [SHM_REPLY.pack(p.Status.OK, slot, seg.length, 0)], [seg_fd, registry_fd]
+        )
+
+    def _serve_data(
+        self, conn: socket.socket, count: int, payload: int, scratch: memoryview
+    ) -> None:
+        if count == 0 or count > p.MAX_FRAME_OPS:
+            raise p.ProtocolError(f"data frame with {count} ops")
+        raw = p.recv_exact(conn, count * p.OP_RECORD.size)
+        statuses = bytearray(p.FRAME.size + count * p.STATUS_RECORD.size)
+        p.FRAME.pack_into(statuses, 0, p.FrameKind.DATA, count, 0, 0)
+        write_views: list[memoryview] = []
+        read_views: list[memoryview] = []
+        commits = []
+        write_total = 0
+        read_total = 0
+        errors = 0
+        table = self._table
+        for i, (op, seg_id, offset, length) in enumerate(p.OP_RECORD.iter_unpack(raw)):
+            if length > p.MAX_RECORD_BYTES:
+                raise p.ProtocolError(f"op of {length} bytes exceeds {p.MAX_RECORD_BYTES}")
+            status = p.Status.OK
+            aux = 0
+            seg = table.by_id(seg_id)
+            if op != p.OpCode.READ and op != p.OpCode.WRITE:
+                raise p.ProtocolError(f"unknown op code {op}")
+            if seg is None:
+                status = p.Status.UNKNOWN_SEGMENT
+            elif offset + length > seg.length:
+                status = p.Status.OUT_OF_RANGE
+                aux = seg.length
+            if op == p.OpCode.WRITE:
+                write_total += length
+                if status is p.Status.OK:
+                    view, commit = seg.destination(offset, length)  # type: ignore[union-attr]
+                    write_views.append(view)
+                    if commit is not None:
+                        commits.append(commit)
+                else:
+                    # Keep the stream in step: swallow the refused payload.
+                    left = length
+                    while left:
+                        chunk = min(left, len(scratch))
+                        write_views.append(scratch[:chunk])
+                        left -= chunk
+            elif status is p.Status.OK:
+                try:
+                    read_views.append(seg.source(offset, length))  # type: ignore[union-attr]
+                    read_total += length
+                except Exception as exc:
+                    log.warning("reading a device segment failed", error=str(exc))
+                    status = p.Status.DEVICE_ERROR
+            if status is not p.Status.OK:
+                errors += 1
+            p.STATUS_RECORD.pack_into(
+                statuses, p.FRAME.size + i * p.STATUS_RECORD.size, status, aux
+            )
+        if write_total != payload:
+            raise p.ProtocolError(
+                f"frame announces {payload} payload bytes, ops need {write_total}"
+            )
+        if write_views:
+            p.recv_into_views(conn, write_views)
+        for commit in commits:
+            commit()
+        p.FRAME.pack_into(statuses, 0, p.FrameKind.DATA, count, 0, read_total)
+        p.send_views(conn, [statuses, *read_views])
+        m = self._metrics
+        with m.lock:
+            m.served_ops += count
+            m.served_errors += errors
+            m.served_bytes_read += read_total
+            m.served_bytes_written += write_total
