@@ -212,9 +212,10 @@ def write_kv(
 class SdpaBackend:
     """torch SDPA on any device: decodes batched in one call, prefills one call each.
 
-    GQA without repeating K/V: the query heads that share a KV head are folded
-    into the query-length axis, ``[kv_heads, group * q_len, D]``, so one KV
-    head serves its whole group.
+    Decodes are padded to the longest context of the batch and masked. GQA
+    without repeating K/V: for decodes, the query heads that share a KV head
+    are folded into the query axis (``[Bd, kv_heads, group, D]``); prefills
+    pass ``enable_gqa``.
     """
 
     name = "sdpa"
@@ -258,22 +259,26 @@ class SdpaBackend:
         cu = meta.query_starts
         for i, blocks_i in zip(meta.prefill_seq_ids, meta.prefill_blocks, strict=True):
             lo, hi = cu[i], cu[i + 1]
-            qlen = hi - lo
             start = meta.start_positions[i]
-            # [q, H, D] -> [KVH, q * G, D], rows ordered (position, group member).
-            qp = q[lo:hi].view(qlen, kvh, g, hd).permute(1, 0, 2, 3).reshape(kvh, qlen * g, hd)
-            ctx = start + qlen
+            ctx = meta.context_lens[i]
+            qp = q[lo:hi].transpose(0, 1)  # [H, q, D]
             if blocks_i is None:
+                # The chunk is the whole context: plain causal attention.
                 kp = k[lo:hi].transpose(0, 1)
                 vp = v[lo:hi].transpose(0, 1)
+                op = F.scaled_dot_product_attention(
+                    qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=g > 1
+                )
             else:
                 kp = k_cache.index_select(0, blocks_i).view(-1, kvh, hd)[:ctx].transpose(0, 1)
                 vp = v_cache.index_select(0, blocks_i).view(-1, kvh, hd)[:ctx].transpose(0, 1)
-            # Query at position start + i sees keys 0 .. start + i.
-            qpos = torch.arange(start, ctx, device=q.device).repeat_interleave(g)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale)
-            out[lo:hi] = op.view(kvh, qlen, g, hd).permute(1, 0, 2, 3).reshape(qlen, -1, hd)
+                # Query at position start + i sees keys 0 .. start + i.
+                qpos = torch.arange(start, ctx, device=q.device)
+                mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+                op = F.scaled_dot_product_attention(
+                    qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=g > 1
+                )
+            out[lo:hi] = op.transpose(0, 1)
         return out
 
 
