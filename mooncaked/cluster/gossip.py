@@ -319,9 +319,12 @@ class GossipCore:
                 self._send_indirect(probe)
             if now >= self._next_probe:
                 self._probe_tick(now)
-                self._next_probe = _next_tick(self._next_probe, self.config.probe_interval_s, now)
             if self._suspect_deadlines:
                 self._expire_suspicions(now)
+        # Every timer that next_deadline() reports moves on here, leaving or
+        # not: a deadline left in the past would spin the host's loop.
+        if now >= self._next_probe:
+            self._next_probe = _next_tick(self._next_probe, self.config.probe_interval_s, now)
         if now >= self._next_gossip:
             self._gossip_tick(now)
             self._next_gossip = _next_tick(self._next_gossip, self.config.gossip_interval_s, now)
@@ -1244,7 +1247,10 @@ class ClusterService:
         core = self.core
         while True:
             delay = core.next_deadline() - self._clock()
-            if delay > 0:
+            if delay <= 0:
+                # Overdue: run it, but let the packets and the other tasks in first.
+                await asyncio.sleep(0)
+            else:
                 self._wake.clear()
                 self._sleep_until = core.next_deadline()
                 handle = loop.call_later(delay, self._wake.set)

@@ -455,3 +455,15 @@ def test_tcp_request_forgery_raises_wire_error() -> None:
             forger.seal([wire.msg_frame({"t": "sync", "members": []})])
         )
     assert net.core("n0").counters.dropped_bad_mac == 1
+
+
+def test_every_deadline_moves_on_while_leaving() -> None:
+    # A timer reported by next_deadline() but not advanced by on_timer() would
+    # make the host loop spin without ever yielding.
+    net = make_cluster(3)
+    n1 = net.core("n1")
+    n1.leave()
+    for _ in range(20):
+        net.clock.t = n1.next_deadline()
+        n1.on_timer()
+        assert n1.next_deadline() > net.clock.t
