@@ -74,7 +74,11 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 def make_hf_model(
     kind: str, model_dir: Path, *, sharded: bool = False, seed: int = 0
 ) -> Any:
-    """Save a small random ``kind`` ("llama" | "qwen2") model; return the HF model."""
+    """Save a small random ``kind`` model; return the HF model.
+
+    llama: llama3 RoPE scaling, untied head; qwen2: q/k/v bias, tied
+    embeddings; mistral: linear RoPE scaling.
+    """
     import transformers
 
     common: dict[str, Any] = dict(
@@ -108,6 +112,15 @@ def make_hf_model(
     elif kind == "qwen2":
         config = transformers.Qwen2Config(**common, rope_theta=1000.0, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(config)
+    elif kind == "mistral":
+        config = transformers.MistralConfig(
+            **common,
+            rope_theta=5000.0,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+            sliding_window=None,
+            tie_word_embeddings=False,
+        )
+        model = transformers.MistralForCausalLM(config)
     else:
         raise ValueError(f"unknown kind {kind!r}")
     _perturb(model, seed)

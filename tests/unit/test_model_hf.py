@@ -25,7 +25,7 @@ from tests.hf_fixtures import EOS, VOCAB_SIZE, make_hf_model
 BLOCK = 16
 TOL = 1e-4
 
-CASES = [("llama", False), ("llama", True), ("qwen2", False)]
+CASES = [("llama", False), ("llama", True), ("qwen2", False), ("mistral", False)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}{'-sharded' if c[1] else ''}")
@@ -73,6 +73,8 @@ def test_loader_reads_the_directory(hf_case: Any) -> None:
     assert arch.tie_word_embeddings is (kind == "qwen2")
     if kind == "llama":
         assert arch.rope_scaling is not None and arch.rope_scaling.rope_type == "llama3"
+    if kind == "mistral":
+        assert arch.rope_scaling is not None and arch.rope_scaling.rope_type == "linear"
     assert loaded.max_model_len == 512
     assert loaded.dtype == torch.float32 and loaded.device.type == "cpu"
     assert loaded.model_id.startswith(f"hf:{d.name}@")
@@ -227,3 +229,41 @@ def test_max_model_len_beyond_the_model_is_rejected(hf_case: Any) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         load_model(ModelConfig(path=str(d), max_model_len=513))
     assert load_model(ModelConfig(path=str(d), max_model_len=100)).max_model_len == 100
+
+
+def _config(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model_type": "llama",
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    }
+    base.update(over)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def test_arch_from_hf_formats_and_errors() -> None:
+    from mooncaked.engine.model import ModelArch
+
+    old_style = ModelArch.from_hf(
+        _config(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 4.0}, eos_token_id=[5, 6])
+    )
+    assert old_style.rope_theta == 500000.0
+    assert old_style.rope_scaling is not None and old_style.rope_scaling.factor == 4.0
+    assert old_style.head_dim == 4 and old_style.eos_token_ids == (5, 6)
+    new_style = ModelArch.from_hf(_config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    assert new_style.rope_theta == 1e6 and new_style.rope_scaling is None
+    with pytest.raises(ValueError, match="'gemma'"):
+        ModelArch.from_hf(_config(model_type="gemma"))
+    with pytest.raises(ValueError, match="'intermediate_size'"):
+        ModelArch.from_hf(_config(intermediate_size=None))
+    with pytest.raises(ValueError, match="'yarn'"):
+        ModelArch.from_hf(_config(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="'low_freq_factor'"):
+        ModelArch.from_hf(_config(rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+    windowed = ModelArch.from_hf(_config(model_type="mistral", sliding_window=32))
+    assert windowed.max_model_len == 32
