@@ -118,6 +118,10 @@ class Node:
         return self._engine
 
     @property
+    def listening(self) -> bool:
+        return self._runner is not None
+
+    @property
     def port(self) -> int:
         if self._port is None:
             raise RuntimeError("the node is not listening; call start() first")

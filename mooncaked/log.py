@@ -56,11 +56,21 @@ def configure_logging(
     """Route structlog and stdlib logging to ``stream`` (stderr) at ``config.level``."""
     stream = stream if stream is not None else sys.stderr
     level = _LEVELS[config.level]
-    renderer: structlog.types.Processor
+    # The console renderer formats exceptions itself (pretty); JSON needs them as text.
+    final: list[structlog.types.Processor]
     if use_json(config, stream):
-        renderer = structlog.processors.JSONRenderer(serializer=_orjson_dumps)
+        final = [
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(serializer=_orjson_dumps),
+        ]
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=getattr(stream, "isatty", lambda: False)())
+        colors = getattr(stream, "isatty", lambda: False)()
+        # Plain tracebacks: rich's would print local variables, secrets included.
+        final = [
+            structlog.dev.ConsoleRenderer(
+                colors=colors, exception_formatter=structlog.dev.plain_traceback
+            )
+        ]
 
     # Shared by structlog events and foreign (stdlib) records.
     pre_chain: list[structlog.types.Processor] = [
@@ -75,7 +85,6 @@ def configure_logging(
             structlog.stdlib.filter_by_level,
             *pre_chain,
             structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
             structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
@@ -84,11 +93,7 @@ def configure_logging(
     )
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=pre_chain,
-        processors=[
-            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
     )
     handler = logging.StreamHandler(stream)
     handler.setFormatter(formatter)

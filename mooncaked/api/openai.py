@@ -386,7 +386,7 @@ class OpenAIAPI:
                 # Aborts the request (frees its blocks) unless it finished:
                 # a client that left, a failed write, a cancelled handler.
                 await stream.aclose()
-                timer.done(reply, self._metrics)
+                timer.done(reply)
 
     def _add_request(
         self, engine: EngineCore, parsed: Parsed, request_id: str, *, chat: bool
@@ -810,7 +810,8 @@ class _Timer:
                 self._metrics.itl.observe(gap)
         self._last = now
 
-    def done(self, reply: _Reply, metrics: ApiMetrics) -> None:
+    def done(self, reply: _Reply) -> None:
+        metrics = self._metrics
         metrics.prompt_tokens.inc(len(reply.parsed.prompt_token_ids))
         metrics.generation_tokens.inc(reply.num_output_tokens)
         metrics.cached_prompt_tokens.inc(reply.num_cached_tokens)

@@ -674,3 +674,39 @@ async def test_start_failure_unwinds_the_started_steps(tmp_path: Any) -> None:
         w.close()
     with pytest.raises(RuntimeError, match="starts once"):
         await node.start()
+
+
+async def test_probes_while_the_model_loads() -> None:
+    import threading
+
+    from mooncaked.engine.core import EngineCore
+
+    # The real engine, built only once the test lets it: a model that takes
+    # as long to load as the test needs to look at the probes meanwhile.
+    may_load = threading.Event()
+
+    def slow_engine(config: Config) -> EngineCore:
+        if not may_load.wait(WAIT_S):
+            raise RuntimeError("the test never let the model load")
+        return EngineCore(config)
+
+    cfg = with_overrides(Config(), server={"port": 0}, kv={"num_blocks": 64})
+    node = Node(cfg, engine_factory=slow_engine)
+    starting = asyncio.ensure_future(node.start())
+    try:
+        await wait_until(lambda: node.listening, "the server to listen")
+        async with aiohttp.ClientSession(node.url) as s:
+            assert (await s.get("/health")).status == 200
+            r = await s.get("/ready")
+            assert r.status == 503 and (await r.json())["reason"] == "loading"
+            r = await s.post("/v1/completions", json={"prompt": "early"})
+            assert r.status == 503 and (await r.json())["error"]["code"] == "model_loading"
+            st = await (await s.get("/admin/status")).json()
+            assert st["model"] is None and st["ready"] is False and st["kv"] is None
+            may_load.set()
+            await starting
+            assert (await s.get("/ready")).status == 200
+    finally:
+        may_load.set()
+        await asyncio.gather(starting, return_exceptions=True)
+        await node.stop()
