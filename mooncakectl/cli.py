@@ -14,9 +14,8 @@ from mooncakectl.registry import COMMANDS, Env, ExitStatus
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "MOONCAKED_URL"
-# Modules whose import registers commands; optional ones may not exist yet.
-_COMMAND_MODULES = ("mooncakectl.commands",)
-_OPTIONAL_COMMAND_MODULES = ("mooncakectl.cluster_cmds",)
+# Modules whose import registers their commands.
+_COMMAND_MODULES = ("mooncakectl.commands", "mooncakectl.cluster_cmds")
 
 EPILOG = """\
 exit status:
@@ -32,12 +31,6 @@ exit status:
 def load_commands() -> None:
     for name in _COMMAND_MODULES:
         importlib.import_module(name)
-    for name in _OPTIONAL_COMMAND_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
 
 
 def build_parser(environ: dict[str, str] | os._Environ[str]) -> argparse.ArgumentParser:
