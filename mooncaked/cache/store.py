@@ -1,0 +1,786 @@
+"""The tiered store: lookup, load, offload and eviction across DRAM and SSD.
+
+The engine asks the store, by chained block hash, for what its device pool
+lacks:
+
+- ``lookup(hashes)``: the longest cached prefix and the tier of each block.
+- ``load(hashes, dst)``: copy that prefix into device blocks (or host rows).
+  SSD blocks are read off the event loop into DRAM slots (promoted), then
+  everything is copied to the destination in one scatter. Returns how many
+  blocks it loaded: a block can vanish between lookup and load, and the
+  caller computes the rest.
+- ``offload(hashes, src)``: device -> DRAM in the background after a prefill
+  or when a request finishes. The queue is bounded: a full queue drops the
+  request (counted) and returns None, so the engine never waits on the cache.
+  The returned future resolves once the source blocks have been copied: only
+  then may the engine reuse them.
+
+Blocks move down on their own: with ``ssd_write_through`` every block stored in
+DRAM is also written to the SSD in the background, and a block evicted from
+DRAM that the SSD lacks is copied out (demoted) before its slot is reused.
+Both go through one bounded SSD write queue; a full queue drops (and counts).
+
+Every tier change is reported to ``on_block_event(hash, tier, stored)`` (the
+cluster-wide block index listens).
+
+Leases: a local load leases the DRAM slots it copies from; peers (later) lease
+slots through ``dram.lease`` and read them at ``dram.slot_offset(slot)`` in
+``dram.buffer``, and a lease that outlives ``lease_timeout_s`` is reclaimed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import math
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from mooncaked.cache.dram import (
+    BlockLayout,
+    Clock,
+    DramPool,
+    KVCaches,
+    Lease,
+    gather_blocks,
+    physical_memory_bytes,
+    scatter_blocks,
+)
+from mooncaked.cache.hashing import BlockHash
+from mooncaked.cache.ssd import SsdTier
+from mooncaked.config import StoreConfig
+
+log = structlog.get_logger(__name__)
+
+__all__ = [
+    "BlockEventListener",
+    "BlockLayout",
+    "DeviceBlocks",
+    "StoreHit",
+    "StoreStats",
+    "Tier",
+    "TierStats",
+    "TieredStore",
+    "gather_blocks",
+    "scatter_blocks",
+]
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    DRAM = "dram"
+    SSD = "ssd"
+    PEER = "peer"
+
+
+# (hash, tier, stored: True | removed: False)
+BlockEventListener = Callable[[BlockHash, Tier, bool], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceBlocks:
+    """Blocks of a device KV cache: the source of an offload or the target of a load.
+
+    ``block_ids[i]`` pairs with ``hashes[i]`` of the call it is passed to.
+    """
+
+    kv_caches: KVCaches
+    block_ids: Sequence[int]
+
+
+# A uint8 [n, block_bytes] host tensor works as a source or target too (row i
+# pairs with hashes[i]).
+BlockBuffer = DeviceBlocks | torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class StoreHit:
+    """The longest cached prefix of a lookup: ``tiers[i]`` holds block ``i``."""
+
+    tiers: tuple[Tier, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tiers)
+
+    def num_in(self, tier: Tier) -> int:
+        return sum(1 for t in self.tiers if t is tier)
+
+
+@dataclass(slots=True)
+class TierStats:
+    # Lookups: blocks of the usable prefix found here / looked for here and not found.
+    hits: int = 0
+    misses: int = 0
+    # Loads: bytes served out of this tier; stores: bytes written into it.
+    bytes_read: int = 0
+    bytes_written: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    evictions: int = 0
+    # Gauges, filled by stats().
+    used_blocks: int = 0
+    capacity_blocks: int = 0
+    block_bytes: int = 0
+
+    @property
+    def hit_ratio(self) -> float:
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else 0.0
+
+
+@dataclass(slots=True)
+class StoreStats:
+    dram: TierStats = field(default_factory=TierStats)
+    ssd: TierStats = field(default_factory=TierStats)
+    loads: int = 0
+    blocks_loaded: int = 0
+    offloads: int = 0
+    offloads_dropped: int = 0
+    ssd_writes_queued: int = 0
+    ssd_writes_dropped: int = 0
+    ssd_demotions: int = 0
+    ssd_corrupt_dropped: int = 0
+    ssd_io_errors: int = 0
+    dram_leases: int = 0
+    dram_expired_leases: int = 0
+    event_listener_errors: int = 0
+
+
+@dataclass(slots=True)
+class _OffloadJob:
+    hashes: list[BlockHash]
+    src: BlockBuffer
+    future: asyncio.Future[int]
+    generation: int
+
+
+@dataclass(slots=True)
+class _SsdJob:
+    block_hash: BlockHash
+    # None: read the bytes from the block's DRAM slot when the job runs. An
+    # eviction before then attaches a copy here (the slot is about to be reused).
+    data: torch.Tensor | None = None
+
+
+# Internal readers (local loads, the SSD writer) end their leases in `finally`;
+# only peers need a deadline.
+_NO_DEADLINE = math.inf
+
+
+class TieredStore:
+    """DRAM and SSD tiers of the KV block cache behind one facade."""
+
+    def __init__(
+        self,
+        layout: BlockLayout,
+        config: StoreConfig,
+        *,
+        clock: Clock = time.monotonic,
+        on_block_event: BlockEventListener | None = None,
+        pin_memory: bool | None = None,
+        shm_path: str | None = None,
+    ) -> None:
+        self.layout = layout
+        self.config = config
+        self.block_bytes = layout.block_bytes
+        self.on_block_event = on_block_event
+        self._stats = StoreStats()
+        dram_bytes = config.dram_bytes
+        if dram_bytes == 0 and config.dram_fraction > 0:
+            dram_bytes = int(config.dram_fraction * physical_memory_bytes())
+        self.dram = DramPool(
+            layout,
+            dram_bytes // self.block_bytes,
+            clock=clock,
+            pin_memory=pin_memory,
+            shm_path=shm_path,
+            lease_timeout_s=config.lease_timeout_s,
+            on_stored=self._dram_stored,
+            on_removed=self._dram_removed,
+        )
+        self.ssd: SsdTier | None = None
+        if config.ssd_path:
+            stride = SsdTier.stride_for(self.block_bytes)
+            self.ssd = SsdTier(
+                config.ssd_path,
+                self.block_bytes,
+                config.ssd_bytes // stride,
+                layout_tag=layout.fingerprint(),
+                io_threads=config.ssd_io_threads,
+                verify_on_open=config.ssd_verify_on_start,
+                on_stored=self._ssd_stored,
+                on_removed=self._ssd_removed,
+            )
+        self._offload_q: asyncio.Queue[_OffloadJob | None] = asyncio.Queue(config.offload_queue)
+        self._ssd_q: asyncio.Queue[_SsdJob | None] = asyncio.Queue(config.ssd_write_queue)
+        # Queued SSD writes by hash: dedupes them, and lets an eviction attach bytes.
+        self._ssd_jobs: dict[BlockHash, _SsdJob] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._workers: list[asyncio.Task[None]] = []
+        self._copy_executor: ThreadPoolExecutor | None = None
+        self._generation = 0
+        self._started = False
+        self._closing = False
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the SSD tier (replaying its log) and start the background workers."""
+        if self._started:
+            raise RuntimeError("TieredStore.start called twice")
+        if self.ssd is not None:
+            await self.ssd.open()
+        self._copy_executor = ThreadPoolExecutor(2, thread_name_prefix="store-copy")
+        self._workers.append(self._spawn(self._offload_loop(), "store-offload"))
+        if self.ssd is not None:
+            for i in range(max(1, self.config.ssd_io_threads // 2)):
+                self._workers.append(self._spawn(self._ssd_write_loop(), f"store-ssd-writer-{i}"))
+        self._started = True
+        log.info(
+            "store.started",
+            block_bytes=self.block_bytes,
+            dram_slots=self.dram.num_slots,
+            ssd_slots=self.ssd.num_slots if self.ssd else 0,
+            ssd_blocks=self.ssd.num_blocks if self.ssd else 0,
+        )
+
+    async def close(self) -> None:
+        """Finish queued offloads, write every queued block to the SSD, close it.
+
+        Order: no new offloads; the offload worker drains its queue (that may
+        queue SSD writes); the SSD writers drain theirs; in-flight loads and
+        promotions end; the SSD log is appended and fsynced.
+        """
+        if not self._started or self._closing:
+            return
+        self._closing = True
+        try:
+            await self._offload_q.put(None)
+            if self._workers:
+                await self._workers[0]
+            for _ in self._workers[1:]:
+                await self._ssd_q.put(None)
+            for task in self._workers[1:]:
+                await task
+        finally:
+            # Loads and promotions in flight; a failed one was logged already.
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.ssd is not None:
+                await self.ssd.close()
+            if self._copy_executor is not None:
+                self._copy_executor.shutdown(wait=True)
+            self.dram.close()
+            self._started = False
+        log.info("store.closed")
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """A background task the store owns: kept, awaited on close, failure logged."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("store.task_failed", task=task.get_name(), error=repr(exc), exc_info=exc)
+
+    def _check_started(self) -> None:
+        if not self._started or self._closing:
+            raise RuntimeError("TieredStore is not running: await start() first (and not close())")
+
+    # -- lookup ------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[BlockHash], *, record_stats: bool = True) -> StoreHit:
+        """The longest prefix of ``hashes`` held in DRAM or on the SSD, and where.
+
+        With ``record_stats`` the per-tier hit and miss counters move: a block
+        counts as a DRAM miss when it is not in DRAM, and as an SSD miss when it
+        is in neither tier or follows the end of the prefix. Peer and
+        scheduler queries pass ``record_stats=False``.
+        """
+        tiers: list[Tier] = []
+        for h in hashes:
+            if self.dram.contains(h):
+                tiers.append(Tier.DRAM)
+            elif self.ssd is not None and self.ssd.contains(h):
+                tiers.append(Tier.SSD)
+            else:
+                break
+        hit = StoreHit(tuple(tiers))
+        if record_stats:
+            num_dram = hit.num_in(Tier.DRAM)
+            num_ssd = hit.num_in(Tier.SSD)
+            self._stats.dram.hits += num_dram
+            self._stats.dram.misses += len(hashes) - num_dram
+            if self.ssd is not None:
+                self._stats.ssd.hits += num_ssd
+                self._stats.ssd.misses += len(hashes) - num_dram - num_ssd
+        return hit
+
+    # -- load --------------------------------------------------------------
+
+    async def load(
+        self, hashes: Sequence[BlockHash], dst: BlockBuffer, *, owner: str = "local-load"
+    ) -> int:
+        """Copy the longest cached prefix of ``hashes`` into ``dst``; how many blocks.
+
+        ``dst`` is device blocks (``block_ids[i]`` receives ``hashes[i]``) or a
+        uint8 ``[n, block_bytes]`` tensor. Blocks found only on the SSD are read
+        off the event loop and kept in DRAM too. Blocks past the returned count
+        are untouched. If the caller is cancelled, ``dst`` is undefined.
+        """
+        self._check_started()
+        self._check_buffer(dst, len(hashes), "dst")
+        if not hashes:
+            return 0
+        dram, ssd = self.dram, self.ssd
+        # Decide every block's source in one step on the loop: nothing can
+        # change between the checks and the leases.
+        plan: list[Tier] = []
+        for h in hashes:
+            if dram.contains(h):
+                plan.append(Tier.DRAM)
+            elif ssd is not None and ssd.contains(h):
+                plan.append(Tier.SSD)
+            else:
+                break
+        if not plan:
+            return 0
+        dram_hashes = [h for h, t in zip(hashes, plan, strict=False) if t is Tier.DRAM]
+        leases: list[Lease] = []
+        if dram_hashes:
+            lease = dram.lease(dram_hashes, owner, _NO_DEADLINE)
+            if lease is None or lease.num_blocks != len(dram_hashes):
+                raise RuntimeError("DRAM blocks vanished between the check and the lease")
+            leases.append(lease)
+        try:
+            sources = await self._promote_from_ssd(hashes, plan, leases, owner)
+            n = len(sources)
+            if n == 0:
+                return 0
+            await self._run_copy(self._copy_out, sources, dst)
+        finally:
+            for lease in leases:
+                dram.release(lease)
+        num_dram = sum(1 for t, _ in sources if t is Tier.DRAM)
+        num_ssd = n - num_dram
+        self._stats.loads += 1
+        self._stats.blocks_loaded += n
+        self._stats.dram.bytes_read += num_dram * self.block_bytes
+        self._stats.ssd.bytes_read += num_ssd * self.block_bytes
+        return n
+
+    async def _promote_from_ssd(
+        self,
+        hashes: Sequence[BlockHash],
+        plan: list[Tier],
+        leases: list[Lease],
+        owner: str,
+    ) -> list[tuple[Tier, int | torch.Tensor]]:
+        """Read the plan's SSD blocks; each block's source: (tier it came from,
+        DRAM slot or staging row). Cut at the first block that failed."""
+        dram, ssd = self.dram, self.ssd
+        dram_slots = iter(leases[0].slot_ids) if leases else iter(())
+        # (index in hashes, hash, DRAM slot or None, buffer read into)
+        reads: list[tuple[int, BlockHash, int | None, torch.Tensor]] = []
+        sources: list[tuple[Tier, int | torch.Tensor]] = []
+        for i, (h, tier) in enumerate(zip(hashes, plan, strict=False)):
+            if tier is Tier.DRAM:
+                sources.append((Tier.DRAM, next(dram_slots)))
+                continue
+            slot = None if dram.has(h) else dram.allocate(h)
+            buf = (
+                dram.slot(slot)
+                if slot is not None
+                else torch.empty(self.block_bytes, dtype=torch.uint8)
+            )
+            reads.append((i, h, slot, buf))
+            # A promoted block is copied out of its DRAM slot (leased once
+            # committed); the others out of their staging buffer.
+            sources.append((Tier.SSD, slot if slot is not None else buf))
+        if not reads or ssd is None:
+            return sources
+
+        async def read_all() -> list[bool | BaseException]:
+            return await asyncio.gather(
+                *(ssd.get(h, buf) for _, h, _, buf in reads), return_exceptions=True
+            )
+
+        task = self._spawn(read_all(), "store-ssd-promote")
+        try:
+            # Shielded: reads fill DRAM slots, which must be committed or
+            # aborted only after every read has landed, even if we are cancelled.
+            results = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: self._finish_promotion(reads, t.result(), None, ""))
+            raise
+        cut = self._finish_promotion(reads, results, leases, owner)
+        return sources[:cut] if cut is not None else sources
+
+    def _finish_promotion(
+        self,
+        reads: list[tuple[int, BlockHash, int | None, torch.Tensor]],
+        results: list[bool | BaseException],
+        leases: list[Lease] | None,
+        owner: str,
+    ) -> int | None:
+        """Commit the DRAM slots read well, abort the rest; lease the committed ones
+        into ``leases`` when given. The index of the first failed block, or None."""
+        cut: int | None = None
+        committed: list[BlockHash] = []
+        for (i, h, slot, _), ok in zip(reads, results, strict=True):
+            if isinstance(ok, BaseException):
+                log.error("store.ssd_read_failed", block=h.hex(), error=repr(ok))
+                ok = False
+            if not ok and cut is None:
+                cut = i
+            if slot is None:
+                continue
+            if ok:
+                self.dram.commit(slot)
+                committed.append(h)
+            else:
+                self.dram.abort(slot)
+        if leases is not None and committed:
+            lease = self.dram.lease(committed, owner, _NO_DEADLINE)
+            if lease is None or lease.num_blocks != len(committed):
+                raise RuntimeError("promoted DRAM blocks vanished before their lease")
+            leases.append(lease)
+        return cut
+
+    def _copy_out(self, sources: list[tuple[Tier, int | torch.Tensor]], dst: BlockBuffer) -> None:
+        """Worker thread: sources (DRAM slots or staging buffers) -> dst rows 0..n-1."""
+        slot_pos: list[int] = []
+        slot_ids: list[int] = []
+        staged_pos: list[int] = []
+        staged_bufs: list[torch.Tensor] = []
+        for i, (_, src) in enumerate(sources):
+            if isinstance(src, int):
+                slot_pos.append(i)
+                slot_ids.append(src)
+            else:
+                staged_pos.append(i)
+                staged_bufs.append(src)
+        staged = torch.stack(staged_bufs) if staged_bufs else None
+        if isinstance(dst, DeviceBlocks):
+            if slot_pos:
+                scatter_blocks(
+                    dst.kv_caches, [dst.block_ids[i] for i in slot_pos], self.dram.slots, slot_ids
+                )
+            if staged is not None:
+                scatter_blocks(dst.kv_caches, [dst.block_ids[i] for i in staged_pos], staged)
+            return
+        if slot_pos:
+            _copy_rows(self.dram.slots, slot_ids, dst, slot_pos)
+        if staged is not None:
+            _copy_rows(staged, list(range(len(staged_pos))), dst, staged_pos)
+
+    # -- offload -----------------------------------------------------------
+
+    def offload(self, hashes: Sequence[BlockHash], src: BlockBuffer) -> asyncio.Future[int] | None:
+        """Queue a copy of blocks into DRAM; None when the queue is full (dropped).
+
+        The future resolves to how many blocks were stored once ``src`` has been
+        read: the caller keeps the source blocks unchanged until then. Blocks
+        already cached are only marked as recently used.
+        """
+        self._check_started()
+        self._check_buffer(src, len(hashes), "src")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        todo = [h for h in hashes if not self.dram.has(h)]
+        self.dram.touch(hashes)
+        if not todo:
+            fut.set_result(0)
+            return fut
+        job = _OffloadJob(list(hashes), src, fut, self._generation)
+        try:
+            self._offload_q.put_nowait(job)
+        except asyncio.QueueFull:
+            self._stats.offloads_dropped += 1
+            return None
+        self._stats.offloads += 1
+        return fut
+
+    async def _offload_loop(self) -> None:
+        while True:
+            job = await self._offload_q.get()
+            try:
+                if job is None:
+                    return
+                stored = await self._offload_one(job)
+            except Exception as exc:
+                log.error("store.offload_failed", error=repr(exc), exc_info=exc)
+                if job is not None and not job.future.done():
+                    job.future.set_exception(exc)
+                    # Retrieved here: a caller may have dropped the future.
+                    job.future.exception()
+                continue
+            finally:
+                self._offload_q.task_done()
+            if not job.future.done():
+                job.future.set_result(stored)
+
+    async def _offload_one(self, job: _OffloadJob) -> int:
+        dram, ssd = self.dram, self.ssd
+        rows: list[int] = []
+        slots: list[int] = []
+        # Blocks that found no DRAM slot (every slot leased or being filled, or
+        # no DRAM tier): written straight to the SSD from a staging copy, so a
+        # prefix longer than DRAM keeps its head in DRAM and its tail on SSD.
+        overflow: list[int] = []
+        seen: set[BlockHash] = set()
+        for i, h in enumerate(job.hashes):
+            if h in seen or dram.has(h):
+                continue
+            seen.add(h)
+            slot = dram.allocate(h) if not overflow else None
+            if slot is not None:
+                rows.append(i)
+                slots.append(slot)
+            elif ssd is not None and not ssd.has(h) and h not in self._ssd_jobs:
+                overflow.append(i)
+        staged = torch.empty((len(overflow), self.block_bytes), dtype=torch.uint8)
+        try:
+            await self._run_copy(self._copy_in, job.src, rows, slots, overflow, staged)
+        except BaseException:
+            for slot in slots:
+                dram.abort(slot)
+            raise
+        if job.generation != self._generation:
+            # clear() ran while the bytes were copied.
+            for slot in slots:
+                dram.abort(slot)
+            return 0
+        for slot in slots:
+            h = dram.commit(slot)
+            self._stats.dram.bytes_written += self.block_bytes
+            if self.config.ssd_write_through:
+                self._queue_ssd_write(h, None)
+        queued = sum(
+            self._queue_ssd_write(job.hashes[i], staged[j]) for j, i in enumerate(overflow)
+        )
+        return len(slots) + queued
+
+    def _copy_in(
+        self,
+        src: BlockBuffer,
+        rows: list[int],
+        slots: list[int],
+        overflow: list[int],
+        staged: torch.Tensor,
+    ) -> None:
+        """Worker thread: src rows -> DRAM slots, overflow rows -> staging rows."""
+        for src_rows, out, out_rows in ((rows, self.dram.slots, slots), (overflow, staged, None)):
+            if not src_rows:
+                continue
+            if isinstance(src, DeviceBlocks):
+                gather_blocks(src.kv_caches, [src.block_ids[i] for i in src_rows], out, out_rows)
+            else:
+                _copy_rows(src, src_rows, out, out_rows or list(range(len(src_rows))))
+
+    async def _run_copy(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._copy_executor is None:
+            raise RuntimeError("TieredStore is not running")
+        await asyncio.get_running_loop().run_in_executor(self._copy_executor, fn, *args)
+
+    # -- SSD writes --------------------------------------------------------
+
+    def _queue_ssd_write(self, block_hash: BlockHash, data: torch.Tensor | None) -> bool:
+        ssd = self.ssd
+        if ssd is None or ssd.has(block_hash):
+            return False
+        job = self._ssd_jobs.get(block_hash)
+        if job is not None:
+            if job.data is None and data is not None:
+                job.data = data
+            return True
+        job = _SsdJob(block_hash, data)
+        try:
+            self._ssd_q.put_nowait(job)
+        except asyncio.QueueFull:
+            self._stats.ssd_writes_dropped += 1
+            return False
+        self._ssd_jobs[block_hash] = job
+        self._stats.ssd_writes_queued += 1
+        return True
+
+    async def _ssd_write_loop(self) -> None:
+        while True:
+            job = await self._ssd_q.get()
+            try:
+                if job is None:
+                    return
+                if self._ssd_jobs.get(job.block_hash) is not job:
+                    continue  # dropped by clear()
+                del self._ssd_jobs[job.block_hash]
+                await self._write_to_ssd(job)
+            except Exception as exc:
+                # One failed write loses one block; the writer keeps going.
+                log.error("store.ssd_write_failed", error=repr(exc), exc_info=exc)
+            finally:
+                self._ssd_q.task_done()
+
+    async def _write_to_ssd(self, job: _SsdJob) -> None:
+        ssd = self.ssd
+        if ssd is None or ssd.has(job.block_hash):
+            return
+        if job.data is not None:
+            await ssd.put(job.block_hash, job.data)
+            return
+        lease = self.dram.lease([job.block_hash], "ssd-writer", _NO_DEADLINE)
+        if lease is None:
+            return  # removed from DRAM (not evicted: that would have attached a copy)
+        try:
+            await ssd.put(job.block_hash, self.dram.slot(lease.slot_ids[0]))
+        finally:
+            self.dram.release(lease)
+
+    # -- tier events -------------------------------------------------------
+
+    def _dram_stored(self, block_hash: BlockHash) -> None:
+        self._stats.dram.blocks_stored += 1
+        self._emit(block_hash, Tier.DRAM, True)
+
+    def _dram_removed(self, block_hash: BlockHash, slot: int, evicted: bool) -> None:
+        self._stats.dram.blocks_removed += 1
+        if evicted:
+            self._stats.dram.evictions += 1
+            self._demote(block_hash, slot)
+        self._emit(block_hash, Tier.DRAM, False)
+
+    def _demote(self, block_hash: BlockHash, slot: int) -> None:
+        """An evicted DRAM block the SSD lacks: copy it out before its slot is reused."""
+        ssd = self.ssd
+        if ssd is None or ssd.has(block_hash):
+            return
+        job = self._ssd_jobs.get(block_hash)
+        if job is not None and job.data is not None:
+            return
+        if job is None and self._ssd_q.full():
+            self._stats.ssd_writes_dropped += 1
+            return
+        # A synchronous copy of one block: the slot is reused right after this
+        # returns, and a copy is cheaper than making the allocator wait.
+        if self._queue_ssd_write(block_hash, self.dram.slot(slot).clone()):
+            self._stats.ssd_demotions += 1
+
+    def _ssd_stored(self, block_hash: BlockHash) -> None:
+        self._stats.ssd.blocks_stored += 1
+        self._stats.ssd.bytes_written += self.block_bytes
+        self._emit(block_hash, Tier.SSD, True)
+
+    def _ssd_removed(self, block_hash: BlockHash, evicted: bool) -> None:
+        self._stats.ssd.blocks_removed += 1
+        if evicted:
+            self._stats.ssd.evictions += 1
+        self._emit(block_hash, Tier.SSD, False)
+
+    def _emit(self, block_hash: BlockHash, tier: Tier, stored: bool) -> None:
+        if self.on_block_event is None:
+            return
+        try:
+            self.on_block_event(block_hash, tier, stored)
+        except Exception as exc:
+            # A listener's bug must not break the pools' bookkeeping mid-change.
+            self._stats.event_listener_errors += 1
+            log.error("store.block_event_listener_failed", error=repr(exc), exc_info=exc)
+
+    # -- operations --------------------------------------------------------
+
+    async def clear(self) -> int:
+        """Drop every cached block in both tiers and every queued offload and SSD
+        write; how many blocks were dropped. Offloads in flight store nothing."""
+        self._check_started()
+        self._generation += 1
+        while not self._offload_q.empty():
+            job = self._offload_q.get_nowait()
+            self._offload_q.task_done()
+            if job is not None and not job.future.done():
+                job.future.set_result(0)
+        # Queued SSD jobs are skipped by the writers once unregistered.
+        self._ssd_jobs.clear()
+        removed = self.dram.clear()
+        if self.ssd is not None:
+            removed += await self.ssd.clear()
+        log.info("store.cleared", blocks=removed)
+        return removed
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters, with the gauges filled in."""
+        s = self._stats
+        out = dataclasses.replace(
+            s, dram=dataclasses.replace(s.dram), ssd=dataclasses.replace(s.ssd)
+        )
+        out.dram.used_blocks = self.dram.num_cached
+        out.dram.capacity_blocks = self.dram.num_slots
+        out.dram.block_bytes = self.block_bytes
+        out.dram_leases = self.dram.num_leases
+        out.dram_expired_leases = self.dram.num_expired_leases
+        if self.ssd is not None:
+            out.ssd.used_blocks = self.ssd.num_blocks
+            out.ssd.capacity_blocks = self.ssd.num_slots
+            out.ssd.block_bytes = self.block_bytes
+            out.ssd_corrupt_dropped = self.ssd.num_corrupt
+            out.ssd_io_errors = self.ssd.num_io_errors
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError if a tier's bookkeeping disagrees with itself."""
+        self.dram.check_integrity()
+        if self.ssd is not None:
+            self.ssd.check_integrity()
+        if len(self._ssd_jobs) > self._ssd_q.qsize():
+            raise RuntimeError(
+                f"{len(self._ssd_jobs)} SSD jobs registered but {self._ssd_q.qsize()} queued"
+            )
+
+    async def flush(self) -> None:
+        """Wait until every queued offload is in DRAM and every queued SSD write is
+        on the SSD (in its log, not yet fsynced: ``ssd.sync()`` does that)."""
+        self._check_started()
+        # Offloads first: they queue SSD writes.
+        await self._offload_q.join()
+        await self._ssd_q.join()
+
+    # -- helpers -------------------------------------------------------------
+
+    def _check_buffer(self, buf: BlockBuffer, n: int, name: str) -> None:
+        if isinstance(buf, DeviceBlocks):
+            if len(buf.block_ids) != n:
+                raise ValueError(f"{name} has {len(buf.block_ids)} block ids for {n} hashes")
+            self.layout.check_kv_caches(buf.kv_caches)
+            return
+        if not isinstance(buf, torch.Tensor):
+            raise ValueError(f"{name} must be DeviceBlocks or a uint8 tensor, got {type(buf)}")
+        if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != self.block_bytes:
+            raise ValueError(
+                f"{name} must be a uint8 tensor [n, {self.block_bytes}], "
+                f"got {buf.dtype} {tuple(buf.shape)}"
+            )
+        if buf.shape[0] != n:
+            raise ValueError(f"{name} has {buf.shape[0]} rows for {n} hashes")
+        if buf.device.type != "cpu":
+            raise ValueError(f"{name} as a tensor must be on the CPU; use DeviceBlocks otherwise")
+
+
+def _copy_rows(
+    src: torch.Tensor, src_rows: list[int], dst: torch.Tensor, dst_rows: list[int]
+) -> None:
+    if len(src_rows) == 1:
+        dst[dst_rows[0]].copy_(src[src_rows[0]])
+        return
+    idx = torch.tensor(src_rows, dtype=torch.long)
+    dst.index_copy_(0, torch.tensor(dst_rows, dtype=torch.long), src.index_select(0, idx))
