@@ -143,7 +143,7 @@ async def test_completion_stream_matches_non_stream(node: Node) -> None:
 
 async def test_chat_stream_and_non_stream(node: Node) -> None:
     messages = [
-        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Answer in a few words."},
         {"role": "user", "content": [{"type": "text", "text": "Say something."}]},
     ]
     req = {
