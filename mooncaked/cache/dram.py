@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import mmap
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -277,7 +277,13 @@ class Lease:
 
 
 class DramPool:
-    """Fixed-size block slots in one host buffer; hash -> slot, LRU, leases."""
+    """Fixed-size block slots in one host buffer; hash -> slot, LRU, leases.
+
+    ``backing``: memory to lay the slots in, e.g. a shared mapping (memfd) that
+    the transfer engine registers so peers on the same host read slots without
+    a socket. By default the pool allocates its own buffer, pinned when CUDA
+    is present (``pin_memory=None``), so copies to and from the GPU are DMA.
+    """
 
     def __init__(
         self,
@@ -286,7 +292,7 @@ class DramPool:
         *,
         clock: Clock = time.monotonic,
         pin_memory: bool | None = None,
-        shm_path: str | os.PathLike[str] | None = None,
+        backing: Any = None,
         lease_timeout_s: float = 30.0,
         on_stored: StoredListener | None = None,
         on_removed: RemovedListener | None = None,
@@ -302,9 +308,8 @@ class DramPool:
         self._clock = clock
         self.on_stored = on_stored
         self.on_removed = on_removed
-        self.shm_path = str(shm_path) if shm_path is not None else None
-        self._mmap: mmap.mmap | None = None
-        self.buffer = self._allocate_buffer(pin_memory)
+        self._registered = False
+        self.buffer = self._allocate_buffer(pin_memory, backing)
         # [num_slots, block_bytes]: row i is slot i, at byte offset i * block_bytes.
         self.slots = self.buffer.view(num_slots, self.block_bytes)
 
@@ -323,46 +328,40 @@ class DramPool:
         self.num_evictions = 0
         self.num_expired_leases = 0
 
-    def _allocate_buffer(self, pin_memory: bool | None) -> torch.Tensor:
+    def _allocate_buffer(self, pin_memory: bool | None, backing: Any) -> torch.Tensor:
         size = self.num_slots * self.block_bytes
         cuda = torch.cuda.is_available()
         pin = cuda if pin_memory is None else pin_memory
         if pin and not cuda:
             raise ValueError("pin_memory=True needs CUDA; pass None to pin only when it is present")
-        if self.shm_path is None or size == 0:
+        if backing is None or size == 0:
             return torch.empty(size, dtype=torch.uint8, pin_memory=pin and size > 0)
-        # A file in a tmpfs (/dev/shm) lets a process on the same host map the
-        # pool and read slots without a copy through this process.
-        fd = os.open(self.shm_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        buf = torch.frombuffer(self._mmap, dtype=torch.uint8, count=size)
-        if pin and size:
+        view = memoryview(backing)
+        if view.readonly or not view.c_contiguous:
+            raise ValueError("the DRAM pool's backing must be writable, contiguous memory")
+        if view.nbytes < size:
+            raise ValueError(
+                f"the DRAM pool's backing has {view.nbytes} bytes; "
+                f"{self.num_slots} slots of {self.block_bytes} need {size}"
+            )
+        buf = torch.frombuffer(view.cast("B"), dtype=torch.uint8, count=size)
+        if pin:
+            # Page-locks memory allocated elsewhere, so copies to and from the
+            # GPU run as DMA like those of a pinned tensor.
             rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0)
             if int(rc) != 0:
                 raise RuntimeError(f"cudaHostRegister of the DRAM pool failed with {rc}")
+            self._registered = True
         return buf
 
     def close(self) -> None:
-        """Unmap and unlink a shared-memory backing; the pool is unusable afterwards."""
-        if self._mmap is not None:
-            self.buffer = torch.empty(0, dtype=torch.uint8)
-            self.slots = self.buffer.view(0, self.block_bytes)
-            try:
-                self._mmap.close()
-            except BufferError:
-                # A view of the buffer is still alive somewhere; the mapping
-                # goes when it does.
-                log.warning("dram.unmap_deferred", path=self.shm_path)
-            self._mmap = None
-            if self.shm_path is not None:
-                try:
-                    os.unlink(self.shm_path)
-                except FileNotFoundError:
-                    pass
+        """Let go of the buffer (unregistering a page-locked backing); the pool is
+        unusable afterwards."""
+        if self._registered:
+            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            self._registered = False
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.slots = self.buffer.view(0, self.block_bytes)
 
     # -- queries ---------------------------------------------------------
 

@@ -186,7 +186,7 @@ class TieredStore:
         clock: Clock = time.monotonic,
         on_block_event: BlockEventListener | None = None,
         pin_memory: bool | None = None,
-        shm_path: str | None = None,
+        dram_backing: Any = None,
     ) -> None:
         self.layout = layout
         self.config = config
@@ -201,7 +201,7 @@ class TieredStore:
             dram_bytes // self.block_bytes,
             clock=clock,
             pin_memory=pin_memory,
-            shm_path=shm_path,
+            backing=dram_backing,
             lease_timeout_s=config.lease_timeout_s,
             on_stored=self._dram_stored,
             on_removed=self._dram_removed,

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import mmap
+import os
 import subprocess
 import sys
 
@@ -258,25 +260,35 @@ def test_pin_memory_without_cuda_is_a_caller_error() -> None:
         DramPool(LAYOUT, 1, pin_memory=True)
 
 
-def test_shared_memory_backing_is_readable_from_another_process(tmp_path) -> None:
-    path = tmp_path / "pool.shm"
-    pool = DramPool(LAYOUT, 3, pin_memory=False, shm_path=path)
-    slot = fill(pool, h(0), 0)
-    pool.slot(slot).copy_(torch.arange(LAYOUT.block_bytes, dtype=torch.int64).to(torch.uint8))
-    fill(pool, h(1), 0xAB)
-    off = pool.slot_offset(pool.get_slot(h(1)) or 0)
-    reader = (
-        "import sys; f = open(sys.argv[1], 'rb'); f.seek(int(sys.argv[2]));"
-        "sys.stdout.write(f.read(int(sys.argv[3])).hex())"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", reader, str(path), str(off), str(LAYOUT.block_bytes)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    ).stdout
-    assert bytes.fromhex(out) == b"\xab" * LAYOUT.block_bytes
-    del slot
-    pool.close()
-    assert not path.exists()
+def test_slots_in_shared_memory_are_readable_from_another_process() -> None:
+    size = 3 * LAYOUT.block_bytes
+    fd = os.memfd_create("dram-test")
+    try:
+        os.ftruncate(fd, size)
+        shared = mmap.mmap(fd, size)
+        pool = DramPool(LAYOUT, 3, pin_memory=False, backing=shared)
+        fill(pool, h(0), 0x11)
+        slot = fill(pool, h(1), 0xAB)
+        assert shared[pool.slot_offset(slot)] == 0xAB  # the pool writes in place
+        reader = (
+            "import sys; f = open(sys.argv[1], 'rb'); f.seek(int(sys.argv[2]));"
+            "sys.stdout.write(f.read(int(sys.argv[3])).hex())"
+        )
+        args = [
+            f"/proc/{os.getpid()}/fd/{fd}",
+            str(pool.slot_offset(slot)),
+            str(LAYOUT.block_bytes),
+        ]
+        out = subprocess.run(
+            [sys.executable, "-c", reader, *args],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
+        assert bytes.fromhex(out) == b"\xab" * LAYOUT.block_bytes
+        pool.close()
+        with pytest.raises(ValueError, match="need 1536"):
+            DramPool(LAYOUT, 3, pin_memory=False, backing=bytearray(size - 1))
+    finally:
+        os.close(fd)
