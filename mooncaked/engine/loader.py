@@ -223,10 +223,11 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
         extra_eos += _eos_ids(_read_json(gen_cfg_path).get("eos_token_id"))
     tokenizer = HFTokenizer(d, extra_eos_token_ids=extra_eos)
 
-    # Built without allocating, then filled tensor by tensor from the files.
+    # Built without allocating, given storage of the final dtype on the final
+    # device once (no fp32 copy on the way), then filled from the files.
     with torch.device("meta"):
         model = CausalLM(arch)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
