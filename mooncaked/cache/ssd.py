@@ -208,6 +208,10 @@ class SsdTier:
         self.on_removed = on_removed
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
+        # Log appends, syncs and compactions: one thread of their own, so
+        # records never queue behind slab writes (a REMOVE that waits is a
+        # crash away from being lost, which costs a block's CRC check later).
+        self._log_executor: ThreadPoolExecutor | None = None
         self._slab_fd = -1
         self._log_fd = -1
         self._log_bytes = 0
@@ -258,6 +262,7 @@ class SsdTier:
         if self._opened:
             raise RuntimeError("SsdTier.open called twice")
         self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="ssd-io")
+        self._log_executor = ThreadPoolExecutor(1, thread_name_prefix="ssd-log")
         loop = asyncio.get_running_loop()
         try:
             parsed = await loop.run_in_executor(self._executor, self._open_files)
@@ -268,6 +273,7 @@ class SsdTier:
         except BaseException:
             self._close_fds()
             self._executor.shutdown(wait=True)
+            self._log_executor.shutdown(wait=True)
             raise
         self._opened = True
         self._flusher = asyncio.create_task(self._flush_loop(), name="ssd-log-flusher")
@@ -304,9 +310,10 @@ class SsdTier:
             await self._compact(sync_slab=True)
         finally:
             # Threads first: no fd may close under a read or write in flight.
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            for executor in (self._executor, self._log_executor):
+                if executor is not None:
+                    executor.shutdown(wait=True)
+            self._executor = self._log_executor = None
             self._close_fds()
             self._opened = False
 
@@ -717,7 +724,7 @@ class SsdTier:
         content = self._snapshot()
         self._log_buf.clear()
         await asyncio.get_running_loop().run_in_executor(
-            self._executor, self._rewrite_log, content, sync_slab
+            self._log_executor, self._rewrite_log, content, sync_slab
         )
         self.num_compactions += 1
 
@@ -739,9 +746,9 @@ class SsdTier:
                     if self._log_buf:
                         buf = bytes(self._log_buf)
                         self._log_buf.clear()
-                        await loop.run_in_executor(self._executor, self._append_log, buf)
+                        await loop.run_in_executor(self._log_executor, self._append_log, buf)
                     if sync:
-                        await loop.run_in_executor(self._executor, self._sync_files)
+                        await loop.run_in_executor(self._log_executor, self._sync_files)
             except OSError as exc:
                 # Lost records only forget blocks (see the module docstring).
                 self.num_io_errors += 1
