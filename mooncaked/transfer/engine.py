@@ -542,21 +542,28 @@ class TransferEngine:
                     and r.shm
                     and peer.shm.mapping(r) is None
                 ]
-                for remote in want:
-                    try:
-                        await asyncio.to_thread(peer.shm.open, remote)
-                    except (OSError, p.ProtocolError, SegmentError) as exc:
-                        log.warning(
-                            "shared-memory open failed; using tcp",
-                            peer=peer.link.node_id,
-                            error=str(exc),
-                        )
-                        peer.shm.close()
-                        peer.shm = None
-                        break
+                if want:
+                    await self._open_shm(peer, want)
             if self._rdma is not None and peer.rdma is None and not peer.rdma_off:
                 await self._try_rdma(peer)
         return None
+
+    async def _open_shm(self, peer: _Peer, remotes: list[RemoteSegment]) -> None:
+        shm = peer.shm
+        if shm is None:
+            return
+        shm.unwatch()  # the replies make the socket readable
+        try:
+            for remote in remotes:
+                await asyncio.to_thread(shm.open, remote)
+        except (OSError, p.ProtocolError, SegmentError) as exc:
+            log.warning(
+                "shared-memory open failed; using tcp", peer=peer.link.node_id, error=str(exc)
+            )
+            shm.close()
+            peer.shm = None
+            return
+        shm.watch(asyncio.get_running_loop())
 
     async def _try_shm(self, peer: _Peer) -> None:
         info = peer.link.info
@@ -569,6 +576,7 @@ class TransferEngine:
         else:
             try:
                 peer.shm = await asyncio.to_thread(ShmPeer.connect, peer.link)
+                peer.shm.watch(asyncio.get_running_loop())
                 log.info("shared memory with peer", peer=peer.link.node_id)
                 return
             except (OSError, p.AuthError) as exc:

@@ -45,9 +45,9 @@ def _view_address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def memmove(dst: int, src: int, length: int) -> None:
-    """memcpy between raw addresses; ctypes drops the GIL for the call."""
-    ctypes.memmove(dst, src, length)
+# memcpy between raw addresses; ctypes drops the GIL for the call, so copies
+# in worker threads run in parallel with the event loop.
+memmove = ctypes.memmove
 
 
 class SharedBuffer:

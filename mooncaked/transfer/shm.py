@@ -16,6 +16,7 @@ reconnected and its segments looked up afresh.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -107,6 +108,8 @@ class ShmPeer:
         self._registry_slots: memoryview | None = None
         self._mappings: dict[int, ShmMapping] = {}
         self.instance = link.instance
+        self.dead = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def connect(cls, link: PeerLink) -> ShmPeer:
@@ -132,6 +135,13 @@ class ShmPeer:
 
     def alive(self) -> bool:
         """False once the peer hung up (it exited or restarted)."""
+        if self.dead:
+            return False
+        if self._loop is not None:
+            return True  # the loop tells us when it hangs up
+        return self._probe()
+
+    def _probe(self) -> bool:
         try:
             data = self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -139,6 +149,26 @@ class ShmPeer:
         except OSError:
             return False
         return bool(data)
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Learn of a hang-up from the event loop instead of a syscall per batch.
+
+        The peer never speaks unasked on this socket, so outside ``open()``
+        (call ``unwatch()`` around it) it turns readable only at EOF.
+        """
+        if self._loop is None and not self.dead:
+            self._loop = loop
+            loop.add_reader(self._sock.fileno(), self._on_readable)
+
+    def unwatch(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop = None
+
+    def _on_readable(self) -> None:
+        # EOF, an error, or bytes nobody asked for: this session is over.
+        self.dead = True
+        self.unwatch()
 
     def mapping(self, remote: RemoteSegment) -> ShmMapping | None:
         return self._mappings.get(remote.seg_id)
@@ -218,11 +248,20 @@ class ShmPeer:
                     f"segment {s.remote_name!r} of {mapping.buffer.nbytes} bytes on node {node}",
                 )
                 continue
-            try:
-                copy_slice(s, mapping.buffer.address + s.remote_offset)
-            except Exception as exc:
-                s.batch.slice_failed(s, f"shared-memory copy failed: {exc!r}")
-                continue
+            remote_address = mapping.buffer.address + s.remote_offset
+            local = s.local
+            if local.view is not None:
+                # Host memory (the common case), inline: this loop is per op.
+                if s.kind is OpKind.READ:
+                    memmove(local.address + s.local_offset, remote_address, s.length)
+                else:
+                    memmove(remote_address, local.address + s.local_offset, s.length)
+            else:
+                try:
+                    copy_slice(s, remote_address)
+                except Exception as exc:
+                    s.batch.slice_failed(s, f"shared-memory copy failed: {exc!r}")
+                    continue
             if done and done[-1].batch is not s.batch:
                 done[-1].batch.slices_done(done)
                 done = []
@@ -231,6 +270,8 @@ class ShmPeer:
             done[-1].batch.slices_done(done)
 
     def close(self) -> None:
+        self.unwatch()
+        self.dead = True
         with self._lock:
             with contextlib.suppress(OSError):
                 self._sock.close()
