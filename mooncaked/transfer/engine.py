@@ -94,6 +94,9 @@ class TransferEngine:
         self._jobs: set[Future[None]] = set()
         self._batches: set[Batch] = set()
         self._timers: dict[Batch, asyncio.TimerHandle] = {}
+        # Segments each live batch holds busy (its local ones, and for ops to
+        # this node the target ones), released when it settles.
+        self._held: dict[Batch, list[Segment]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._closed = False
@@ -316,6 +319,7 @@ class TransferEngine:
         self._metrics.add("batches", 1)
         for seg in local_segs:
             seg.acquire()
+        self._held[batch] = local_segs
         try:
             by_node: dict[str, list[int]] = defaultdict(list)
             for i, op in enumerate(ops):
@@ -406,6 +410,10 @@ class TransferEngine:
             if reason is not None:
                 batch.fail_op(i, reason)
                 continue
+            held = self._held[batch]
+            if remote not in held:
+                remote.acquire()
+                held.append(remote)
             slices.extend(self._slices(batch, i, "local", self._table.get(op.local_segment)))  # type: ignore[arg-type]
         if slices:
             self._run_copies(slices, self._copy_local)
@@ -633,10 +641,8 @@ class TransferEngine:
         handle = self._timers.pop(batch, None)
         if handle is not None:
             handle.cancel()
-        for name in {op.local_segment for op in batch.ops}:
-            seg = self._table.get(name)
-            if seg is not None:
-                seg.release()
+        for seg in self._held.pop(batch, ()):
+            seg.release()
 
     # -- serving-side hooks ------------------------------------------------
 

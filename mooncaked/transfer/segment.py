@@ -19,6 +19,7 @@ node restarted) gets "unknown segment" instead of another segment's bytes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -184,6 +185,8 @@ class Segment:
     owner: Any = field(repr=False)
     # The memfd that peers on this host map; -1 if not shared memory.
     shm_fd: int = -1
+    # shm_fd was opened by us (for a SharedMemory) and is ours to close.
+    owns_fd: bool = False
     # A SharedBuffer the engine allocated and must close on unregister.
     owned: SharedBuffer | None = field(default=None, repr=False)
     # CUDA tensor as flat bytes, for device segments.
@@ -321,7 +324,6 @@ class SegmentTable:
                 shm_fd = os.open(f"/dev/shm/{buffer.name.lstrip('/')}", os.O_RDWR | os.O_CLOEXEC)
             except OSError:
                 shm_fd = -1  # still usable over tcp
-            owner = (buffer, shm_fd)
         else:
             view = _host_view(buffer)
         length = len(view) if view is not None else int(device_bytes.numel())
@@ -337,6 +339,7 @@ class SegmentTable:
             address=address,
             owner=owner,
             shm_fd=shm_fd,
+            owns_fd=shm_fd >= 0 and not isinstance(buffer, SharedBuffer),
             device_bytes=device_bytes,
         )
         self._next_id += 1
@@ -355,8 +358,14 @@ class SegmentTable:
             )
         del self._by_name[name]
         del self._by_id[segment.seg_id]
-        if isinstance(segment.owner, tuple) and len(segment.owner) == 2 and segment.shm_fd >= 0:
-            os.close(segment.shm_fd)  # the fd we opened for a SharedMemory
+        if segment.owns_fd:
+            os.close(segment.shm_fd)
+        if segment.view is not None:
+            # Let go of our export so the caller can close or free its buffer.
+            # A slice a serving thread still holds keeps the memory alive
+            # until it is done; a view the caller took from ours keeps ours.
+            with contextlib.suppress(BufferError):
+                segment.view.release()
         if segment.owned is not None:
             segment.owned.close()
         return segment

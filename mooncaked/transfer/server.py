@@ -259,11 +259,16 @@ class TransferServer:
             if op == p.OpCode.WRITE:
                 write_total += length
                 if status is p.Status.OK:
-                    view, commit = seg.destination(offset, length)  # type: ignore[union-attr]
-                    write_views.append(view)
-                    if commit is not None:
-                        commits.append(commit)
-                else:
+                    try:
+                        view, commit = seg.destination(offset, length)  # type: ignore[union-attr]
+                    except ValueError:
+                        # Unregistered between the lookup and here (view released).
+                        status = p.Status.UNKNOWN_SEGMENT
+                    else:
+                        write_views.append(view)
+                        if commit is not None:
+                            commits.append(commit)
+                if status is not p.Status.OK:
                     # Keep the stream in step: swallow the refused payload.
                     left = length
                     while left:
@@ -274,6 +279,8 @@ class TransferServer:
                 try:
                     read_views.append(seg.source(offset, length))  # type: ignore[union-attr]
                     read_total += length
+                except ValueError:
+                    status = p.Status.UNKNOWN_SEGMENT
                 except Exception as exc:
                     log.warning("reading a device segment failed", error=str(exc))
                     status = p.Status.DEVICE_ERROR
