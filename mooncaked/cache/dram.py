@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
@@ -143,13 +144,38 @@ def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-# Beyond this many contiguous runs, one index_select/index_copy per layer beats
-# a slice copy per run (measured by tools/bench_cache.py on CPU).
-_MAX_SLICE_RUNS = 4
-
-
 def _rows(rows: Sequence[int] | None, n: int) -> list[int]:
     return list(range(n)) if rows is None else list(rows)
+
+
+def _host_rows(t: torch.Tensor) -> np.ndarray | None:
+    """A contiguous CPU tensor's bytes as a ``[dim 0, rest]`` uint8 array (no copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
+
+
+def _host_kv(kv_caches: KVCaches) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    for k, v in kv_caches:
+        kr, vr = _host_rows(k), _host_rows(v)
+        if kr is None or vr is None:
+            return None
+        out.append((kr, vr))
+    return out
+
+
+def _indices(values: Sequence[int], limit: int, what: str) -> np.ndarray:
+    idx = np.asarray(values, dtype=np.intp)
+    # numpy would wrap a negative index around silently.
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= limit):
+        raise ValueError(f"{what} out of range 0..{limit - 1}: {sorted(set(values))[:8]}")
+    return idx
+
+
+# On CPU the copies go through numpy: one fancy-indexed assignment per layer
+# and K/V runs near memcpy speed, where torch's index_select/index_copy on
+# bf16 rows ran at a fifth of it (tools/bench_cache.py).
 
 
 def gather_blocks(
@@ -172,30 +198,33 @@ def gather_blocks(
         return
     dst = layout.typed(out)
     device = kv_caches[0][0].device
+    host_out = _host_rows(out)
+    host_kv = _host_kv(kv_caches) if host_out is not None else None
+    if host_out is not None and host_kv is not None:
+        ids = _indices(block_ids, kv_caches[0][0].shape[0], "block ids")
+        idx = _indices(rows, out.shape[0], "output rows")
+        d = host_out.reshape(out.shape[0], layout.num_layers, 2, -1)
+        for layer, (k, v) in enumerate(host_kv):
+            d[idx, layer, 0] = k[ids]
+            d[idx, layer, 1] = v[ids]
+        return
     if device == out.device:
-        runs = _runs(block_ids, rows)
-        if len(runs) <= _MAX_SLICE_RUNS:
-            for layer, (k, v) in enumerate(kv_caches):
-                for s, d, n in runs:
-                    dst[d : d + n, layer, 0].copy_(k[s : s + n])
-                    dst[d : d + n, layer, 1].copy_(v[s : s + n])
-            return
-        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
+        idx_t = torch.tensor(rows, dtype=torch.long, device=device)
         for layer, (k, v) in enumerate(kv_caches):
-            dst[:, layer, 0].index_copy_(0, idx, k.index_select(0, ids))
-            dst[:, layer, 1].index_copy_(0, idx, v.index_select(0, ids))
+            dst[:, layer, 0].index_copy_(0, idx_t, k.index_select(0, ids_t))
+            dst[:, layer, 1].index_copy_(0, idx_t, v.index_select(0, ids_t))
         return
     # Across devices: gather on the device into one contiguous staging buffer,
     # then one copy per run of destination rows (a DMA each when out is pinned).
     staged = torch.empty((len(block_ids), layout.block_bytes), dtype=torch.uint8, device=device)
     staged_t = layout.typed(staged)
-    ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+    ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
     for layer, (k, v) in enumerate(kv_caches):
-        staged_t[:, layer, 0] = k.index_select(0, ids)
-        staged_t[:, layer, 1] = v.index_select(0, ids)
-    for s, d, n in _runs(range(len(rows)), rows):
-        out[d : d + n].copy_(staged[s : s + n], non_blocking=out.is_pinned())
+        staged_t[:, layer, 0] = k.index_select(0, ids_t)
+        staged_t[:, layer, 1] = v.index_select(0, ids_t)
+    for s, d0, n in _runs(range(len(rows)), rows):
+        out[d0 : d0 + n].copy_(staged[s : s + n], non_blocking=out.is_pinned())
     _synchronize(device)
 
 
@@ -216,32 +245,35 @@ def scatter_blocks(
         raise ValueError(f"{len(block_ids)} block ids but {len(rows)} source rows")
     if not block_ids:
         return
+    srct = layout.typed(src)
     device = kv_caches[0][0].device
+    host_src = _host_rows(src)
+    host_kv = _host_kv(kv_caches) if host_src is not None else None
+    if host_src is not None and host_kv is not None:
+        ids = _indices(block_ids, kv_caches[0][0].shape[0], "block ids")
+        idx = _indices(rows, src.shape[0], "source rows")
+        s = host_src.reshape(src.shape[0], layout.num_layers, 2, -1)
+        for layer, (k, v) in enumerate(host_kv):
+            k[ids] = s[idx, layer, 0]
+            v[ids] = s[idx, layer, 1]
+        return
     if device == src.device:
-        srct = layout.typed(src)
-        runs = _runs(rows, block_ids)
-        if len(runs) <= _MAX_SLICE_RUNS:
-            for layer, (k, v) in enumerate(kv_caches):
-                for s, d, n in runs:
-                    k[d : d + n].copy_(srct[s : s + n, layer, 0])
-                    v[d : d + n].copy_(srct[s : s + n, layer, 1])
-            return
-        ids = torch.tensor(block_ids, dtype=torch.long, device=device)
-        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
+        idx_t = torch.tensor(rows, dtype=torch.long, device=device)
         for layer, (k, v) in enumerate(kv_caches):
-            k.index_copy_(0, ids, srct[:, layer, 0].index_select(0, idx))
-            v.index_copy_(0, ids, srct[:, layer, 1].index_select(0, idx))
+            k.index_copy_(0, ids_t, srct[:, layer, 0].index_select(0, idx_t))
+            v.index_copy_(0, ids_t, srct[:, layer, 1].index_select(0, idx_t))
         return
     # Across devices: one copy per run of source rows into a device staging
     # buffer, then a device-side scatter per layer.
     staged = torch.empty((len(rows), layout.block_bytes), dtype=torch.uint8, device=device)
-    for s, d, n in _runs(rows, range(len(rows))):
-        staged[d : d + n].copy_(src[s : s + n], non_blocking=src.is_pinned())
+    for s0, d, n in _runs(rows, range(len(rows))):
+        staged[d : d + n].copy_(src[s0 : s0 + n], non_blocking=src.is_pinned())
     staged_t = layout.typed(staged)
-    ids = torch.tensor(block_ids, dtype=torch.long, device=device)
+    ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
     for layer, (k, v) in enumerate(kv_caches):
-        k.index_copy_(0, ids, staged_t[:, layer, 0])
-        v.index_copy_(0, ids, staged_t[:, layer, 1])
+        k.index_copy_(0, ids_t, staged_t[:, layer, 0])
+        v.index_copy_(0, ids_t, staged_t[:, layer, 1])
     _synchronize(device)
 
 

@@ -25,13 +25,17 @@ class FakeClock:
         return self.now
 
 
-def make_kv(layout: BlockLayout, num_blocks: int, seed: int = 0) -> list[tuple[torch.Tensor, ...]]:
+def make_kv(
+    layout: BlockLayout, num_blocks: int, seed: int = 0, *, contiguous: bool = True
+) -> list[tuple[torch.Tensor, ...]]:
     g = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    # Non-contiguous: every tensor is a view of the first half of a wider one.
+    width = layout.head_dim * (1 if contiguous else 2)
+    shape = (num_blocks, layout.block_size, layout.num_kv_heads, width)
     return [
         (
-            torch.randn(shape, generator=g).to(layout.dtype),
-            torch.randn(shape, generator=g).to(layout.dtype),
+            torch.randn(shape, generator=g).to(layout.dtype)[..., : layout.head_dim],
+            torch.randn(shape, generator=g).to(layout.dtype)[..., : layout.head_dim],
         )
         for _ in range(layout.num_layers)
     ]
@@ -78,11 +82,13 @@ def test_layout_from_kv_caches() -> None:
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("contiguous", [True, False], ids=["numpy-path", "torch-path"])
 def test_gather_then_scatter_round_trips(
-    block_ids: list[int], rows: list[int], dtype: torch.dtype
+    block_ids: list[int], rows: list[int], dtype: torch.dtype, contiguous: bool
 ) -> None:
     layout = BlockLayout(3, 4, 2, 8, dtype)
-    kv = make_kv(layout, 8)
+    kv = make_kv(layout, 8, contiguous=contiguous)
+    assert all(k.is_contiguous() == contiguous for k, _ in kv)
     out = torch.zeros((10, layout.block_bytes), dtype=torch.uint8)
     gather_blocks(kv, block_ids, out, rows)
     typed = layout.typed(out)
@@ -108,6 +114,10 @@ def test_gather_rejects_mismatched_rows() -> None:
         gather_blocks(make_kv(LAYOUT, 4), [0, 1], out, [0])
     with pytest.raises(ValueError, match="uint8"):
         gather_blocks(make_kv(LAYOUT, 4), [0], out.view(torch.float16), [0])
+    with pytest.raises(ValueError, match="block ids out of range"):
+        gather_blocks(make_kv(LAYOUT, 4), [-1], out, [0])
+    with pytest.raises(ValueError, match="source rows out of range"):
+        scatter_blocks(make_kv(LAYOUT, 4), [0], out, [4])
 
 
 # -- pool --------------------------------------------------------------------
