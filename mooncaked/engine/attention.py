@@ -261,24 +261,29 @@ class SdpaBackend:
             lo, hi = cu[i], cu[i + 1]
             start = meta.start_positions[i]
             ctx = meta.context_lens[i]
-            qp = q[lo:hi].transpose(0, 1)  # [H, q, D]
+            # 4-D [1, heads, len, D]: the CPU's fused SDPA kernel takes only
+            # 4-D inputs (3-D falls back to the math path, ~10x slower).
+            qp = q[lo:hi].transpose(0, 1).unsqueeze(0)
+            if blocks_i is None:
+                kp, vp = k[lo:hi], v[lo:hi]
+            else:
+                kp = k_cache.index_select(0, blocks_i).view(-1, kvh, hd)[:ctx]
+                vp = v_cache.index_select(0, blocks_i).view(-1, kvh, hd)[:ctx]
+            kp = kp.transpose(0, 1).unsqueeze(0)
+            vp = vp.transpose(0, 1).unsqueeze(0)
             if blocks_i is None:
                 # The chunk is the whole context: plain causal attention.
-                kp = k[lo:hi].transpose(0, 1)
-                vp = v[lo:hi].transpose(0, 1)
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=g > 1
                 )
             else:
-                kp = k_cache.index_select(0, blocks_i).view(-1, kvh, hd)[:ctx].transpose(0, 1)
-                vp = v_cache.index_select(0, blocks_i).view(-1, kvh, hd)[:ctx].transpose(0, 1)
                 # Query at position start + i sees keys 0 .. start + i.
                 qpos = torch.arange(start, ctx, device=q.device)
                 mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=g > 1
                 )
-            out[lo:hi] = op.transpose(0, 1)
+            out[lo:hi] = op[0].transpose(0, 1)
         return out
 
 
