@@ -319,7 +319,9 @@ from mooncake.store import MooncakeDistributedStore
 port, n, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 size = 1 << 20
 s = MooncakeDistributedStore()
-rc = s.setup("127.0.0.1", "P2PHANDSHAKE", 2 * n * size + (64 << 20), 2 * n * size,
+# Room for every round: a removed key stays until its read lease ends, and a
+# full segment would evict keys before they are read back.
+rc = s.setup("127.0.0.1", "P2PHANDSHAKE", (repeats + 2) * n * size, 2 * n * size,
              "tcp", "", f"127.0.0.1:{port}")
 if rc != 0:
     print(json.dumps({"error": f"setup returned {rc}"})); sys.exit(0)
