@@ -71,9 +71,7 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
 
 
-def make_hf_model(
-    kind: str, model_dir: Path, *, sharded: bool = False, seed: int = 0
-) -> Any:
+def make_hf_model(kind: str, model_dir: Path, *, sharded: bool = False, seed: int = 0) -> Any:
     """Save a small random ``kind`` model; return the HF model.
 
     llama: llama3 RoPE scaling, untied head; qwen2: q/k/v bias, tied

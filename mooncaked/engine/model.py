@@ -129,8 +129,10 @@ class ModelArch:
             window = config.get("sliding_window") if model_type == "mistral" else None
 
         eos = config.get("eos_token_id")
-        eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (
-            () if eos is None else (int(eos),)
+        eos_ids = (
+            tuple(int(e) for e in eos)
+            if isinstance(eos, list)
+            else (() if eos is None else (int(eos),))
         )
         bos = config.get("bos_token_id")
         return cls(
@@ -157,7 +159,9 @@ class ModelArch:
 
 def _rope_key(rope: dict[str, Any], key: str) -> Any:
     if rope.get(key) is None:
-        raise ValueError(f"config.json: rope_scaling of type {rope.get('rope_type')!r} needs {key!r}")
+        raise ValueError(
+            f"config.json: rope_scaling of type {rope.get('rope_type')!r} needs {key!r}"
+        )
     return rope[key]
 
 
@@ -210,7 +214,9 @@ class Attention(nn.Module):
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
-        self.q_proj = nn.Linear(arch.hidden_size, arch.num_heads * arch.head_dim, bias=arch.qkv_bias)
+        self.q_proj = nn.Linear(
+            arch.hidden_size, arch.num_heads * arch.head_dim, bias=arch.qkv_bias
+        )
         self.k_proj = nn.Linear(
             arch.hidden_size, arch.num_kv_heads * arch.head_dim, bias=arch.qkv_bias
         )
@@ -294,7 +300,9 @@ class CausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq_cpu.to(positions.device)

@@ -46,8 +46,10 @@ class Sampler:
     ) -> list[SampledToken]:
         """One token per row of ``logits`` [B, V]; ``output_indices[i]`` is row i's
         index in its request's output (the seeded RNG stream position)."""
-        if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(
-            output_indices
+        if (
+            logits.dim() != 2
+            or logits.shape[0] != len(params)
+            or len(params) != len(output_indices)
         ):
             raise ValueError(
                 f"sample needs logits [B, V] with one SamplingParams and output index per "

@@ -49,8 +49,13 @@ def _raise_exception(message: str) -> None:
     raise _TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's builtin tojson escapes HTML characters, which chat templates do not want.
     return json.dumps(
         x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
@@ -167,9 +172,7 @@ class ByteTokenizer:
         self.eos_token_ids: tuple[int, ...] = (self.eos_token_id,)
         self.pad_token_id = self._special_ids["<pad>"]
         self._split = re.compile("(" + "|".join(re.escape(s) for s in BYTE_SPECIAL_TOKENS) + ")")
-        self._template = ChatTemplate(
-            BYTE_CHAT_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"}
-        )
+        self._template = ChatTemplate(BYTE_CHAT_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
 
     @property
     def chat_template(self) -> str:

@@ -175,7 +175,10 @@ def test_greedy_generation_matches_hf_generate(hf_case: Any) -> None:
     # must not touch the requests, so the test appends each sampled token.
     out = runner.execute(
         StepPlan(
-            [ScheduledChunk(r, p, 0, t, True) for r, p, t in zip(reqs, prompts, tables, strict=True)]
+            [
+                ScheduledChunk(r, p, 0, t, True)
+                for r, p, t in zip(reqs, prompts, tables, strict=True)
+            ]
         )
     )
     for r, tok in zip(reqs, out, strict=True):
@@ -250,12 +253,16 @@ def test_arch_from_hf_formats_and_errors() -> None:
     from mooncaked.engine.model import ModelArch
 
     old_style = ModelArch.from_hf(
-        _config(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 4.0}, eos_token_id=[5, 6])
+        _config(
+            rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 4.0}, eos_token_id=[5, 6]
+        )
     )
     assert old_style.rope_theta == 500000.0
     assert old_style.rope_scaling is not None and old_style.rope_scaling.factor == 4.0
     assert old_style.head_dim == 4 and old_style.eos_token_ids == (5, 6)
-    new_style = ModelArch.from_hf(_config(rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    new_style = ModelArch.from_hf(
+        _config(rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    )
     assert new_style.rope_theta == 1e6 and new_style.rope_scaling is None
     with pytest.raises(ValueError, match="'gemma'"):
         ModelArch.from_hf(_config(model_type="gemma"))

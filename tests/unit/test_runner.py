@@ -36,7 +36,9 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[lis
         k = (len(p) + n + BLOCK - 1) // BLOCK
         tables.append(list(range(nxt, nxt + k)))
         nxt += k
-    chunks = [ScheduledChunk(r, r.prompt_token_ids, 0, t, True) for r, t in zip(reqs, tables, strict=True)]
+    chunks = [
+        ScheduledChunk(r, r.prompt_token_ids, 0, t, True) for r, t in zip(reqs, tables, strict=True)
+    ]
     for _ in range(n):
         for r, tok in zip(reqs, runner.execute(StepPlan(chunks)), strict=True):
             assert tok is not None
@@ -146,8 +148,12 @@ def test_copy_blocks_carries_the_context(tiny: LoadedModel) -> None:
         assert torch.equal(layer_k[9], layer_k[0]) and torch.equal(layer_v[5], layer_v[2])
     req.output_token_ids.append(first.token_id)
     pos = len(ids)
-    a = runner.forward_logits(StepPlan([ScheduledChunk(req, [first.token_id], pos, [0, 1, 2], True)]))
-    b = runner.forward_logits(StepPlan([ScheduledChunk(req, [first.token_id], pos, [9, 7, 5], True)]))
+    a = runner.forward_logits(
+        StepPlan([ScheduledChunk(req, [first.token_id], pos, [0, 1, 2], True)])
+    )
+    b = runner.forward_logits(
+        StepPlan([ScheduledChunk(req, [first.token_id], pos, [9, 7, 5], True)])
+    )
     torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="equal lists"):
         runner.copy_blocks([1], [])

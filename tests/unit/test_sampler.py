@@ -32,9 +32,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     for i in range(5):
         top_k = s.sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 8, [i] * 8)
         assert [t.token_id for t in top_k] == argmax
-        top_p = s.sample(
-            logits, [SamplingParams(temperature=1.0, top_p=1e-6, seed=i)] * 8, [i] * 8
-        )
+        top_p = s.sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6, seed=i)] * 8, [i] * 8)
         assert [t.token_id for t in top_p] == argmax
 
 
@@ -86,7 +84,9 @@ def test_top_k_restricts_to_the_k_best() -> None:
     logits = _logits(1, 40, seed=4)
     best2 = set(logits[0].topk(2).indices.tolist())
     seen = {
-        _sampler().sample(logits, [SamplingParams(temperature=2.0, top_k=2, seed=s)], [0])[0].token_id
+        _sampler()
+        .sample(logits, [SamplingParams(temperature=2.0, top_k=2, seed=s)], [0])[0]
+        .token_id
         for s in range(60)
     }
     assert seen == best2
@@ -96,9 +96,9 @@ def test_top_p_keeps_the_nucleus() -> None:
     # probs 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps the first two only.
     logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]]))
     seen = {
-        _sampler().sample(logits, [SamplingParams(temperature=1.0, top_p=0.7, seed=s)], [0])[
-            0
-        ].token_id
+        _sampler()
+        .sample(logits, [SamplingParams(temperature=1.0, top_p=0.7, seed=s)], [0])[0]
+        .token_id
         for s in range(80)
     }
     assert seen == {1, 3}

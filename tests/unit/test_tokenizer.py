@@ -103,7 +103,9 @@ def test_builtin_chat_template() -> None:
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[:2] == [256, 258]
     # OpenAI content parts are joined.
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
     assert "<|user|>ab<|end|>" in tok.apply_chat_template(parts)
 
 
