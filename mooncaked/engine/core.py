@@ -228,7 +228,9 @@ class EngineCore:
         req = Request(rid, list(prompt_token_ids), sampling)
         self.scheduler.add_request(req)
         self.num_prompt_tokens_total += len(req.prompt_token_ids)
-        tracker = _Tracker(req, IncrementalDetokenizer(self.tokenizer))
+        tracker = _Tracker(
+            req, IncrementalDetokenizer(self.tokenizer, prompt_ids=req.prompt_token_ids)
+        )
         self._trackers[rid] = tracker
         self._idle.clear()
         self._wakeup.set()

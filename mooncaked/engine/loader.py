@@ -112,6 +112,18 @@ def builtin_arch(name: str) -> ModelArch:
     )
 
 
+def _unit_noise(shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    """Zero-mean, unit-variance noise that is bit-identical on every CPU.
+
+    ``torch.randn`` takes vectorized paths that differ between instruction
+    sets (AVX2, AVX-512, none), so the same seed gave different weights on
+    different nodes. Integers from the generator are exact everywhere, and
+    the affine map to a uniform on [-sqrt(3), sqrt(3)] is exactly rounded.
+    """
+    ints = torch.randint(0, 1 << 24, shape, generator=gen, dtype=torch.int64)
+    return (ints.to(torch.float32) + 0.5) * (2.0 * math.sqrt(3.0) / (1 << 24)) - math.sqrt(3.0)
+
+
 def _builtin_weights(model: CausalLM, seed: int) -> None:
     """Fill ``model`` from a seeded CPU generator, in parameter-name order.
 
@@ -129,17 +141,17 @@ def _builtin_weights(model: CausalLM, seed: int) -> None:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if name == "model.norm.weight":
-            values = torch.randn(param.shape, generator=gen) * 0.25
+            values = _unit_noise(param.shape, gen) * 0.25
         elif name.endswith("norm.weight"):
-            values = torch.randn(param.shape, generator=gen)
+            values = _unit_noise(param.shape, gen)
         elif name == "model.embed_tokens.weight":
-            values = torch.randn(param.shape, generator=gen)
+            values = _unit_noise(param.shape, gen)
             printable = torch.zeros(param.shape[0], dtype=torch.bool)
             printable[32:127] = True
             printable[ord("\n")] = True
             values[~printable] *= 0.05
         else:
-            values = torch.randn(param.shape, generator=gen) / math.sqrt(param.shape[-1])
+            values = _unit_noise(param.shape, gen) / math.sqrt(param.shape[-1])
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 values *= 4.0
         param.data.copy_(values)
@@ -231,13 +243,19 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
     model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
+    unexpected: list[str] = []
     with torch.no_grad():
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for key in st.keys():
                     param = params.get(key)
                     if param is None:
-                        continue  # e.g. rotary inv_freq buffers of old exports
+                        # Rotary inv_freq buffers of old exports are recomputed;
+                        # anything else means the config does not describe the
+                        # checkpoint (e.g. q/k/v biases without attention_bias).
+                        if not key.endswith("rotary_emb.inv_freq"):
+                            unexpected.append(key)
+                        continue
                     tensor = st.get_tensor(key)
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(
@@ -246,6 +264,11 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
                         )
                     param.copy_(tensor)
                     loaded.add(key)
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:5]) + (" ..." if len(unexpected) > 5 else "")
+        raise ValueError(
+            f"{d}: the safetensors files hold weights that config.json does not describe: {shown}"
+        )
     if arch.tie_word_embeddings:
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)

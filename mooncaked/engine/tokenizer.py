@@ -346,12 +346,20 @@ class IncrementalDetokenizer:
     # Tokens of context before the unread ones; enough for any merge to settle.
     _WINDOW = 6
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
         self.tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids: list[int] = []
+        # The prompt's tail is the first window's context: SentencePiece-style
+        # tokenizers drop the leading space of the first word they decode, so
+        # without it the completion " world" would stream as "world".
+        self._ids: list[int] = list(prompt_ids[-self._WINDOW :]) if prompt_ids else []
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self._ids)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The text that ``token_ids`` complete; may be empty."""

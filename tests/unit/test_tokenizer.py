@@ -205,3 +205,22 @@ def test_chat_template_renders_like_transformers(tmp_path: Path) -> None:
 def test_hf_tokenizer_needs_tokenizer_json(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         HFTokenizer(tmp_path)
+
+
+def test_metaspace_stream_keeps_the_leading_space_after_the_prompt(tmp_path: Path) -> None:
+    # SentencePiece-style (Llama 2, Mistral): "▁" marks a word start and the
+    # decoder drops it at the very start of a decode.
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3, "▁again": 4}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"unk_token": "<unk>"}))
+    hf = HFTokenizer(tmp_path)
+    assert hf.decode([2, 3]) == "world!"  # what a stream without context would show
+
+    detok = IncrementalDetokenizer(hf, prompt_ids=hf.encode("Hello"))
+    assert detok.push([2]) + detok.push([3, 4]) + detok.flush() == " world! again"
