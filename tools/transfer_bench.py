@@ -559,7 +559,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--block-sizes", default="65536,1048576")
     c.add_argument("--batch-size", type=int, default=128)
     c.add_argument("--concurrency", type=int, default=2)
-    c.add_argument("--duration", type=float, default=3.0)
+    c.add_argument("--duration", type=float, default=5.0)
     c.add_argument("--rounds", type=int, default=5)
     c.add_argument("--op", choices=["read", "write"], default="read")
     c.add_argument("--streams", type=int, default=4)

@@ -320,6 +320,9 @@ class TransferEngine:
         for seg in local_segs:
             seg.acquire()
         self._held[batch] = local_segs
+        # The deadline covers connecting and looking up too.
+        wait = self.config.op_timeout_s if op_timeout_s is None else op_timeout_s
+        self._timers[batch] = self._loop.call_later(wait, self._expire, batch, wait)
         try:
             by_node: dict[str, list[int]] = defaultdict(list)
             for i, op in enumerate(ops):
@@ -333,11 +336,12 @@ class TransferEngine:
                     self._dispatch_local(batch, indices)
                 else:
                     await self._dispatch_remote(batch, node, indices)
+        except BaseException as exc:
+            # Whatever did not reach a transport must not wait for the deadline.
+            batch.fail_pending(f"submit failed: {exc!r}")
+            raise
         finally:
             batch._seal()
-        if not batch.done:
-            wait = self.config.op_timeout_s if op_timeout_s is None else op_timeout_s
-            self._timers[batch] = self._loop.call_later(wait, self._expire, batch, wait)
         return batch
 
     def _check_local(self, ops: Sequence[TransferOp]) -> list[Segment]:
@@ -528,6 +532,15 @@ class TransferEngine:
                 peer.shm_off = ""
                 peer.link.invalidate()
                 peer.link.drop_control()
+            if peer.shm is not None:
+                # A mapped segment the peer has since unregistered (maybe to
+                # register another under the name): look the name up afresh.
+                for n in names:
+                    r = peer.link.cached(n)
+                    m = peer.shm.mapping(r) if r is not None and r.shm else None
+                    if m is not None and not peer.shm.is_live(m):
+                        peer.shm.forget(m)
+                        peer.link.invalidate(n)
             missing = [n for n in names if peer.link.cached(n) is None]
             if missing or not peer.link.info:
                 try:

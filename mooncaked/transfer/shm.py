@@ -215,6 +215,12 @@ class ShmPeer:
                     if fd >= 0:
                         os.close(fd)
 
+    def forget(self, mapping: ShmMapping) -> None:
+        """Drop a mapping (not unmap: a copy may still use it; GC unmaps)."""
+        with self._lock:
+            if self._mappings.get(mapping.remote.seg_id) is mapping:
+                del self._mappings[mapping.remote.seg_id]
+
     def is_live(self, mapping: ShmMapping) -> bool:
         slots = self._registry_slots
         return (
@@ -239,6 +245,10 @@ class ShmPeer:
                 s.batch.slice_failed(
                     s, f"segment {s.remote_name!r} is not registered on node {node}"
                 )
+                if mapping is not None:
+                    # The next batch looks the name up again.
+                    self.forget(mapping)
+                    self.link.invalidate(s.remote_name)
                 mapping = None
                 continue
             if s.remote_offset + s.length > mapping.buffer.nbytes:

@@ -209,6 +209,22 @@ class PeerLink:
         self.drop_control()
 
 
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether an idle connection was closed by the peer (peeks, never waits)."""
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)
+    try:
+        # EOF, or bytes nobody asked for: either way the stream is unusable.
+        sock.recv(1, socket.MSG_PEEK)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.settimeout(timeout)
+
+
 class _Stream:
     __slots__ = ("inflight", "sock")
 
@@ -279,11 +295,14 @@ class TcpPeer:
 
     # -- stream thread ----------------------------------------------------
 
-    def _take(self) -> list[Slice] | None:
-        """Block for work; returns a frame's worth of live slices, None on close."""
+    def _take(self) -> tuple[list[Slice], bool] | None:
+        """Block for work; returns a frame's worth of live slices and whether
+        the stream sat idle first, or None on close."""
+        waited = False
         with self._cond:
             while True:
                 while not self._queue and not self._closed:
+                    waited = True
                     self._cond.wait()
                 if self._closed:
                     return None
@@ -301,7 +320,7 @@ class TcpPeer:
                     frame.append(s)
                     nbytes += s.length
                 if frame:
-                    return frame
+                    return frame, waited
 
     def _requeue(self, slices: list[Slice], reason: str) -> None:
         retry: list[Slice] = []
@@ -368,9 +387,15 @@ class TcpPeer:
 
     def _run(self, stream: _Stream) -> None:
         while True:
-            frame = self._take()
-            if frame is None:
+            taken = self._take()
+            if taken is None:
                 break
+            frame, waited = taken
+            if stream.sock is not None and waited and _hung_up(stream.sock):
+                # The peer closed this idle connection (it restarted, or an
+                # idle timeout): reconnect without charging the work a retry.
+                stream.sock.close()
+                stream.sock = None
             if stream.sock is None:
                 reason = self._connect(stream, frame)
                 if reason is not None and not any(s.live for s in frame):

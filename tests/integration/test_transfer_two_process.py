@@ -440,6 +440,12 @@ async def test_bad_ops_fail_cleanly_while_good_ones_are_served(target: Target, k
         stale = await engine.submit([TransferOp.read("buf", 0, "target", "gone", 0, 4 * KiB)])
         assert not await stale.wait()
         assert "'gone' is not registered on node target" in (stale.reason(0) or "")
+        # Registered again under the same name: found again, new bytes.
+        await target.call(cmd="alloc", name="gone", nbytes=MiB, seed=53)
+        back = await engine.submit([TransferOp.read("buf", 0, "target", "gone", 0, MiB)])
+        assert await back.wait(), back.failures()
+        assert back.transport(0) == kind
+        assert sha(view[:MiB]) == sha(pattern(53, MiB))
 
         # The target kept serving throughout.
         ok = await engine.submit([TransferOp.read("buf", 0, "target", "pool", 0, MiB)])
@@ -542,7 +548,8 @@ async def test_restarted_peer_is_reconnected_on_next_batch(kind: str) -> None:
     first = await Target.start(port=port)
     try:
         await first.call(cmd="alloc", name="pool", nbytes=MiB, seed=81)
-        async with initiator(**_transports(kind)) as engine:
+        # No retries at all: finding the old connections dead must not cost one.
+        async with initiator(max_retries=0, **_transports(kind)) as engine:
             engine.add_peer("target", first.address)
             local = engine.allocate("buf", MiB)
             view = np.frombuffer(local.view, dtype=np.uint8)
