@@ -545,31 +545,42 @@ async def test_restarted_peer_is_reconnected_on_next_batch(kind: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    first = await Target.start(port=port)
+    targets = [await Target.start(port=port)]
     try:
-        await first.call(cmd="alloc", name="pool", nbytes=MiB, seed=81)
+        await targets[-1].call(cmd="alloc", name="pool", nbytes=MiB, seed=81)
         # No retries at all: finding the old connections dead must not cost one.
         async with initiator(max_retries=0, **_transports(kind)) as engine:
-            engine.add_peer("target", first.address)
+            engine.add_peer("target", targets[-1].address)
             local = engine.allocate("buf", MiB)
             view = np.frombuffer(local.view, dtype=np.uint8)
-            batch = await engine.submit([TransferOp.read("buf", 0, "target", "pool", 0, MiB)])
+
+            async def read() -> Any:
+                return await engine.submit([TransferOp.read("buf", 0, "target", "pool", 0, MiB)])
+
+            batch = await read()
             assert await batch.wait() and batch.transport(0) == kind
             assert sha(view) == sha(pattern(81, MiB))
 
-            await first.kill()
-            down = await engine.submit([TransferOp.read("buf", 0, "target", "pool", 0, MiB)])
+            # Restarted between two batches: the next one finds the new process.
+            await targets[-1].kill()
+            targets.append(await Target.start(port=port))
+            await targets[-1].call(cmd="alloc", name="pool", nbytes=MiB, seed=82)
+            batch = await read()
+            assert await batch.wait(), batch.failures()
+            assert batch.transport(0) == kind
+            assert sha(view) == sha(pattern(82, MiB))
+
+            # Down: the batch fails with a reason; back up: the next one works.
+            await targets[-1].kill()
+            down = await read()
             assert not await down.wait()
             assert "node target" in (down.reason(0) or "")
-
-            second = await Target.start(port=port)
-            try:
-                await second.call(cmd="alloc", name="pool", nbytes=MiB, seed=82)
-                again = await engine.submit([TransferOp.read("buf", 0, "target", "pool", 0, MiB)])
-                assert await again.wait(), again.failures()
-                assert again.transport(0) == kind
-                assert sha(view) == sha(pattern(82, MiB))
-            finally:
-                await second.stop()
+            targets.append(await Target.start(port=port))
+            await targets[-1].call(cmd="alloc", name="pool", nbytes=MiB, seed=83)
+            batch = await read()
+            assert await batch.wait(), batch.failures()
+            assert batch.transport(0) == kind
+            assert sha(view) == sha(pattern(83, MiB))
     finally:
-        await first.stop()
+        for t in targets:
+            await t.stop()
