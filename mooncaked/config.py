@@ -190,6 +190,15 @@ class StoreConfig:
     offload_queue: int = 64
     # How long a peer may hold DRAM slots it reads before they can be reused.
     lease_timeout_s: float = 30.0
+    # HTTP base URLs ("http://host:port") of nodes to fetch cached blocks
+    # from; the cluster's block index names holders once gossip runs.
+    peers: tuple[str, ...] = ()
+    # A fetch from peers that takes longer is given up and the prompt computed.
+    peer_fetch_timeout_s: float = 2.0
+    # Fetches from peers at once; beyond this a prompt is computed (counted).
+    peer_max_fetches: int = 8
+    # DRAM leases granted to peers at once; beyond this lookups find nothing.
+    peer_max_leases: int = 256
 
     def __post_init__(self) -> None:
         _check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
@@ -199,6 +208,11 @@ class StoreConfig:
         _check(self.ssd_write_queue > 0, "ssd_write_queue", "must be > 0")
         _check(self.offload_queue > 0, "offload_queue", "must be > 0")
         _check(self.lease_timeout_s > 0, "lease_timeout_s", "must be > 0")
+        bad = [u for u in self.peers if not u.startswith(("http://", "https://"))]
+        _check(not bad, "peers", f"must be http(s)://host:port URLs, got {bad}")
+        _check(self.peer_fetch_timeout_s > 0, "peer_fetch_timeout_s", "must be > 0")
+        _check(self.peer_max_fetches > 0, "peer_max_fetches", "must be > 0")
+        _check(self.peer_max_leases > 0, "peer_max_leases", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
