@@ -114,6 +114,8 @@ class TransferMetrics:
     served_errors: int = 0
     handshakes_refused: int = 0
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
+    # A gauge, filled in by TransferEngine.metrics().
+    queued_slices: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def snapshot(self) -> TransferMetrics:
@@ -132,6 +134,7 @@ class TransferMetrics:
                 self.served_errors,
                 self.handshakes_refused,
                 dict(self.bytes_by_transport),
+                self.queued_slices,
             )
 
     def add(self, name: str, value: int) -> None:

@@ -113,6 +113,8 @@ class TransferEngine:
                 self._registry = ShmRegistry()
             if "rdma" in self.config.transports:
                 self._start_rdma()
+            for name in self._table.names():  # registered before start()
+                self._attach(self._table.get(name))  # type: ignore[arg-type]
             self._pool = ThreadPoolExecutor(COPY_WORKERS, thread_name_prefix="xfer-copy")
             self._server = TransferServer(
                 self._table,
@@ -178,7 +180,10 @@ class TransferEngine:
         return self._server.address if self._server is not None else ""
 
     def metrics(self) -> TransferMetrics:
-        return self._metrics.snapshot()
+        """A snapshot of the counters, plus the slices now queued for tcp."""
+        snap = self._metrics.snapshot()
+        snap.queued_slices = sum(peer.tcp.queued for peer in self._peers.values())
+        return snap
 
     # -- segments ----------------------------------------------------------
 

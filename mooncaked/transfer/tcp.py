@@ -248,6 +248,12 @@ class TcpPeer:
         self._closed = False
         self._stop = threading.Event()
 
+    @property
+    def queued(self) -> int:
+        """Slices waiting for a stream. Not bounded here: each belongs to a
+        batch its caller awaits, and holds references, not copies."""
+        return len(self._queue)
+
     def submit(self, slices: list[Slice]) -> None:
         with self._cond:
             if self._closed:

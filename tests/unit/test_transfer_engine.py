@@ -213,3 +213,22 @@ async def test_zero_length_ops_are_done_without_moving_bytes(
     a.register("buf", bytearray(10))
     batch = await asyncio.wait_for(a.submit([TransferOp.read("buf", 10, "b", "x", 0, 0)]), 5)
     assert await batch.wait()
+
+
+async def test_segments_registered_before_start_are_served_over_shm() -> None:
+    early = TransferEngine(TransferConfig(), "early", SECRET)
+    seg = early.allocate("pool", 4096)
+    seg.view[:4] = b"ping"
+    await early.start()
+    try:
+        assert early.descriptor("pool").transports == ("shm", "tcp")
+        async with TransferEngine(TransferConfig(), "reader", SECRET) as reader:
+            local = reader.allocate("buf", 4096)
+            reader.add_peer("early", early.address)
+            batch = await reader.submit([TransferOp.read("buf", 0, "early", "pool", 0, 4096)])
+            assert await batch.wait(), batch.failures()
+            assert batch.transport(0) == "shm"
+            assert bytes(local.view[:4]) == b"ping"
+            assert reader.metrics().queued_slices == 0
+    finally:
+        await early.close()
