@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 class RequestState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # Blocks allocated; its cached prefix is being copied in from the host tiers.
+    LOADING = "loading"
     # Preempted: blocks freed, will be recomputed from its tokens so far.
     PREEMPTED = "preempted"
     FINISHED = "finished"

@@ -89,6 +89,7 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     backend: AttentionBackend,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Build the step's metadata from host lists (one entry per sequence).
 
@@ -143,12 +144,15 @@ def build_metadata(
         backend=backend,
     )
     if isinstance(backend, SdpaBackend):
-        _add_sdpa_indices(meta, block_tables, device)
+        _add_sdpa_indices(meta, block_tables, device, dtype)
     return meta
 
 
 def _add_sdpa_indices(
-    meta: AttentionMetadata, block_tables: list[list[int]], device: torch.device
+    meta: AttentionMetadata,
+    block_tables: list[list[int]],
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> None:
     """Precompute gather indices once per step instead of once per layer."""
     bs = meta.block_size
@@ -169,7 +173,10 @@ def _add_sdpa_indices(
             [meta.query_starts[i] for i in decode_ids], dtype=torch.int64
         ).to(device)
         meta.decode_blocks = torch.tensor(blocks, dtype=torch.int64).to(device)
-        meta.decode_mask = mask[:, None, None, :].to(device)
+        # Additive float mask: the CPU's fused SDPA kernel takes it directly,
+        # where a bool mask costs a conversion per call (about 2x slower).
+        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        meta.decode_mask = bias[:, None, None, :].to(device)
     meta.prefill_seq_ids = tuple(prefill_ids)
     meta.prefill_blocks = tuple(
         None

@@ -4,6 +4,18 @@ The event loop owns every piece of scheduler state; only ``ModelRunner.execute``
 runs in the worker thread, on a plan that is plain data. Aborts that arrive
 while a step runs are queued and applied between steps, so a block is never
 freed (and handed to another request) while the forward pass still writes it.
+
+With a tiered store attached (``attach_store``), the engine trades storage for
+computation:
+
+- a new request may first wait for ``prefetch`` (blocks held by peers are
+  pulled into the local DRAM tier), bounded by a timeout;
+- at admission, the prefix past the device hits is looked up in DRAM and SSD;
+  hits are loaded into the request's device blocks by a task of their own,
+  overlapped with the steps of other requests, and only the tail is computed;
+- every block that becomes full and cached on the device is offloaded to the
+  store in the background; the engine holds a reference on it until the store
+  has copied it, so it cannot be reused meanwhile.
 """
 
 from __future__ import annotations
@@ -13,17 +25,20 @@ import itertools
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
 
+from mooncaked.cache.hashing import BlockHash, block_hashes
+from mooncaked.cache.store import DeviceBlocks, TieredStore
 from mooncaked.config import Config
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.loader import LoadedModel, load_model
-from mooncaked.engine.plan import SampledToken, StepPlan
+from mooncaked.engine.plan import LoadJob, SampledToken, StepPlan
 from mooncaked.engine.runner import ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
 from mooncaked.engine.tokenizer import IncrementalDetokenizer
@@ -31,6 +46,7 @@ from mooncaked.request import (
     FinishReason,
     Request,
     RequestOutput,
+    RequestState,
     SamplingParams,
     TokenLogprob,
 )
@@ -38,6 +54,10 @@ from mooncaked.request import (
 __all__ = ["EngineCore", "EngineStats", "PromptTooLongError", "QueueFullError", "RequestStream"]
 
 log = structlog.get_logger(__name__)
+
+# Pulls what peers hold of these blocks into the local DRAM tier; returns how
+# many leading blocks are now local.
+Prefetch = Callable[[list[BlockHash]], Awaitable[int]]
 
 
 class PromptTooLongError(ValueError):
@@ -62,6 +82,9 @@ class EngineStats:
     num_generation_tokens_total: int
     num_preemptions_total: int
     num_steps: int
+    num_loading: int = 0
+    num_loads_total: int = 0
+    num_offloads_total: int = 0
 
 
 class _Tracker:
@@ -150,6 +173,20 @@ class EngineCore:
         self.num_steps = 0
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        # Host tiers (attach_store).
+        self.store: TieredStore | None = None
+        self._prefetch: Prefetch | None = None
+        self._prefetch_timeout_s = 0.0
+        self._load_tasks: set[asyncio.Task[None]] = set()
+        self._prefetch_tasks: set[asyncio.Task[None]] = set()
+        # Blocks cached on the device since the last step: offloaded after it.
+        self._to_offload: list[BlockHash] = []
+        # References held on device blocks until the store has copied them.
+        self._offload_holds: dict[int, list[int]] = {}
+        self._offload_ids = itertools.count()
+        self.num_loads_total = 0
+        self.num_offloads_total = 0
+        self.pool.listeners.append(self._on_block_event)
 
     def _kv_budget_bytes(self) -> int:
         kv = self.config.kv
@@ -160,6 +197,105 @@ class EngineCore:
         # beyond what is in use now goes to KV blocks.
         free, total = torch.cuda.mem_get_info(device)
         return int(total * kv.gpu_memory_fraction) - (total - free)
+
+    # -- host tiers ------------------------------------------------------
+
+    def attach_store(
+        self,
+        store: TieredStore,
+        prefetch: Prefetch | None = None,
+        prefetch_timeout_s: float = 2.0,
+    ) -> None:
+        """Use ``store`` (started by the caller) for loads and offloads; before start()."""
+        if self._loop_task is not None:
+            raise RuntimeError("attach_store must be called before start()")
+        self.store = store
+        self._prefetch = prefetch
+        self._prefetch_timeout_s = prefetch_timeout_s
+
+        def external(hashes: Any) -> int:
+            # Asked once per admission: the store's per-tier hit/miss counters
+            # then count prompts' blocks past the device hits.
+            return store.lookup(hashes).num_blocks
+
+        self.scheduler.external = external
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every device block not in use; how many were dropped."""
+        return self.pool.reset_prefix_cache()
+
+    def _on_block_event(self, block_hash: BlockHash, stored: bool) -> None:
+        if stored and self.store is not None:
+            self._to_offload.append(block_hash)
+
+    def _offload_new_blocks(self) -> None:
+        store = self.store
+        if store is None or not self._to_offload:
+            return
+        hashes, self._to_offload = self._to_offload, []
+        cached = self.pool.cached_blocks
+        pairs = [(h, cached[h]) for h in hashes if h in cached]
+        if not pairs:
+            return
+        block_ids = [b for _, b in pairs]
+        self.pool.touch(block_ids)
+        try:
+            fut = store.offload(
+                [h for h, _ in pairs], DeviceBlocks(self.runner.kv_caches, block_ids)
+            )
+        except RuntimeError:  # the store is closing
+            fut = None
+        if fut is None:  # queue full: dropped, the blocks stay device-only
+            self.pool.free(block_ids)
+            return
+        key = next(self._offload_ids)
+        self._offload_holds[key] = block_ids
+        self.num_offloads_total += 1
+        fut.add_done_callback(lambda _f, key=key: self._offload_done(key))
+
+    def _offload_done(self, key: int) -> None:
+        self.pool.free(self._offload_holds.pop(key))
+        self._wakeup.set()  # freed blocks may admit a waiting request
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
+        task = asyncio.create_task(coro)
+        tasks.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("engine task failed", exc_info=t.exception())
+
+        task.add_done_callback(done)
+
+    async def _load(self, job: LoadJob) -> None:
+        store = self.store
+        loaded = 0
+        try:
+            if store is not None:
+                loaded = await store.load(
+                    job.hashes, DeviceBlocks(self.runner.kv_caches, job.block_ids)
+                )
+        except Exception:
+            # A failed load costs a recompute, nothing more.
+            log.exception("cache load failed", request_id=job.request.request_id)
+        finally:
+            self.num_loads_total += 1
+            self.scheduler.finish_load(job.request, loaded)
+            self._wakeup.set()
+
+    async def _prefetch_then_release(self, req: Request, hashes: list[BlockHash]) -> None:
+        prefetch = self._prefetch
+        try:
+            if prefetch is not None:
+                await asyncio.wait_for(prefetch(hashes), self._prefetch_timeout_s)
+        except TimeoutError:
+            log.info("prefetch timed out", request_id=req.request_id)
+        except Exception:
+            log.exception("prefetch failed", request_id=req.request_id)
+        finally:
+            self.scheduler.release(req)
+            self._wakeup.set()
 
     # -- lifecycle -------------------------------------------------------
 
@@ -188,6 +324,10 @@ class EngineCore:
                 await task
             except Exception:
                 log.exception("engine step loop failed")
+        for t in self._prefetch_tasks:
+            t.cancel()
+        # Loads write device blocks: let them end before their requests go.
+        await asyncio.gather(*self._prefetch_tasks, *self._load_tasks, return_exceptions=True)
         # Requests never scheduled by a loop that is gone still get their end.
         self._apply_aborts()
         self._executor.shutdown(wait=True)
@@ -226,7 +366,10 @@ class EngineCore:
             )
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         req = Request(rid, list(prompt_token_ids), sampling)
-        self.scheduler.add_request(req)
+        prefetch = self._prefetch_hashes(req)
+        self.scheduler.add_request(req, ready=prefetch is None)
+        if prefetch is not None:
+            self._spawn(self._prefetch_then_release(req, prefetch), self._prefetch_tasks)
         self.num_prompt_tokens_total += len(req.prompt_token_ids)
         tracker = _Tracker(
             req, IncrementalDetokenizer(self.tokenizer, prompt_ids=req.prompt_token_ids)
@@ -235,6 +378,16 @@ class EngineCore:
         self._idle.clear()
         self._wakeup.set()
         return RequestStream(self, tracker)
+
+    def _prefetch_hashes(self, req: Request) -> list[BlockHash] | None:
+        """The blocks worth asking peers for: full prompt blocks past the device hits."""
+        if self._prefetch is None:
+            return None
+        hashes = block_hashes(req.prompt_token_ids, self.block_size, self.model_id)
+        # The last block is recomputed anyway (one token must be sampled).
+        hashes = hashes[: (len(req.prompt_token_ids) - 1) // self.block_size]
+        on_device = len(self.pool.longest_cached_prefix(hashes))
+        return hashes[on_device:] or None
 
     async def wait_idle(self) -> None:
         """Return once no request is unfinished."""
@@ -254,6 +407,8 @@ class EngineCore:
             if self._closing:
                 return
             plan = self.scheduler.schedule()
+            for job in plan.loads:
+                self._spawn(self._load(job), self._load_tasks)
             if plan.is_empty:
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -267,6 +422,7 @@ class EngineCore:
                 continue
             self.num_steps += 1
             self._postprocess(plan, results)
+            self._offload_new_blocks()
 
     def _postprocess(self, plan: StepPlan, results: list[SampledToken | None]) -> None:
         for req in self.scheduler.update(plan, results):
@@ -331,10 +487,14 @@ class EngineCore:
                 self._idle.set()
 
     def _apply_aborts(self) -> None:
-        while self._pending_aborts:
-            rid = self._pending_aborts.pop()
+        pending, self._pending_aborts = self._pending_aborts, set()
+        for rid in pending:
             tracker = self._trackers.get(rid)
             if tracker is None:
+                continue
+            if tracker.request.state is RequestState.LOADING:
+                # Its blocks are being written: abort once the load ends.
+                self._pending_aborts.add(rid)
                 continue
             self.scheduler.finish(tracker.request, FinishReason.ABORT)
             self._send(tracker, [], tracker.held, True, FinishReason.ABORT, [])
@@ -365,10 +525,13 @@ class EngineCore:
             num_generation_tokens_total=self.num_generation_tokens_total,
             num_preemptions_total=s.num_preemptions,
             num_steps=self.num_steps,
+            num_loading=len(s.loading),
+            num_loads_total=self.num_loads_total,
+            num_offloads_total=self.num_offloads_total,
         )
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity(self.scheduler.block_tables())
+        self.pool.check_integrity([*self.scheduler.block_tables(), *self._offload_holds.values()])
 
 
 def cpu_threads(configured: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mooncaked.cache.hashing import BlockHash
 from mooncaked.request import Request, TokenLogprob
 
 
@@ -26,8 +27,20 @@ class ScheduledChunk:
 
 
 @dataclass(slots=True)
+class LoadJob:
+    """Copy cached blocks from the host tiers into a request's device blocks."""
+
+    request: Request
+    hashes: list[BlockHash]
+    # block_ids[i] receives hashes[i].
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    # Loads to start now; their requests join the running set when done.
+    loads: list[LoadJob] = field(default_factory=list)
     # Requests that lost their blocks this step; they rejoin the waiting queue.
     preempted: list[Request] = field(default_factory=list)
 

@@ -155,6 +155,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             backend=self.backend,
+            dtype=self.dtype,
         )
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -9,6 +9,11 @@ admitted running request is preempted: its blocks are freed and it rejoins the
 front of the waiting queue, to be recomputed (its cached blocks usually still
 hit, so recompute is cheap).
 
+With a host cache attached (``external``), the blocks after the device
+prefix hit are looked up there too; a request with host hits gets its blocks
+and moves to LOADING (a LoadJob in the plan) instead of computing them, then
+joins the running set when the load is done, and computes only its tail.
+
 The scheduler emits a StepPlan and takes sampled tokens back; it never touches
 tensors.
 """
@@ -16,14 +21,17 @@ tensors.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mooncaked.cache.hashing import BlockHash, block_hashes
 from mooncaked.config import SchedulerConfig
 from mooncaked.engine.kv_pool import BlockPool
-from mooncaked.engine.plan import SampledToken, ScheduledChunk, StepPlan
+from mooncaked.engine.plan import LoadJob, SampledToken, ScheduledChunk, StepPlan
 from mooncaked.request import FinishReason, Request, RequestState
+
+# How many leading blocks of these hashes the host tiers hold.
+ExternalLookup = Callable[[Sequence[BlockHash]], int]
 
 
 class QueueFullError(Exception):
@@ -63,7 +71,11 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        # Waiting requests not to be admitted yet (their prefix is being fetched).
+        self._held: set[str] = set()
+        self.external: ExternalLookup | None = None
         self._tracking: dict[str, _Tracking] = {}
         # Counters for /metrics.
         self.prefix_queried_tokens = 0
@@ -76,7 +88,8 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, *, ready: bool = True) -> None:
+        """Queue a request; ``ready=False`` holds it back until ``release``."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if len(self.waiting) >= self.config.max_waiting:
@@ -88,6 +101,17 @@ class Scheduler:
         self.requests[req.request_id] = req
         self._tracking[req.request_id] = _Tracking(hashes=[])
         self.waiting.append(req)
+        if not ready:
+            self._held.add(req.request_id)
+
+    def release(self, req: Request) -> None:
+        """A held request may now be admitted."""
+        self._held.discard(req.request_id)
+
+    def block_hashes(self, req: Request) -> list[BlockHash]:
+        """Hashes of every full block of the request's tokens so far."""
+        track = self._tracking[req.request_id]
+        return list(self._hashes(req, track, req.num_tokens // self.block_size))
 
     def _retry_after_s(self) -> float:
         # Crude but monotone in the backlog: about one second per full batch queued.
@@ -97,10 +121,14 @@ class Scheduler:
         """Take a request out of the engine and free its blocks; idempotent."""
         if req.state is RequestState.FINISHED:
             return
+        if req.state is RequestState.LOADING:
+            # The blocks are being written by the load; the caller waits for it.
+            raise RuntimeError(f"request {req.request_id} finished while its load runs")
         if req.state is RequestState.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._held.discard(req.request_id)
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.state = RequestState.FINISHED
@@ -134,22 +162,31 @@ class Scheduler:
 
         # Waiting requests only when nobody was preempted: a preempted request
         # goes first next step, ahead of new arrivals.
-        while (
-            self.waiting
-            and budget > 0
-            and not plan.preempted
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            req = self.waiting[0]
-            if not self._admit(req, budget):
+        if plan.preempted:
+            return plan
+        admitted: list[Request] = []
+        for req in self.waiting:
+            if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
-            self.waiting.popleft()
+            if req.request_id in self._held:
+                continue
+            load = self._admit(req, budget)
+            if load is False:
+                break  # first come, first served among the ready ones
+            admitted.append(req)
+            if load is not None:
+                req.state = RequestState.LOADING
+                self.loading[req.request_id] = req
+                plan.loads.append(load)
+                continue
             req.state = RequestState.RUNNING
             self.running.append(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             plan.chunks.append(self._chunk(req, num_new))
             scheduled.add(req.request_id)
             budget -= num_new
+        for req in admitted:
+            self.waiting.remove(req)
         return plan
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
@@ -195,8 +232,13 @@ class Scheduler:
         self._tracking[req.request_id].num_published = 0
         self.waiting.appendleft(req)
 
-    def _admit(self, req: Request, budget: int) -> bool:
-        """Reuse the longest cached prefix and allocate the first chunk's blocks."""
+    def _admit(self, req: Request, budget: int) -> LoadJob | bool | None:
+        """Reuse cached blocks and allocate the first chunk's blocks.
+
+        False: the pool is short, the request waits. None: admitted, its
+        first chunk runs this step. A LoadJob: admitted, its host-cached
+        blocks are to be loaded first.
+        """
         track = self._tracking[req.request_id]
         tokens = req.all_token_ids
         hashes = self._hashes(req, track, len(tokens) // self.block_size)
@@ -204,11 +246,19 @@ class Scheduler:
         # At least one token must be computed to sample from: when the whole
         # sequence is cached, recompute its last block rather than write into
         # a shared one.
-        if len(hit_ids) * self.block_size >= len(tokens):
-            hit_ids = hit_ids[:-1]
+        max_hits = (len(tokens) - 1) // self.block_size
+        hit_ids = hit_ids[:max_hits]
+        num_ext = 0
+        if self.external is not None and len(hit_ids) < max_hits:
+            num_ext = min(self.external(hashes[len(hit_ids) : max_hits]), max_hits - len(hit_ids))
         num_hit_tokens = len(hit_ids) * self.block_size
-        num_new = min(len(tokens) - num_hit_tokens, budget)
-        need = -(-(num_hit_tokens + num_new) // self.block_size) - len(hit_ids)
+        if num_ext:
+            # Blocks for the loaded prefix only; the tail is allocated when
+            # the request runs, like a later prefill chunk.
+            need = num_ext
+        else:
+            num_new = min(len(tokens) - num_hit_tokens, budget)
+            need = -(-(num_hit_tokens + num_new) // self.block_size) - len(hit_ids)
         # Hits that sit on the free queue stop being free once touched.
         num_free_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_cnt == 0)
         if need > self.pool.num_free_blocks - num_free_hits:
@@ -224,7 +274,24 @@ class Scheduler:
             req.num_cached_tokens = num_hit_tokens
             self.prefix_queried_tokens += len(tokens)
             self.prefix_hit_tokens += num_hit_tokens
-        return True
+        if not num_ext:
+            return None
+        first = len(hit_ids)
+        return LoadJob(req, list(hashes[first : first + num_ext]), list(new_ids))
+
+    def finish_load(self, req: Request, num_loaded: int) -> None:
+        """A load ended with its first ``num_loaded`` blocks in place; run the rest."""
+        if req.state is not RequestState.LOADING:
+            raise RuntimeError(f"request {req.request_id} is not loading")
+        del self.loading[req.request_id]
+        req.num_computed_tokens += num_loaded * self.block_size
+        if req.num_preemptions == 0:
+            req.num_cached_tokens += num_loaded * self.block_size
+            self.prefix_hit_tokens += num_loaded * self.block_size
+        # Blocks past the loaded ones stay allocated: the tail is computed
+        # into them like any prefill chunk, so the request simply runs.
+        req.state = RequestState.RUNNING
+        self.running.append(req)
 
     def _hashes(self, req: Request, track: _Tracking, num_full: int) -> list[BlockHash]:
         """The request's first ``num_full`` block hashes, extending the memo as needed."""

@@ -181,3 +181,52 @@ def test_abort_while_waiting_and_running_frees_everything() -> None:
     assert not s.requests and not s.running and not s.waiting
     assert s.pool.num_used_blocks == 0
     s.pool.check_integrity([])
+
+
+def test_host_cached_prefix_is_loaded_then_only_the_tail_computed() -> None:
+    s = make()
+    looked_up: list[int] = []
+
+    def external(hashes: object) -> int:
+        looked_up.append(len(hashes))  # type: ignore[arg-type]
+        return 2
+
+    s.external = external
+    r = req("r", 14)
+    s.add_request(r)
+    plan = s.schedule()
+    assert plan.chunks == [] and len(plan.loads) == 1
+    job = plan.loads[0]
+    assert job.hashes == s.block_hashes(r)[:2] and job.block_ids == r.block_ids
+    assert r.state is RequestState.LOADING and looked_up == [3]
+    s.pool.check_integrity(s.block_tables())
+    s.finish_load(r, 2)
+    plan, _ = step(s)
+    assert shape(plan) == [("r", 8, 6, True)]
+    assert r.num_cached_tokens == 8 and s.prefix_hit_tokens == 8
+
+
+def test_partial_load_computes_from_the_first_missing_block() -> None:
+    s = make()
+    s.external = lambda hashes: len(hashes)
+    r = req("r", 13)
+    s.add_request(r)
+    assert len(s.schedule().loads[0].hashes) == 3
+    with pytest.raises(RuntimeError, match="while its load runs"):
+        s.finish(r, FinishReason.ABORT)
+    s.finish_load(r, 1)  # the second block vanished between lookup and load
+    plan, _ = step(s)
+    assert shape(plan) == [("r", 4, 9, True)]
+    assert len(r.block_ids) == 4  # the unloaded blocks are reused for compute
+
+
+def test_held_requests_are_skipped_until_released() -> None:
+    s = make()
+    a = req("a", 3)
+    s.add_request(a, ready=False)
+    s.add_request(req("b", 3, base=50))
+    plan, _ = step(s)
+    assert [c.request.request_id for c in plan.chunks] == ["b"]
+    s.release(a)
+    plan, _ = step(s)
+    assert [c.request.request_id for c in plan.chunks] == ["b", "a"]
