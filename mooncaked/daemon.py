@@ -6,6 +6,12 @@ and the error propagates. ``stop()`` unwinds every started step in reverse.
 A new subsystem (transfer engine, gossip, tiered store) is one more step in
 ``_steps()``, placed after what it depends on.
 
+Start order: ``http`` (so /health answers while the model loads), ``model``
+(build the engine), ``transfer`` (the transfer engine on ``[transfer]``),
+``store`` (the tiered KV cache, its DRAM pool in a transfer segment peers can
+read, and the peer fetcher), ``engine`` (attach the store, start the step
+loop), ``serving``.
+
 Drain order (the stop half of the steps, newest first):
 
 1. ``serving``: close the gate: new generation requests get 503 and /ready
@@ -13,7 +19,12 @@ Drain order (the stop half of the steps, newest first):
    ``server.drain_timeout_s`` for the requests in flight to finish.
 2. ``engine``: close the engine, which aborts whatever is still running
    (those streams end with finish reason "abort") and stops its step loop.
-3. ``http``: stop listening, then give handlers a short grace to write
+3. ``store``: wait for peer fetches in flight, end the leases granted to
+   peers, finish queued offloads and SSD writes (the engine may have queued
+   some on its way out), close the SSD tier.
+4. ``transfer``: close the transfer engine, withdrawing the DRAM segment.
+5. ``model``: nothing left to do (the engine was closed in 2).
+6. ``http``: stop listening, then give handlers a short grace to write
    their last bytes before their connections are closed.
 
 ``run()`` adds the signals: the first SIGTERM/SIGINT starts that drain and
@@ -24,6 +35,7 @@ Drain order (the stop half of the steps, newest first):
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import socket
@@ -31,18 +43,23 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
 
-from mooncaked.api.admin import AdminAPI
+from mooncaked.api.admin import AdminAPI, CacheAdmin
+from mooncaked.api.internal import Holding, InternalAPI
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
 from mooncaked.config import Config
 
 if TYPE_CHECKING:
+    from mooncaked.api.internal import InternalClient
+    from mooncaked.cache.peer import LeaseDesk, PeerFetcher
+    from mooncaked.cache.store import TieredStore
     from mooncaked.engine.core import EngineCore, EngineStats
+    from mooncaked.transfer import TransferEngine
 
 EngineFactory = Callable[[Config], "EngineCore"]
 
@@ -53,6 +70,11 @@ EXIT_FORCED = 3
 _HTTP_SHUTDOWN_GRACE_S = 2.0
 # Largest request body accepted (a long prompt as JSON token ids).
 _MAX_BODY_BYTES = 64 * 1024 * 1024
+# The transfer segment the DRAM tier's slots live in; peers read it.
+DRAM_SEGMENT = "kv.dram"
+# The engine waits this much longer for a peer fetch than the fetcher's own
+# bound, so the fetcher gives up (and counts it) first.
+_PREFETCH_GRACE_S = 0.5
 
 
 def _default_engine_factory(config: Config) -> EngineCore:
@@ -83,6 +105,14 @@ class Node:
         self._clock = clock
         self._started_at = clock()
         self._engine: EngineCore | None = None
+        # Built by the "model" step, started by the "engine" step.
+        self._built_engine: EngineCore | None = None
+        self._transfer: TransferEngine | None = None
+        self._store: TieredStore | None = None
+        self._lease_desk: LeaseDesk | None = None
+        self._peer_fetcher: PeerFetcher | None = None
+        self._peer_client: InternalClient | None = None
+        self._holding: Holding | None = None
         self._ready = False
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
@@ -98,6 +128,7 @@ class Node:
         # Routes of subsystems added later (/admin/cluster, /admin/cache/...);
         # append before start().
         self.extra_routes: list[web.RouteDef] = []
+        self._add_cache_endpoints()
 
     # ------------------------------------------------------------ accessors
 
@@ -152,12 +183,32 @@ class Node:
     def _engine_stats(self) -> EngineStats | None:
         return self._engine.stats() if self._engine is not None else None
 
+    @property
+    def store(self) -> TieredStore | None:
+        """The tiered KV cache (DRAM, SSD); None before its step and after stop."""
+        return self._store
+
+    @property
+    def transfer(self) -> TransferEngine | None:
+        return self._transfer
+
+    @property
+    def peer_fetcher(self) -> PeerFetcher | None:
+        return self._peer_fetcher
+
+    @property
+    def lease_desk(self) -> LeaseDesk | None:
+        return self._lease_desk
+
     # ------------------------------------------------------------ lifecycle
 
     def _steps(self) -> list[Step]:
         return [
             # HTTP first: /health and /ready answer while the model loads.
             Step("http", self._start_http, self._stop_http),
+            Step("model", self._build_engine, self._drop_engine),
+            Step("transfer", self._start_transfer, self._stop_transfer),
+            Step("store", self._start_store, self._stop_store),
             Step("engine", self._start_engine, self._stop_engine),
             Step("serving", self._start_serving, self._drain),
         ]
@@ -229,23 +280,35 @@ class Node:
         if runner is not None:
             await runner.cleanup()
 
-    async def _start_engine(self) -> None:
+    async def _build_engine(self) -> None:
         self._log.info("loading model", path=self._config.model.path)
         t0 = self._clock()
         # Loading reads weights and builds tensors for seconds or minutes:
         # off the loop, so /health keeps answering meanwhile.
-        engine = await asyncio.to_thread(self._engine_factory, self._config)
+        self._built_engine = await asyncio.to_thread(self._engine_factory, self._config)
+        self._log.info("model loaded", load_s=round(self._clock() - t0, 3))
+
+    async def _drop_engine(self) -> None:
+        # Only an engine that never started is still here; close it all the same.
+        engine, self._built_engine = self._built_engine, None
+        if engine is not None:
+            await engine.close()
+
+    async def _start_engine(self) -> None:
+        engine = self._built_engine
+        if engine is None:
+            raise RuntimeError("the engine step ran before the model step")
+        self._attach_store(engine)
         try:
             await engine.start()
         except BaseException:
             await engine.close()
+            self._built_engine = None
             raise
+        self._built_engine = None
         self._engine = engine
         self._log.info(
-            "engine started",
-            model=engine.model_name,
-            max_model_len=engine.max_model_len,
-            load_s=round(self._clock() - t0, 3),
+            "engine started", model=engine.model_name, max_model_len=engine.max_model_len
         )
 
     async def _stop_engine(self) -> None:
@@ -253,6 +316,136 @@ class Node:
         if engine is not None:
             # Aborts what the drain left running; their streams end now.
             await engine.close()
+
+    # ------------------------------------------------------------- KV cache
+
+    def _add_cache_endpoints(self) -> None:
+        """/admin/cache/*, the "store" status section, cache metrics and the
+        internal lease RPC; all answer 503 (or report nothing) until the store runs."""
+        self.cache_admin = CacheAdmin(self)
+        self.extra_routes.extend(self.cache_admin.routes())
+        self.admin.add_status_section("store", self.cache_admin.status_section)
+        self.metrics.add_cache_collector(self.cache_admin.snapshot)
+        self.internal = InternalAPI(
+            secret=self._config.node.cluster_secret.encode(),
+            node_id=lambda: self.node_id,
+            holding=lambda: self._holding,
+        )
+        self.extra_routes.extend(self.internal.routes())
+
+    async def _start_transfer(self) -> None:
+        from mooncaked.transfer import TransferEngine
+
+        # After "http": the node id includes the bound port.
+        transfer = TransferEngine(
+            self._config.transfer, self.node_id, self._config.node.cluster_secret.encode()
+        )
+        await transfer.start()
+        self._transfer = transfer
+
+    async def _stop_transfer(self) -> None:
+        transfer, self._transfer = self._transfer, None
+        if transfer is not None:
+            await transfer.close()
+
+    async def _start_store(self) -> None:
+        engine, transfer = self._built_engine, self._transfer
+        if engine is None or transfer is None:
+            raise RuntimeError("the store step needs the model and transfer steps first")
+        try:
+            await self._open_store(engine, transfer)
+        except BaseException:
+            # A step that fails is not unwound by the node: undo our half here.
+            await self._stop_store()
+            raise
+
+    async def _open_store(self, engine: EngineCore, transfer: TransferEngine) -> None:
+        from mooncaked.api.internal import InternalClient, TransferBlockReader
+        from mooncaked.cache.dram import BlockLayout
+        from mooncaked.cache.peer import LeaseDesk, PeerFetcher, StaticPeers
+        from mooncaked.cache.store import TieredStore
+
+        cfg = self._config.store
+        layout = BlockLayout.from_kv_caches(engine.runner.kv_caches)
+        num_slots = TieredStore.dram_slots_for(cfg, layout)
+        backing = None
+        if num_slots:
+            # Shared memory registered with the transfer engine: peers read the
+            # slots they lease, over shm when on this host, else tcp or rdma.
+            backing = transfer.allocate(DRAM_SEGMENT, num_slots * layout.block_bytes).view
+        store = TieredStore(layout, cfg, dram_backing=backing)
+        self._store = store
+        await store.start()
+        desk = LeaseDesk(store, max_leases=cfg.peer_max_leases)
+        self._lease_desk = desk
+        client = InternalClient(
+            secret=self._config.node.cluster_secret.encode(),
+            node_id=lambda: self.node_id,
+            block_bytes=layout.block_bytes,
+            layout=layout.fingerprint(),
+        )
+        await client.start()
+        self._peer_client = client
+        self._peer_fetcher = PeerFetcher(
+            store,
+            StaticPeers(cfg.peers),
+            client,
+            TransferBlockReader(transfer, DRAM_SEGMENT),
+            timeout_s=cfg.peer_fetch_timeout_s,
+            max_fetches=cfg.peer_max_fetches,
+            device_prefix=lambda hashes: len(engine.pool.longest_cached_prefix(hashes)),
+        )
+        if num_slots:
+            self._holding = Holding(
+                desk=desk,
+                block_bytes=layout.block_bytes,
+                layout=layout.fingerprint(),
+                segment=transfer.descriptor(DRAM_SEGMENT).to_dict(),
+                transfer_address=transfer.address,
+            )
+        self._log.info(
+            "store started",
+            dram_slots=num_slots,
+            ssd=cfg.ssd_path or None,
+            peers=len(cfg.peers),
+            transfer=transfer.address,
+        )
+
+    async def _stop_store(self) -> None:
+        # Stop leasing first, then let fetches in flight land (they write into
+        # DRAM slots), then close the store itself.
+        self._holding = None
+        fetcher, self._peer_fetcher = self._peer_fetcher, None
+        if fetcher is not None:
+            await fetcher.close()
+        client, self._peer_client = self._peer_client, None
+        if client is not None:
+            await client.close()
+        desk, self._lease_desk = self._lease_desk, None
+        if desk is not None:
+            desk.close()
+        store, self._store = self._store, None
+        if store is not None:
+            await store.close()
+
+    def _attach_store(self, engine: EngineCore) -> None:
+        store, fetcher = self._store, self._peer_fetcher
+        if store is None:
+            return
+        attach = getattr(engine, "attach_store", None)
+        if attach is None:
+            # An engine without host tiers still serves; peers can still read
+            # what this node's store holds.
+            self._log.warning("this engine cannot use the tiered store; serving without it")
+            return
+        # Without peers to ask there is nothing to wait for before admission.
+        prefetch = fetcher.fetch if fetcher is not None and self._config.store.peers else None
+        kwargs: dict[str, Any] = {}
+        if "prefetch_timeout_s" in inspect.signature(attach).parameters:
+            kwargs["prefetch_timeout_s"] = (
+                self._config.store.peer_fetch_timeout_s + _PREFETCH_GRACE_S
+            )
+        attach(store, prefetch=prefetch, **kwargs)
 
     async def _start_serving(self) -> None:
         self._ready = True

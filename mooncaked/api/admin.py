@@ -9,10 +9,12 @@ that join the node later add their own part of ``/admin/status`` with
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
 from aiohttp import web
 
 from mooncaked.api.metrics import ApiMetrics
@@ -20,7 +22,10 @@ from mooncaked.api.openai import json_response
 from mooncaked.config import Config
 
 if TYPE_CHECKING:
+    from mooncaked.cache.peer import LeaseDesk, PeerFetcher
+    from mooncaked.cache.store import TieredStore
     from mooncaked.engine.core import EngineCore
+    from mooncaked.transfer import TransferEngine
 
 
 def version() -> str:
@@ -145,3 +150,217 @@ class AdminAPI:
         for name, section in self._sections.items():
             status[name] = section()
         return status
+
+
+# -- the KV cache ------------------------------------------------------------------
+
+
+class CacheNode(Protocol):
+    """What the cache endpoints need of a node; each part is None until it is up."""
+
+    @property
+    def engine(self) -> EngineCore | None: ...
+    @property
+    def store(self) -> TieredStore | None: ...
+    @property
+    def peer_fetcher(self) -> PeerFetcher | None: ...
+    @property
+    def lease_desk(self) -> LeaseDesk | None: ...
+    @property
+    def transfer(self) -> TransferEngine | None: ...
+
+
+def _unavailable(what: str) -> web.Response:
+    return json_response(
+        {
+            "error": {
+                "message": f"{what} is not running (starting or stopping)",
+                "type": "unavailable",
+            }
+        },
+        status=503,
+    )
+
+
+def _bad_request(message: str) -> web.Response:
+    return json_response(
+        {"error": {"message": message, "type": "invalid_request_error"}}, status=400
+    )
+
+
+class CacheAdmin:
+    """``/admin/cache/{stats,lookup,clear}``, the "store" status section and the
+    cache's metrics snapshot.
+
+    - ``GET /admin/cache/stats``: every tier's counters and gauges, peer fetches,
+      leases granted to peers, transfer counters.
+    - ``POST /admin/cache/lookup`` ``{"prompt": "text" | [token ids]}``: how many
+      prompt tokens would be served from the device prefix cache, DRAM and SSD.
+    - ``POST /admin/cache/clear``: drop the device prefix cache (blocks no
+      request uses), DRAM and SSD.
+    """
+
+    def __init__(self, node: CacheNode) -> None:
+        self._node = node
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/admin/cache/stats", self.stats),
+            web.post("/admin/cache/lookup", self.lookup),
+            web.post("/admin/cache/clear", self.clear),
+        ]
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """Stats objects for the metrics collector; None while the store is down."""
+        node = self._node
+        store, fetcher, desk = node.store, node.peer_fetcher, node.lease_desk
+        if store is None or fetcher is None or desk is None:
+            return None
+        transfer = node.transfer
+        return {
+            "store": store.stats(),
+            "fetch": fetcher.stats(),
+            "leases": desk.stats(),
+            "transfer": transfer.metrics() if transfer is not None else None,
+        }
+
+    def stats_dict(self) -> dict[str, Any] | None:
+        snap = self.snapshot()
+        store = self._node.store
+        if snap is None or store is None:
+            return None
+        st = snap["store"]
+        layout = store.layout
+
+        def tier(t: Any) -> dict[str, Any]:
+            return {**dataclasses.asdict(t), "hit_ratio": round(t.hit_ratio, 4)}
+
+        others = {k: v for k, v in dataclasses.asdict(st).items() if k not in ("dram", "ssd")}
+        out: dict[str, Any] = {
+            "layout": {
+                "num_layers": layout.num_layers,
+                "block_size": layout.block_size,
+                "num_kv_heads": layout.num_kv_heads,
+                "head_dim": layout.head_dim,
+                "dtype": str(layout.dtype).removeprefix("torch."),
+                "block_bytes": layout.block_bytes,
+                "fingerprint": layout.fingerprint().hex(),
+            },
+            "device": None,
+            "dram": tier(st.dram),
+            "ssd": tier(st.ssd) if store.ssd is not None else None,
+            "store": others,
+            "peer": dataclasses.asdict(snap["fetch"]),
+            "leases": dataclasses.asdict(snap["leases"]),
+            "transfer": None,
+        }
+        engine = self._node.engine
+        if engine is not None:
+            pool = engine.pool
+            out["device"] = {
+                "blocks_total": pool.num_blocks,
+                "blocks_used": pool.num_used_blocks,
+                "blocks_cached": len(pool.cached_blocks),
+            }
+        transfer, metrics = self._node.transfer, snap["transfer"]
+        if transfer is not None and metrics is not None:
+            out["transfer"] = {
+                "address": transfer.address,
+                # Field by field: asdict would deep-copy the counters' lock.
+                **{
+                    f.name: getattr(metrics, f.name)
+                    for f in dataclasses.fields(metrics)
+                    if f.name != "lock"
+                },
+            }
+        return out
+
+    def status_section(self) -> dict[str, Any] | None:
+        """The "store" part of /admin/status: a summary for humans."""
+        snap = self.snapshot()
+        store = self._node.store
+        if snap is None or store is None:
+            return None
+        st, fetch, leases = snap["store"], snap["fetch"], snap["leases"]
+        transfer = self._node.transfer
+        return {
+            "dram": {
+                "blocks_used": st.dram.used_blocks,
+                "blocks_total": st.dram.capacity_blocks,
+                "hit_ratio": round(st.dram.hit_ratio, 4),
+            },
+            "ssd": (
+                {
+                    "blocks_used": st.ssd.used_blocks,
+                    "blocks_total": st.ssd.capacity_blocks,
+                    "hit_ratio": round(st.ssd.hit_ratio, 4),
+                    "corrupt_dropped": st.ssd_corrupt_dropped,
+                }
+                if store.ssd is not None
+                else None
+            ),
+            "peer_fetches": {"ok": fetch.ok, "failed": fetch.failed, "blocks": fetch.blocks},
+            "leases_active": leases.active,
+            "transfer_address": transfer.address if transfer is not None else None,
+        }
+
+    async def stats(self, request: web.Request) -> web.Response:
+        out = self.stats_dict()
+        if out is None:
+            return _unavailable("the KV cache")
+        return json_response(out)
+
+    async def lookup(self, request: web.Request) -> web.Response:
+        from mooncaked.cache.hashing import block_hashes
+        from mooncaked.cache.store import Tier
+
+        engine, store = self._node.engine, self._node.store
+        if engine is None or store is None:
+            return _unavailable("the KV cache")
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return _bad_request("body is not JSON")
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if isinstance(prompt, str) and prompt:
+            token_ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            token_ids = list(prompt)
+        else:
+            return _bad_request("'prompt' must be a non-empty string or a list of token ids")
+        bs = engine.block_size
+        hashes = block_hashes(token_ids, bs, engine.model_id)
+        # As at admission: the last token is always computed (one must be
+        # sampled), so a fully cached prompt recomputes its last block.
+        usable = hashes[: (len(token_ids) - 1) // bs]
+        num_device = len(engine.pool.longest_cached_prefix(usable))
+        hit = store.lookup(usable[num_device:], record_stats=False)
+        blocks = {
+            "device": num_device,
+            "dram": hit.num_in(Tier.DRAM),
+            "ssd": hit.num_in(Tier.SSD),
+        }
+        total = sum(blocks.values())
+        return json_response(
+            {
+                "num_prompt_tokens": len(token_ids),
+                "block_size": bs,
+                "hit_blocks": {**blocks, "total": total},
+                "hit_tokens": {**{k: v * bs for k, v in blocks.items()}, "total": total * bs},
+                "computed_tokens": len(token_ids) - total * bs,
+                "tiers": ["device"] * num_device + [t.value for t in hit.tiers],
+            }
+        )
+
+    async def clear(self, request: web.Request) -> web.Response:
+        engine, store = self._node.engine, self._node.store
+        if engine is None or store is None:
+            return _unavailable("the KV cache")
+        reset = getattr(engine, "reset_prefix_cache", None)
+        device = reset() if reset is not None else engine.pool.reset_prefix_cache()
+        removed = await store.clear()
+        return json_response({"device_blocks": device, "store_blocks": removed})

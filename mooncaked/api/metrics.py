@@ -87,6 +87,145 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(name, doc, value=float(value))
 
 
+class _CacheCollector(Collector):
+    """The KV cache's tiers, peer fetches and transfers, read at scrape time.
+
+    ``snapshot()`` returns None while the store is not up, else a mapping with
+    ``store`` (StoreStats), ``fetch`` (FetchStats), ``leases`` (LeaseStats)
+    and ``transfer`` (TransferMetrics or None).
+    """
+
+    def __init__(self, snapshot: Callable[[], Any | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        if snap is None:
+            return
+        store = snap["store"]
+        tiers = [("dram", store.dram)]
+        if store.ssd.capacity_blocks:
+            tiers.append(("ssd", store.ssd))
+
+        def per_tier(name: str, doc: str, attr: str, counter: bool) -> Metric:
+            family = CounterMetricFamily if counter else GaugeMetricFamily
+            m = family(name, doc, labels=["tier"])
+            for tier, t in tiers:
+                m.add_metric([tier], float(getattr(t, attr)))
+            return m
+
+        yield per_tier(
+            "mooncaked_cache_used_blocks", "KV blocks held by a host tier.", "used_blocks", False
+        )
+        yield per_tier(
+            "mooncaked_cache_capacity_blocks",
+            "KV blocks a host tier can hold.",
+            "capacity_blocks",
+            False,
+        )
+        yield per_tier("mooncaked_cache_hits", "Prefix blocks found in a host tier.", "hits", True)
+        yield per_tier(
+            "mooncaked_cache_misses", "Prefix blocks looked for and not found.", "misses", True
+        )
+        yield per_tier(
+            "mooncaked_cache_read_bytes", "Bytes loaded out of a host tier.", "bytes_read", True
+        )
+        yield per_tier(
+            "mooncaked_cache_written_bytes",
+            "Bytes stored into a host tier.",
+            "bytes_written",
+            True,
+        )
+        yield per_tier(
+            "mooncaked_cache_evictions", "Blocks evicted from a host tier.", "evictions", True
+        )
+        counters = (
+            (
+                "mooncaked_cache_offloads_dropped",
+                "Device-to-DRAM offloads dropped on a full queue.",
+                store.offloads_dropped,
+            ),
+            (
+                "mooncaked_cache_ssd_writes_dropped",
+                "SSD writes dropped on a full queue.",
+                store.ssd_writes_dropped,
+            ),
+            (
+                "mooncaked_cache_ssd_corrupt_dropped",
+                "SSD blocks that failed their checksum and were dropped.",
+                store.ssd_corrupt_dropped,
+            ),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=float(value))
+        fetch = snap["fetch"]
+        results = CounterMetricFamily(
+            "mooncaked_peer_fetches",
+            "Fetches of cached blocks from peers, by result.",
+            labels=["result"],
+        )
+        for result in ("ok", "failed", "missed", "skipped", "timed_out"):
+            results.add_metric([result], float(getattr(fetch, result)))
+        yield results
+        yield CounterMetricFamily(
+            "mooncaked_peer_fetch_blocks", "Blocks fetched from peers.", value=float(fetch.blocks)
+        )
+        yield CounterMetricFamily(
+            "mooncaked_peer_fetch_bytes", "Bytes fetched from peers.", value=float(fetch.bytes)
+        )
+        yield GaugeMetricFamily(
+            "mooncaked_peer_fetches_inflight",
+            "Fetches from peers in flight.",
+            value=float(fetch.inflight),
+        )
+        leases = snap["leases"]
+        yield CounterMetricFamily(
+            "mooncaked_peer_leases_granted",
+            "DRAM leases granted to peers.",
+            value=float(leases.granted),
+        )
+        yield CounterMetricFamily(
+            "mooncaked_peer_leases_lapsed",
+            "DRAM leases to peers that ran out before their release.",
+            value=float(leases.lapsed),
+        )
+        yield GaugeMetricFamily(
+            "mooncaked_peer_leases_active", "DRAM leases peers hold.", value=float(leases.active)
+        )
+        transfer = snap["transfer"]
+        if transfer is None:
+            return
+        moved = CounterMetricFamily(
+            "mooncaked_transfer_bytes",
+            "Bytes this node moved by transfer ops it started, by direction.",
+            labels=["direction"],
+        )
+        moved.add_metric(["read"], float(transfer.bytes_read))
+        moved.add_metric(["written"], float(transfer.bytes_written))
+        yield moved
+        served = CounterMetricFamily(
+            "mooncaked_transfer_served_bytes",
+            "Bytes peers moved through this node's transfer endpoint, by direction.",
+            labels=["direction"],
+        )
+        served.add_metric(["read"], float(transfer.served_bytes_read))
+        served.add_metric(["written"], float(transfer.served_bytes_written))
+        yield served
+        by_transport = CounterMetricFamily(
+            "mooncaked_transfer_transport_bytes",
+            "Bytes this node moved, by transport.",
+            labels=["transport"],
+        )
+        for name, value in sorted(transfer.bytes_by_transport.items()):
+            by_transport.add_metric([name], float(value))
+        yield by_transport
+        yield CounterMetricFamily(
+            "mooncaked_transfer_ops_failed",
+            "Transfer ops that failed.",
+            value=float(transfer.ops_failed),
+        )
+
+
 class ApiMetrics:
     def __init__(self, engine_stats: Callable[[], Any | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -133,6 +272,10 @@ class ApiMetrics:
             registry=r,
         )
         r.register(_EngineCollector(engine_stats))
+
+    def add_cache_collector(self, snapshot: Callable[[], Any | None]) -> None:
+        """Expose the KV cache's tiers, peer fetches and transfers (see _CacheCollector)."""
+        self.registry.register(_CacheCollector(snapshot))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,9 +23,15 @@ Both go through one bounded SSD write queue; a full queue drops (and counts).
 Every tier change is reported to ``on_block_event(hash, tier, stored)`` (the
 cluster-wide block index listens).
 
-Leases: a local load leases the DRAM slots it copies from; peers (later) lease
-slots through ``dram.lease`` and read them at ``dram.slot_offset(slot)`` in
+Leases: a local load leases the DRAM slots it copies from; peers lease slots
+through ``dram.lease`` and read them at ``dram.slot_offset(slot)`` in
 ``dram.buffer``, and a lease that outlives ``lease_timeout_s`` is reclaimed.
+A holder first ``promote``s SSD blocks so that a peer finds them in DRAM.
+
+Fills from outside (a peer's blocks read into local DRAM by the transfer
+engine): ``reserve`` takes PENDING slots, the bytes land in them, and
+``commit_reserved`` publishes the ones that arrived (or ``abort_reserved``
+gives them all back).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ __all__ = [
     "BlockEventListener",
     "BlockLayout",
     "DeviceBlocks",
+    "Reservation",
     "StoreHit",
     "StoreStats",
     "Tier",
@@ -155,6 +162,23 @@ class StoreStats:
     event_listener_errors: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """PENDING DRAM slots for blocks being filled from outside the store.
+
+    ``slots[i]`` receives ``hashes[i]`` at byte ``dram.slot_offset(slots[i])``
+    of ``dram.buffer``.
+    """
+
+    hashes: tuple[BlockHash, ...]
+    slots: tuple[int, ...]
+    generation: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.slots)
+
+
 @dataclass(slots=True)
 class _OffloadJob:
     hashes: list[BlockHash]
@@ -194,12 +218,9 @@ class TieredStore:
         self.block_bytes = layout.block_bytes
         self.on_block_event = on_block_event
         self._stats = StoreStats()
-        dram_bytes = config.dram_bytes
-        if dram_bytes == 0 and config.dram_fraction > 0:
-            dram_bytes = int(config.dram_fraction * physical_memory_bytes())
         self.dram = DramPool(
             layout,
-            dram_bytes // self.block_bytes,
+            self.dram_slots_for(config, layout),
             clock=clock,
             pin_memory=pin_memory,
             backing=dram_backing,
@@ -230,6 +251,15 @@ class TieredStore:
         self._generation = 0
         self._started = False
         self._closing = False
+
+    @staticmethod
+    def dram_slots_for(config: StoreConfig, layout: BlockLayout) -> int:
+        """DRAM slots the config gives blocks of ``layout``: what a ``dram_backing``
+        must hold, times ``layout.block_bytes``."""
+        dram_bytes = config.dram_bytes
+        if dram_bytes == 0 and config.dram_fraction > 0:
+            dram_bytes = int(config.dram_fraction * physical_memory_bytes())
+        return dram_bytes // layout.block_bytes
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -487,6 +517,90 @@ class TieredStore:
             _copy_rows(self.dram.slots, slot_ids, dst, slot_pos)
         if staged is not None:
             _copy_rows(staged, list(range(len(staged_pos))), dst, staged_pos)
+
+    async def promote(self, hashes: Sequence[BlockHash], *, owner: str = "promote") -> int:
+        """Read the SSD blocks of the cached prefix of ``hashes`` into DRAM; how
+        many leading blocks of ``hashes`` are in DRAM afterwards.
+
+        A holder calls this before it leases blocks to a peer, which can only
+        read DRAM slots. Stops at the first block that found no DRAM slot or
+        failed its read.
+        """
+        self._check_started()
+        dram, ssd = self.dram, self.ssd
+        plan: list[Tier] = []
+        for h in hashes:
+            if dram.contains(h):
+                plan.append(Tier.DRAM)
+            elif ssd is not None and ssd.contains(h):
+                plan.append(Tier.SSD)
+            else:
+                break
+        leases: list[Lease] = []
+        if Tier.SSD in plan:
+            # Leased while the SSD reads run, so allocating slots for them
+            # cannot evict the DRAM blocks of the same prefix.
+            dram_hashes = [h for h, t in zip(hashes, plan, strict=False) if t is Tier.DRAM]
+            if dram_hashes:
+                lease = dram.lease(dram_hashes, owner, _NO_DEADLINE)
+                if lease is None or lease.num_blocks != len(dram_hashes):
+                    raise RuntimeError("DRAM blocks vanished between the check and the lease")
+                leases.append(lease)
+            try:
+                await self._promote_from_ssd(hashes, plan, leases, owner)
+            finally:
+                for lease in leases:
+                    dram.release(lease)
+        n = 0
+        for h in hashes:
+            if not dram.contains(h):
+                break
+            n += 1
+        return n
+
+    # -- fills from outside --------------------------------------------------
+
+    def reserve(self, hashes: Sequence[BlockHash]) -> Reservation | None:
+        """PENDING DRAM slots for the leading blocks of ``hashes``; None if not one.
+
+        Stops at the first block DRAM already has (or is filling) and when no
+        slot can be had. The caller fills the slots' bytes, then calls
+        ``commit_reserved`` or ``abort_reserved`` exactly once.
+        """
+        self._check_started()
+        slots: list[int] = []
+        for h in hashes:
+            if self.dram.has(h):
+                break
+            slot = self.dram.allocate(h)
+            if slot is None:
+                break
+            slots.append(slot)
+        if not slots:
+            return None
+        return Reservation(tuple(hashes[: len(slots)]), tuple(slots), self._generation)
+
+    def commit_reserved(self, reservation: Reservation, num_filled: int) -> int:
+        """Publish the first ``num_filled`` slots of a reservation and give back the
+        rest; how many were published. Nothing is published if ``clear()`` ran
+        since ``reserve``."""
+        if not 0 <= num_filled <= reservation.num_blocks:
+            raise ValueError(f"num_filled must be in 0..{reservation.num_blocks}, got {num_filled}")
+        if reservation.generation != self._generation:
+            num_filled = 0
+        for i, slot in enumerate(reservation.slots):
+            if i >= num_filled:
+                self.dram.abort(slot)
+                continue
+            h = self.dram.commit(slot)
+            self._stats.dram.bytes_written += self.block_bytes
+            if self.config.ssd_write_through and not self._closing:
+                self._queue_ssd_write(h, None)
+        return num_filled
+
+    def abort_reserved(self, reservation: Reservation) -> None:
+        """Give back every slot of a reservation (its fill failed or was abandoned)."""
+        self.commit_reserved(reservation, 0)
 
     # -- offload -----------------------------------------------------------
 

@@ -1,0 +1,368 @@
+"""Node-to-node control RPC over HTTP, and the wire side of peer block fetches.
+
+Endpoints (every request signed, see below; anything else gets 401):
+
+- ``POST /internal/cache/lookup``
+  ``{"hashes": [hex], "block_bytes": n, "layout": hex, "reader": node id, "ttl_s": s}``
+  -> ``{"node_id", "lease_id", "offsets": [int], "block_bytes", "ttl_s",
+  "segment": descriptor, "transfer_address"}``: the longest prefix of
+  ``hashes`` this node has (SSD blocks promoted to DRAM first), leased for
+  ``ttl_s`` (at most ``store.lease_timeout_s``) under ``lease_id``, each
+  block's byte offset in the DRAM segment ``segment``. ``lease_id`` 0 and no
+  offsets when it has none. 409 when the reader's block layout differs.
+- ``POST /internal/cache/release`` ``{"lease_id": n}`` -> ``{"released": bool}``;
+  false means the lease had lapsed and what the reader read must be discarded.
+
+Authentication: ``X-Mooncaked-Signature`` carries a keyed BLAKE2b over the
+method, the path and the body, keyed with a key derived from the cluster
+secret, so only cluster members can lease slots, and a body signed for one
+path is refused on another.
+
+``InternalClient`` (the ``PeerClient`` of ``mooncaked.cache.peer``) makes
+these calls; ``TransferBlockReader`` (its ``BlockReader``) reads the leased
+slots through the transfer engine in one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+import structlog
+from aiohttp import web
+
+from mooncaked.cache.hashing import BLOCK_HASH_BYTES, BlockHash
+from mooncaked.cache.peer import LeaseDesk, Offer, PeerError
+from mooncaked.transfer import OpStatus, TransferEngine, TransferOp
+
+log = structlog.get_logger(__name__)
+
+SIGNATURE_HEADER = "X-Mooncaked-Signature"
+LOOKUP_PATH = "/internal/cache/lookup"
+RELEASE_PATH = "/internal/cache/release"
+# Most hashes one lookup may name (a 1M-token prompt in 16-token blocks).
+MAX_LOOKUP_HASHES = 65536
+
+
+def derive_key(secret: bytes) -> bytes:
+    if len(secret) < 8:
+        raise ValueError("the cluster secret must be at least 8 bytes")
+    return hashlib.blake2b(secret, digest_size=32, person=b"mooncaked.rpc").digest()
+
+
+def sign(key: bytes, method: str, path: str, body: bytes) -> str:
+    h = hashlib.blake2b(key=key, digest_size=32)
+    h.update(f"{method.upper()} {path}\n".encode())
+    h.update(body)
+    return h.hexdigest()
+
+
+class _Rejected(Exception):
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.Response(
+        body=orjson.dumps({"error": {"message": message, "type": "internal_rpc_error"}}),
+        status=status,
+        content_type="application/json",
+    )
+
+
+def _parse_hashes(raw: Any) -> list[BlockHash]:
+    if not isinstance(raw, list) or len(raw) > MAX_LOOKUP_HASHES:
+        raise ValueError(f"'hashes' must be a list of at most {MAX_LOOKUP_HASHES} hex strings")
+    out: list[BlockHash] = []
+    for h in raw:
+        try:
+            b = bytes.fromhex(h) if isinstance(h, str) else b""
+        except ValueError:
+            b = b""
+        if len(b) != BLOCK_HASH_BYTES:
+            raise ValueError(f"{h!r} is not a {BLOCK_HASH_BYTES}-byte hex block hash")
+        out.append(b)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """What the holder side serves from, once the store and transfer engine run."""
+
+    desk: LeaseDesk
+    block_bytes: int
+    # BlockLayout.fingerprint(): readers with another layout are refused.
+    layout: bytes
+    # The DRAM pool's transfer segment descriptor (SegmentDescriptor.to_dict()).
+    segment: dict[str, Any]
+    transfer_address: str
+
+
+class InternalAPI:
+    """The holder's side: serves lookups and releases of DRAM leases.
+
+    Routes exist from the node's start; until ``holding()`` returns something
+    (the store is up) they answer 503, which a reader counts as a failed peer.
+    """
+
+    def __init__(
+        self,
+        *,
+        secret: bytes,
+        node_id: Callable[[], str],
+        holding: Callable[[], Holding | None],
+    ) -> None:
+        self._key = derive_key(secret)
+        self._node_id = node_id
+        self._holding = holding
+        self.num_unauthorized = 0
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post(LOOKUP_PATH, self.lookup), web.post(RELEASE_PATH, self.release)]
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The request's JSON object once its signature checks; raises a response."""
+        raw = await request.read()
+        got = request.headers.get(SIGNATURE_HEADER, "")
+        want = sign(self._key, request.method, request.path, raw)
+        if not hmac.compare_digest(got.encode(), want.encode()):
+            self.num_unauthorized += 1
+            log.warning("internal.unauthorized", path=request.path, remote=request.remote)
+            raise _Rejected(
+                _error(401, "missing or bad signature (is the cluster secret the same?)")
+            )
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise _Rejected(_error(400, "body is not JSON")) from None
+        if not isinstance(data, dict):
+            raise _Rejected(_error(400, "body must be a JSON object"))
+        return data
+
+    async def lookup(self, request: web.Request) -> web.Response:
+        try:
+            data = await self._body(request)
+        except _Rejected as exc:
+            return exc.response
+        try:
+            hashes = _parse_hashes(data.get("hashes"))
+            ttl = data.get("ttl_s")
+            if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl <= 0:
+                raise ValueError("'ttl_s' must be a number > 0")
+            reader = data.get("reader")
+            if not isinstance(reader, str) or not reader:
+                raise ValueError("'reader' must be the reader's node id")
+        except ValueError as exc:
+            return _error(400, str(exc))
+        holding = self._holding()
+        if holding is None:
+            return _error(503, "the KV cache is not running (starting or stopping)")
+        if data.get("block_bytes") != holding.block_bytes or data.get("layout") != (
+            holding.layout.hex()
+        ):
+            return _error(
+                409,
+                f"block layout differs: this node stores {holding.block_bytes}-byte blocks "
+                f"of layout {holding.layout.hex()}",
+            )
+        grant = await holding.desk.grant(hashes, reader, float(ttl))
+        body: dict[str, Any] = {
+            "node_id": self._node_id(),
+            "lease_id": grant.lease_id if grant else 0,
+            "offsets": list(grant.offsets) if grant else [],
+            "ttl_s": grant.ttl_s if grant else 0.0,
+            "block_bytes": holding.block_bytes,
+            "segment": holding.segment,
+            "transfer_address": holding.transfer_address,
+        }
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def release(self, request: web.Request) -> web.Response:
+        try:
+            data = await self._body(request)
+        except _Rejected as exc:
+            return exc.response
+        lease_id = data.get("lease_id")
+        if isinstance(lease_id, bool) or not isinstance(lease_id, int) or lease_id <= 0:
+            return _error(400, "'lease_id' must be a positive integer")
+        holding = self._holding()
+        if holding is None:
+            return _error(503, "the KV cache is not running (starting or stopping)")
+        released = holding.desk.release(lease_id)
+        return web.Response(
+            body=orjson.dumps({"released": released}), content_type="application/json"
+        )
+
+
+class InternalClient:
+    """The reader's side of the control calls (a ``PeerClient``)."""
+
+    def __init__(
+        self, *, secret: bytes, node_id: Callable[[], str], block_bytes: int, layout: bytes
+    ) -> None:
+        self._key = derive_key(secret)
+        self._node_id = node_id
+        self._block_bytes = block_bytes
+        self._layout = layout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        # No pooled connection outlives a peer's restart for long, and a
+        # lookup never waits behind a slow one to the same peer.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit_per_host=16, keepalive_timeout=15.0),
+            json_serialize=lambda o: orjson.dumps(o).decode(),
+        )
+
+    async def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def _call(self, peer: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
+        session = self._session
+        if session is None:
+            raise PeerError("the internal client is not started")
+        raw = orjson.dumps(body)
+        headers = {
+            "Content-Type": "application/json",
+            SIGNATURE_HEADER: sign(self._key, "POST", path, raw),
+        }
+        url = peer.rstrip("/") + path
+        try:
+            async with session.post(
+                url, data=raw, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as resp:
+                payload = await resp.read()
+                if resp.status != 200:
+                    raise PeerError(
+                        f"{url} answered {resp.status}: {payload[:200].decode(errors='replace')}"
+                    )
+        except (aiohttp.ClientError, OSError) as exc:
+            raise PeerError(f"{url}: {exc!r}") from exc
+        except TimeoutError:
+            raise PeerError(f"{url}: no answer within {timeout_s:.3g} s") from None
+        try:
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            raise PeerError(f"{url} answered with something that is not JSON") from None
+        if not isinstance(data, dict):
+            raise PeerError(f"{url} answered with a JSON {type(data).__name__}, not an object")
+        return data
+
+    async def lookup(
+        self, peer: str, hashes: Sequence[BlockHash], ttl_s: float, timeout_s: float
+    ) -> Offer | None:
+        data = await self._call(
+            peer,
+            LOOKUP_PATH,
+            {
+                "hashes": [h.hex() for h in hashes],
+                "block_bytes": self._block_bytes,
+                "layout": self._layout.hex(),
+                "reader": self._node_id(),
+                "ttl_s": ttl_s,
+            },
+            timeout_s,
+        )
+        try:
+            offsets = tuple(int(o) for o in data["offsets"])
+            lease_id = int(data["lease_id"])
+            if not offsets:
+                return None
+            segment = data["segment"]
+            return Offer(
+                peer=peer,
+                node_id=str(data["node_id"]),
+                lease_id=lease_id,
+                offsets=offsets,
+                block_bytes=int(data["block_bytes"]),
+                segment=str(segment["name"]),
+                transfer_address=str(data["transfer_address"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PeerError(f"{peer}: malformed lookup answer ({exc!r})") from None
+
+    async def release(self, offer: Offer, timeout_s: float) -> bool:
+        data = await self._call(offer.peer, RELEASE_PATH, {"lease_id": offer.lease_id}, timeout_s)
+        released = data.get("released")
+        if not isinstance(released, bool):
+            raise PeerError(f"{offer.peer}: malformed release answer")
+        return released
+
+
+class TransferBlockReader:
+    """Reads leased slots of a peer's DRAM segment into the local one (a ``BlockReader``)."""
+
+    def __init__(self, transfer: TransferEngine, local_segment: str) -> None:
+        self._transfer = transfer
+        self._local_segment = local_segment
+
+    async def read(self, offer: Offer, local_offsets: Sequence[int], timeout_s: float) -> int:
+        if len(local_offsets) != offer.num_blocks:
+            raise ValueError(
+                f"{len(local_offsets)} local offsets for an offer of {offer.num_blocks} blocks"
+            )
+        if not local_offsets:
+            return 0
+        self._transfer.add_peer(offer.node_id, offer.transfer_address)
+        ops, firsts = _coalesce(self._local_segment, offer, list(local_offsets), offer.block_bytes)
+        batch = await self._transfer.submit(ops, op_timeout_s=timeout_s)
+        try:
+            await batch.wait()
+        except asyncio.CancelledError:
+            batch.cancel("the fetch was cancelled")
+            # The slots are handed back by the caller once this returns: no
+            # slice may still be writing into them then.
+            while not batch.done:
+                try:
+                    await asyncio.shield(batch.wait())
+                except asyncio.CancelledError:
+                    continue
+            raise
+        n = 0
+        for i, status in enumerate(batch.statuses):
+            if status is not OpStatus.DONE:
+                log.warning("peer.transfer_op_failed", peer=offer.node_id, reason=batch.reason(i))
+                break
+            n = firsts[i + 1] if i + 1 < len(firsts) else len(local_offsets)
+        return n
+
+
+def _coalesce(
+    local_segment: str, offer: Offer, local_offsets: list[int], block_bytes: int
+) -> tuple[list[TransferOp], list[int]]:
+    """One READ per run of blocks contiguous on both sides; and the index of
+    the first block of each op."""
+    ops: list[TransferOp] = []
+    firsts: list[int] = []
+    i = 0
+    n = len(local_offsets)
+    while i < n:
+        j = i + 1
+        while (
+            j < n
+            and offer.offsets[j] == offer.offsets[j - 1] + block_bytes
+            and local_offsets[j] == local_offsets[j - 1] + block_bytes
+        ):
+            j += 1
+        ops.append(
+            TransferOp.read(
+                local_segment,
+                local_offsets[i],
+                offer.node_id,
+                offer.segment,
+                offer.offsets[i],
+                (j - i) * block_bytes,
+            )
+        )
+        firsts.append(i)
+        i = j
+    return ops, firsts

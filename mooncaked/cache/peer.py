@@ -1,0 +1,481 @@
+"""Cached KV blocks from peers: the reader pulls, the holder only leases.
+
+Holder side, ``LeaseDesk``: a peer asks for a prefix of block hashes; the
+desk promotes SSD blocks of it to DRAM, leases the longest prefix found in
+DRAM for a short time-to-live and answers with each block's byte offset in
+the DRAM pool (a segment the transfer engine exposes). Nothing else of the
+holder's CPU is spent on the transfer: the reader moves the bytes.
+
+Reader side, ``PeerFetcher.fetch(hashes)``:
+
+1. count the leading blocks already local (device prefix cache, DRAM, SSD);
+2. ask the holders of the rest (``HolderLocator``) for leases, keep the
+   longest offer and give the others back;
+3. reserve local DRAM slots and read the leased slots into them in one
+   transfer batch;
+4. release the lease: a holder that says the lease had lapsed may have
+   reused the slots while they were read, so those bytes are discarded;
+5. publish the slots in the local DRAM tier.
+
+Every failure (peer down, transfer failed, lease lapsed, timeout) is logged
+and counted and only means the prompt is computed instead; ``fetch`` never
+raises. The wire (HTTP control calls, the transfer engine) sits behind the
+``PeerClient`` and ``BlockReader`` protocols, implemented in
+``mooncaked.api.internal``; who holds what sits behind ``HolderLocator``
+(static peer URLs from the config now, the cluster block index later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+
+from mooncaked.cache.dram import Clock, Lease
+from mooncaked.cache.hashing import BlockHash
+from mooncaked.cache.store import TieredStore
+
+log = structlog.get_logger(__name__)
+
+__all__ = [
+    "BlockReader",
+    "FetchStats",
+    "Grant",
+    "HolderLocator",
+    "LeaseDesk",
+    "LeaseStats",
+    "Offer",
+    "PeerClient",
+    "PeerError",
+    "PeerFetcher",
+    "StaticPeers",
+]
+
+
+class PeerError(Exception):
+    """A peer could not be asked or did not answer sensibly (down, refused, garbled)."""
+
+
+# -- holder side ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """Blocks leased to a reader: the first ``len(offsets)`` hashes it asked for."""
+
+    lease_id: int
+    # Byte offset of each block in the DRAM pool's buffer.
+    offsets: tuple[int, ...]
+    ttl_s: float
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.offsets)
+
+
+@dataclass(slots=True)
+class LeaseStats:
+    granted: int = 0
+    blocks_granted: int = 0
+    # Lookups that found no block in DRAM or on the SSD.
+    empty: int = 0
+    # Lookups turned away because peer_max_leases leases were out.
+    refused: int = 0
+    released: int = 0
+    # Leases whose time ran out before their release (the reader was told).
+    lapsed: int = 0
+    # Gauge, filled by stats().
+    active: int = 0
+
+
+class LeaseDesk:
+    """Leases DRAM blocks to readers on other nodes; bounded, each with a deadline."""
+
+    def __init__(
+        self, store: TieredStore, *, max_leases: int, clock: Clock = time.monotonic
+    ) -> None:
+        if max_leases <= 0:
+            raise ValueError(f"max_leases must be > 0, got {max_leases}")
+        self._store = store
+        self._max_leases = max_leases
+        self._clock = clock
+        self._leases: dict[int, Lease] = {}
+        self._stats = LeaseStats()
+
+    async def grant(self, hashes: Sequence[BlockHash], reader: str, ttl_s: float) -> Grant | None:
+        """Lease the longest prefix of ``hashes`` this node has; None when it has
+        none or too many leases are out."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self._end_lapsed()
+        if len(self._leases) >= self._max_leases:
+            self._stats.refused += 1
+            return None
+        owner = f"peer:{reader}"
+        # Peers read DRAM slots only: blocks on the SSD come up first.
+        await self._store.promote(hashes, owner=owner)
+        ttl = min(ttl_s, self._store.config.lease_timeout_s)
+        lease = self._store.dram.lease(hashes, owner, ttl)
+        if lease is None:
+            self._stats.empty += 1
+            return None
+        self._leases[lease.lease_id] = lease
+        self._stats.granted += 1
+        self._stats.blocks_granted += lease.num_blocks
+        dram = self._store.dram
+        return Grant(lease.lease_id, tuple(dram.slot_offset(s) for s in lease.slot_ids), ttl)
+
+    def release(self, lease_id: int) -> bool:
+        """End a lease; False when it had lapsed (or never existed): the reader must
+        then discard what it read."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        # Past its deadline the slots may already have gone to other blocks,
+        # whether or not the pool has reaped the lease yet.
+        in_time = self._clock() <= lease.deadline
+        held = self._store.dram.release(lease)
+        if in_time and held:
+            self._stats.released += 1
+            return True
+        self._stats.lapsed += 1
+        return False
+
+    def close(self) -> int:
+        """End every lease (readers' releases will say lapsed); how many ended."""
+        leases = list(self._leases.values())
+        self._leases.clear()
+        for lease in leases:
+            self._store.dram.release(lease)
+        return len(leases)
+
+    def _end_lapsed(self) -> None:
+        now = self._clock()
+        lapsed = [lease for lease in self._leases.values() if lease.deadline < now]
+        for lease in lapsed:
+            del self._leases[lease.lease_id]
+            self._store.dram.release(lease)
+            self._stats.lapsed += 1
+            log.warning(
+                "peer.lease_lapsed",
+                owner=lease.owner,
+                lease_id=lease.lease_id,
+                num_blocks=lease.num_blocks,
+            )
+
+    @property
+    def num_active(self) -> int:
+        return len(self._leases)
+
+    def stats(self) -> LeaseStats:
+        out = dataclasses.replace(self._stats)
+        out.active = len(self._leases)
+        return out
+
+
+# -- reader side ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """A holder's answer: blocks leased to us, where to read them, whom to release."""
+
+    # Who was asked (an HTTP base URL) and the transfer identity it answered with.
+    peer: str
+    node_id: str
+    lease_id: int
+    # Byte offset of block i (of the hashes asked for) in the holder's segment.
+    offsets: tuple[int, ...]
+    block_bytes: int
+    segment: str
+    transfer_address: str
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.offsets)
+
+
+class HolderLocator(Protocol):
+    """Who may hold a prefix of blocks: peers to ask, best first."""
+
+    def holders(self, hashes: Sequence[BlockHash]) -> list[str]: ...
+
+
+class PeerClient(Protocol):
+    """The control calls to a holder. Both raise PeerError when the peer cannot
+    be asked or answers nonsense."""
+
+    async def lookup(
+        self, peer: str, hashes: Sequence[BlockHash], ttl_s: float, timeout_s: float
+    ) -> Offer | None: ...
+
+    async def release(self, offer: Offer, timeout_s: float) -> bool: ...
+
+
+class BlockReader(Protocol):
+    async def read(self, offer: Offer, local_offsets: Sequence[int], timeout_s: float) -> int:
+        """Copy block i of the offer to byte ``local_offsets[i]`` of the local DRAM
+        pool; how many leading blocks landed. Returns (or raises) only once
+        nothing writes into those bytes any more."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class StaticPeers:
+    """Every configured peer may hold anything: ask them all."""
+
+    urls: tuple[str, ...]
+
+    def holders(self, hashes: Sequence[BlockHash]) -> list[str]:
+        return list(self.urls)
+
+
+@dataclass(slots=True)
+class FetchStats:
+    # fetch() calls that asked peers, and how they ended.
+    fetches: int = 0
+    ok: int = 0
+    failed: int = 0
+    # No peer had the next block.
+    missed: int = 0
+    # Over peer_max_fetches: computed instead, nobody asked.
+    skipped: int = 0
+    # The caller stopped waiting at peer_fetch_timeout_s.
+    timed_out: int = 0
+    # Failed fetches because the holder said the lease had lapsed.
+    lapsed: int = 0
+    # Peers that could not be asked or answered nonsense.
+    lookup_errors: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    # Gauge, filled by stats().
+    inflight: int = 0
+
+
+# The lease a reader asks for outlives its own deadline by this much, so a
+# fetch that ends at its deadline still finds the lease held.
+_LEASE_MARGIN_S = 5.0
+
+
+class PeerFetcher:
+    """Pulls the blocks of a prompt's prefix from peers into the local DRAM tier."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        locator: HolderLocator,
+        client: PeerClient,
+        reader: BlockReader,
+        *,
+        timeout_s: float,
+        max_fetches: int,
+        device_prefix: Callable[[Sequence[BlockHash]], int] | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_fetches <= 0:
+            raise ValueError(f"max_fetches must be > 0, got {max_fetches}")
+        self._store = store
+        self._locator = locator
+        self._client = client
+        self._reader = reader
+        self._timeout_s = timeout_s
+        self._max_fetches = max_fetches
+        # Leading blocks the engine's device prefix cache holds already.
+        self.device_prefix = device_prefix
+        self._stats = FetchStats()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # First block of each fetch in flight: a second request for the same
+        # prefix waits for it instead of leasing the same blocks again.
+        self._inflight: dict[BlockHash, asyncio.Task[None]] = {}
+        self._closing = False
+
+    def local_prefix(self, hashes: Sequence[BlockHash]) -> int:
+        """Leading blocks of ``hashes`` on this node: device, then DRAM or SSD."""
+        n = self.device_prefix(hashes) if self.device_prefix is not None else 0
+        return n + self._store.lookup(hashes[n:], record_stats=False).num_blocks
+
+    async def fetch(self, hashes: Sequence[BlockHash]) -> int:
+        """Bring the blocks of ``hashes`` that peers hold into local DRAM; how many
+        leading blocks of ``hashes`` are local afterwards. Never raises."""
+        try:
+            return await self._fetch_bounded(list(hashes))
+        except Exception as exc:
+            # A bug here must cost a recompute, never the request.
+            log.error("peer.fetch_failed", error=repr(exc), exc_info=exc)
+            return self.local_prefix(hashes)
+
+    async def _fetch_bounded(self, hashes: list[BlockHash]) -> int:
+        start = self.local_prefix(hashes)
+        if self._closing or start >= len(hashes):
+            return start
+        holders = self._locator.holders(hashes[start:])
+        if not holders:
+            return start
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        task = self._inflight.get(hashes[start])
+        if task is None:
+            if len(self._inflight) >= self._max_fetches:
+                self._stats.skipped += 1
+                return start
+            task = self._spawn(self._fetch(hashes, start, holders, deadline), "peer-fetch")
+            first = hashes[start]
+            self._inflight[first] = task
+            task.add_done_callback(lambda _t: self._inflight.pop(first, None))
+        try:
+            async with asyncio.timeout_at(deadline):
+                # Shielded: the fetch fills reserved slots and must finish (or
+                # give them back) on its own even when its caller stops waiting.
+                await asyncio.shield(task)
+        except TimeoutError:
+            self._stats.timed_out += 1
+            log.warning("peer.fetch_timed_out", timeout_s=self._timeout_s, first_block=start)
+        return self.local_prefix(hashes)
+
+    async def _fetch(
+        self, hashes: list[BlockHash], start: int, holders: list[str], deadline: float
+    ) -> None:
+        self._stats.fetches += 1
+        want = hashes[start:]
+        offer = await self._best_offer(want, holders, deadline)
+        if offer is None:
+            self._stats.missed += 1
+            return
+        reservation = self._store.reserve(want[: offer.num_blocks])
+        if reservation is None:
+            # DRAM got the next block meanwhile (or has no slot to spare).
+            await self._release(offer, deadline)
+            self._stats.missed += 1
+            return
+        num_read = 0
+        try:
+            dram = self._store.dram
+            local = [dram.slot_offset(s) for s in reservation.slots]
+            offsets = offer.offsets[: reservation.num_blocks]
+            part = Offer(
+                offer.peer,
+                offer.node_id,
+                offer.lease_id,
+                offsets,
+                offer.block_bytes,
+                offer.segment,
+                offer.transfer_address,
+            )
+            try:
+                num_read = await self._reader.read(part, local, self._left(deadline))
+                num_read = min(max(num_read, 0), reservation.num_blocks)
+            except Exception as exc:
+                log.warning("peer.read_failed", peer=offer.peer, error=repr(exc))
+                num_read = 0
+            if num_read < reservation.num_blocks:
+                log.warning(
+                    "peer.read_short",
+                    peer=offer.peer,
+                    wanted=reservation.num_blocks,
+                    read=num_read,
+                )
+            if not await self._release(offer, deadline):
+                if num_read:
+                    self._stats.lapsed += 1
+                    log.warning("peer.lease_lapsed_discarding", peer=offer.peer, blocks=num_read)
+                num_read = 0
+        except BaseException:
+            self._store.abort_reserved(reservation)
+            raise
+        stored = self._store.commit_reserved(reservation, num_read)
+        if stored:
+            self._stats.ok += 1
+            self._stats.blocks += stored
+            self._stats.bytes += stored * self._store.block_bytes
+            log.info("peer.fetched", peer=offer.peer, blocks=stored, first_block=start)
+        else:
+            self._stats.failed += 1
+
+    async def _best_offer(
+        self, want: list[BlockHash], holders: list[str], deadline: float
+    ) -> Offer | None:
+        ttl = self._timeout_s + _LEASE_MARGIN_S
+        left = self._left(deadline)
+        answers = await asyncio.gather(
+            *(self._client.lookup(peer, want, ttl, left) for peer in holders),
+            return_exceptions=True,
+        )
+        offers: list[Offer] = []
+        for peer, answer in zip(holders, answers, strict=True):
+            if isinstance(answer, BaseException):
+                if not isinstance(answer, PeerError | TimeoutError):
+                    log.error("peer.lookup_bug", peer=peer, error=repr(answer), exc_info=answer)
+                else:
+                    log.warning("peer.lookup_failed", peer=peer, error=str(answer))
+                self._stats.lookup_errors += 1
+                continue
+            if answer is None:
+                continue
+            if answer.block_bytes != self._store.block_bytes or answer.num_blocks > len(want):
+                log.warning(
+                    "peer.offer_mismatch",
+                    peer=peer,
+                    block_bytes=answer.block_bytes,
+                    num_blocks=answer.num_blocks,
+                )
+                self._stats.lookup_errors += 1
+                await self._release(answer, deadline)
+                continue
+            offers.append(answer)
+        if not offers:
+            return None
+        best = max(offers, key=lambda o: o.num_blocks)
+        losers = [o for o in offers if o is not best]
+        if losers:
+            await asyncio.gather(*(self._release(o, deadline) for o in losers))
+        return best
+
+    async def _release(self, offer: Offer, deadline: float) -> bool:
+        """Give a lease back; whether it still held (False when the peer cannot say)."""
+        try:
+            # A lease is worth releasing even a little past the fetch's own
+            # deadline: the holder gets its slots back sooner.
+            return await self._client.release(offer, max(self._left(deadline), 1.0))
+        except (PeerError, TimeoutError) as exc:
+            log.warning("peer.release_failed", peer=offer.peer, error=str(exc))
+            return False
+
+    def _left(self, deadline: float) -> float:
+        return max(0.001, deadline - asyncio.get_running_loop().time())
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._stats.failed += 1
+            log.error("peer.fetch_task_failed", error=repr(exc), exc_info=exc)
+
+    async def close(self) -> None:
+        """Refuse new fetches and wait for those in flight (each is bounded by its
+        deadline), so no transfer writes into the store after this returns."""
+        self._closing = True
+        if self._tasks:
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def stats(self) -> FetchStats:
+        out = dataclasses.replace(self._stats)
+        out.inflight = len(self._tasks)
+        return out
