@@ -35,7 +35,6 @@ Drain order (the stop half of the steps, newest first):
 from __future__ import annotations
 
 import asyncio
-import inspect
 import os
 import signal
 import socket
@@ -43,7 +42,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
@@ -432,20 +431,14 @@ class Node:
         store, fetcher = self._store, self._peer_fetcher
         if store is None:
             return
-        attach = getattr(engine, "attach_store", None)
-        if attach is None:
-            # An engine without host tiers still serves; peers can still read
-            # what this node's store holds.
-            self._log.warning("this engine cannot use the tiered store; serving without it")
-            return
+        cfg = self._config.store
         # Without peers to ask there is nothing to wait for before admission.
-        prefetch = fetcher.fetch if fetcher is not None and self._config.store.peers else None
-        kwargs: dict[str, Any] = {}
-        if "prefetch_timeout_s" in inspect.signature(attach).parameters:
-            kwargs["prefetch_timeout_s"] = (
-                self._config.store.peer_fetch_timeout_s + _PREFETCH_GRACE_S
-            )
-        attach(store, prefetch=prefetch, **kwargs)
+        prefetch = fetcher.fetch if fetcher is not None and cfg.peers else None
+        engine.attach_store(
+            store,
+            prefetch=prefetch,
+            prefetch_timeout_s=cfg.peer_fetch_timeout_s + _PREFETCH_GRACE_S,
+        )
 
     async def _start_serving(self) -> None:
         self._ready = True

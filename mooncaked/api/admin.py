@@ -360,7 +360,6 @@ class CacheAdmin:
         engine, store = self._node.engine, self._node.store
         if engine is None or store is None:
             return _unavailable("the KV cache")
-        reset = getattr(engine, "reset_prefix_cache", None)
-        device = reset() if reset is not None else engine.pool.reset_prefix_cache()
+        device = engine.reset_prefix_cache()
         removed = await store.clear()
         return json_response({"device_blocks": device, "store_blocks": removed})
