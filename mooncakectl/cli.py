@@ -15,7 +15,12 @@ from mooncakectl.registry import COMMANDS, Env, ExitStatus
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "MOONCAKED_URL"
 # Modules whose import registers their commands.
-_COMMAND_MODULES = ("mooncakectl.commands", "mooncakectl.cluster_cmds", "mooncakectl.local")
+_COMMAND_MODULES = (
+    "mooncakectl.commands",
+    "mooncakectl.cluster_cmds",
+    "mooncakectl.cache_cmds",
+    "mooncakectl.local",
+)
 
 EPILOG = """\
 exit status:
