@@ -344,9 +344,13 @@ class PeerFetcher:
     ) -> None:
         self._stats.fetches += 1
         want = hashes[start:]
-        offer = await self._best_offer(want, holders, deadline)
+        offer, num_errors = await self._best_offer(want, holders, deadline)
         if offer is None:
-            self._stats.missed += 1
+            # Nobody could be asked: a failure; everybody answered "none": a miss.
+            if num_errors:
+                self._stats.failed += 1
+            else:
+                self._stats.missed += 1
             return
         reservation = self._store.reserve(want[: offer.num_blocks])
         if reservation is None:
@@ -400,7 +404,8 @@ class PeerFetcher:
 
     async def _best_offer(
         self, want: list[BlockHash], holders: list[str], deadline: float
-    ) -> Offer | None:
+    ) -> tuple[Offer | None, int]:
+        """The longest offer (the others released) and how many holders failed."""
         ttl = self._timeout_s + _LEASE_MARGIN_S
         left = self._left(deadline)
         answers = await asyncio.gather(
@@ -408,8 +413,10 @@ class PeerFetcher:
             return_exceptions=True,
         )
         offers: list[Offer] = []
+        num_errors = 0
         for peer, answer in zip(holders, answers, strict=True):
             if isinstance(answer, BaseException):
+                num_errors += 1
                 if not isinstance(answer, PeerError | TimeoutError):
                     log.error("peer.lookup_bug", peer=peer, error=repr(answer), exc_info=answer)
                 else:
@@ -426,16 +433,17 @@ class PeerFetcher:
                     num_blocks=answer.num_blocks,
                 )
                 self._stats.lookup_errors += 1
+                num_errors += 1
                 await self._release(answer, deadline)
                 continue
             offers.append(answer)
         if not offers:
-            return None
+            return None, num_errors
         best = max(offers, key=lambda o: o.num_blocks)
         losers = [o for o in offers if o is not best]
         if losers:
             await asyncio.gather(*(self._release(o, deadline) for o in losers))
-        return best
+        return best, num_errors
 
     async def _release(self, offer: Offer, deadline: float) -> bool:
         """Give a lease back; whether it still held (False when the peer cannot say)."""
