@@ -193,7 +193,8 @@ class CacheAdmin:
     cache's metrics snapshot.
 
     - ``GET /admin/cache/stats``: every tier's counters and gauges, peer fetches,
-      leases granted to peers, transfer counters.
+      leases granted to peers, transfer counters; with ``?check=1`` also the
+      tiers' self-check (``"integrity": "ok"`` or what is wrong).
     - ``POST /admin/cache/lookup`` ``{"prompt": "text" | [token ids]}``: how many
       prompt tokens would be served from the device prefix cache, DRAM and SSD.
     - ``POST /admin/cache/clear``: drop the device prefix cache (blocks no
@@ -306,8 +307,16 @@ class CacheAdmin:
 
     async def stats(self, request: web.Request) -> web.Response:
         out = self.stats_dict()
-        if out is None:
+        store = self._node.store
+        if out is None or store is None:
             return _unavailable("the KV cache")
+        if request.query.get("check") in ("1", "true"):
+            # The tiers' self-check: a walk over every slot, so only on demand.
+            try:
+                store.check_integrity()
+                out["integrity"] = "ok"
+            except RuntimeError as exc:
+                out["integrity"] = str(exc)
         return json_response(out)
 
     async def lookup(self, request: web.Request) -> web.Response:

@@ -374,34 +374,28 @@ class SsdTier:
         report.discarded = parsed.discarded
         if parsed.discarded:
             log.warning("ssd.log_discarded", path=str(self.path), reason=parsed.discarded)
-        index: dict[BlockHash, int] = {}
-        slot_hash: dict[int, BlockHash] = {}
-        slot_crc: dict[int, int] = {}
-        # Insertion order of `index` is the LRU order: a later PUT is more recent.
-        for kind, slot, block_hash, crc in parsed.ops:
-            if kind == _OP_PUT:
-                if slot >= self.num_slots:
-                    report.out_of_range += 1
-                    continue
-                old = slot_hash.pop(slot, None)
-                if old is not None:
-                    del index[old]
-                prev_slot = index.pop(block_hash, None)
-                if prev_slot is not None:
-                    del slot_hash[prev_slot]
-                index[block_hash] = slot
-                slot_hash[slot] = block_hash
-                slot_crc[slot] = crc
-            elif index.get(block_hash) == slot:
-                del index[block_hash]
-                del slot_hash[slot]
+        index, slot_crc, report.out_of_range = _replay_ops(parsed.ops, self.num_slots)
         for block_hash, slot in index.items():
             self._state[slot] = SlotState.LIVE
             self._slot_hash[slot] = block_hash
             self._slot_crc[slot] = slot_crc[slot]
             self._index[block_hash] = slot
             self._lru[block_hash] = None
-        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in slot_hash]
+        used = set(index.values())
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
+
+    def peek_index(self) -> dict[BlockHash, int]:
+        """Block -> slot as ``open`` would index it, without opening: nothing is
+        created or changed, and no slot's bytes are read or checked. For tools
+        and tests looking at a tier whose owner is down."""
+        if self._opened:
+            raise RuntimeError("peek_index is for a tier that is not open; use slot_of()")
+        log_path = self.path / LOG_NAME
+        raw = log_path.read_bytes() if log_path.exists() else b""
+        if raw and not (self.path / SLAB_NAME).exists():
+            return {}
+        index, _, _ = _replay_ops(self._parse_log(raw).ops, self.num_slots)
+        return index
 
     # -- queries -----------------------------------------------------------
 
@@ -805,6 +799,35 @@ class SsdTier:
                 problems.append(f"free slot {slot} has readers")
         if problems:
             raise RuntimeError("SSD tier integrity: " + "; ".join(problems))
+
+
+def _replay_ops(
+    ops: list[tuple[int, int, BlockHash, int]], num_slots: int
+) -> tuple[dict[BlockHash, int], dict[int, int], int]:
+    """The index a log's records build, in LRU order (a later PUT is more
+    recent); each live slot's data CRC; how many PUTs named a slot past the end."""
+    index: dict[BlockHash, int] = {}
+    slot_hash: dict[int, BlockHash] = {}
+    slot_crc: dict[int, int] = {}
+    out_of_range = 0
+    for kind, slot, block_hash, crc in ops:
+        if kind == _OP_PUT:
+            if slot >= num_slots:
+                out_of_range += 1
+                continue
+            old = slot_hash.pop(slot, None)
+            if old is not None:
+                del index[old]
+            prev_slot = index.pop(block_hash, None)
+            if prev_slot is not None:
+                del slot_hash[prev_slot]
+            index[block_hash] = slot
+            slot_hash[slot] = block_hash
+            slot_crc[slot] = crc
+        elif index.get(block_hash) == slot:
+            del index[block_hash]
+            del slot_hash[slot]
+    return index, slot_crc, out_of_range
 
 
 def _pwrite_all_append(fd: int, data: bytes) -> None:
