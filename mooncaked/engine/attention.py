@@ -26,6 +26,29 @@ import torch.nn.functional as F
 FLASH_BLOCK_SIZE_MULTIPLE = 256
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Decode sequences attended in one SDPA call, padded to the group's longest."""
+
+    # [Bg] flat row of each decode query.
+    rows: torch.Tensor
+    # [Bg * max_blocks] the sequences' block tables, flattened and padded with
+    # block 0: K/V are gathered whole blocks at a time, far cheaper than one
+    # slot at a time.
+    blocks: torch.Tensor
+    # [Bg, 1, 1, max_blocks * block_size] 0 where a key is real, -inf past the
+    # context. Additive float: the CPU's fused SDPA kernel takes it directly,
+    # where a bool mask costs a conversion per call (about 2x slower).
+    mask: torch.Tensor
+
+
+# Decode sequences are split into at most this many groups, and groups hold
+# at least _MIN_DECODE_GROUP sequences: padding every sequence to the batch's
+# longest context wasted about half the attention work on mixed lengths.
+_MAX_DECODE_GROUPS = 4
+_MIN_DECODE_GROUP = 16
+
+
 @dataclass(slots=True)
 class AttentionMetadata:
     """What every layer needs to write and read the paged cache in one step.
@@ -52,16 +75,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     # [B] int32 context lengths on the device (flash decode).
     context_lens_tensor: torch.Tensor
-    # SDPA decode batch: sequences with one query token, attended in one call.
+    # SDPA decode batch: sequences with one query token, attended in a few
+    # calls (groups of similar context length).
     decode_seq_ids: list[int]
-    # [Bd] flat row of each decode query.
-    decode_token_index: torch.Tensor | None = None
-    # [Bd * max_blocks] the decode sequences' block tables, flattened and padded
-    # with block 0: K/V are gathered whole blocks at a time, far cheaper than
-    # one slot at a time.
-    decode_blocks: torch.Tensor | None = None
-    # [Bd, 1, 1, max_blocks * block_size] True where a key is real.
-    decode_mask: torch.Tensor | None = None
+    decode_groups: tuple[DecodeGroup, ...] = ()
     # SDPA prefill: the sequences with more than one query token, and for each
     # its blocks ([n] int64), or None when start_pos == 0 and the chunk's own
     # K/V are the whole context.
@@ -160,23 +177,13 @@ def _add_sdpa_indices(
     prefill_ids = [i for i, q in enumerate(meta.query_lens) if q > 1]
     meta.decode_seq_ids = decode_ids
     if decode_ids:
-        ctxs = [meta.context_lens[i] for i in decode_ids]
-        nblk = (max(ctxs) + bs - 1) // bs
-        blocks: list[int] = []
-        for i, ctx in zip(decode_ids, ctxs, strict=True):
-            table = block_tables[i][: (ctx + bs - 1) // bs]
-            blocks.extend(table)
-            blocks.extend([0] * (nblk - len(table)))
-        key_pos = torch.arange(nblk * bs)
-        mask = key_pos[None, :] < torch.tensor(ctxs)[:, None]
-        meta.decode_token_index = torch.tensor(
-            [meta.query_starts[i] for i in decode_ids], dtype=torch.int64
-        ).to(device)
-        meta.decode_blocks = torch.tensor(blocks, dtype=torch.int64).to(device)
-        # Additive float mask: the CPU's fused SDPA kernel takes it directly,
-        # where a bool mask costs a conversion per call (about 2x slower).
-        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
-        meta.decode_mask = bias[:, None, None, :].to(device)
+        by_len = sorted(decode_ids, key=lambda i: meta.context_lens[i])
+        num_groups = min(_MAX_DECODE_GROUPS, max(1, len(by_len) // _MIN_DECODE_GROUP))
+        size = -(-len(by_len) // num_groups)
+        meta.decode_groups = tuple(
+            _decode_group(meta, by_len[lo : lo + size], block_tables, device, dtype)
+            for lo in range(0, len(by_len), size)
+        )
     meta.prefill_seq_ids = tuple(prefill_ids)
     meta.prefill_blocks = tuple(
         None
@@ -185,6 +192,31 @@ def _add_sdpa_indices(
             block_tables[i][: (meta.context_lens[i] + bs - 1) // bs], dtype=torch.int64
         ).to(device)
         for i in prefill_ids
+    )
+
+
+def _decode_group(
+    meta: AttentionMetadata,
+    seq_ids: list[int],
+    block_tables: list[list[int]],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> DecodeGroup:
+    bs = meta.block_size
+    ctxs = [meta.context_lens[i] for i in seq_ids]
+    nblk = (max(ctxs) + bs - 1) // bs
+    blocks: list[int] = []
+    for i, ctx in zip(seq_ids, ctxs, strict=True):
+        table = block_tables[i][: (ctx + bs - 1) // bs]
+        blocks.extend(table)
+        blocks.extend([0] * (nblk - len(table)))
+    key_pos = torch.arange(nblk * bs)
+    real = key_pos[None, :] < torch.tensor(ctxs)[:, None]
+    bias = torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf"))
+    return DecodeGroup(
+        rows=torch.tensor([meta.query_starts[i] for i in seq_ids], dtype=torch.int64).to(device),
+        blocks=torch.tensor(blocks, dtype=torch.int64).to(device),
+        mask=bias[:, None, None, :].to(device),
     )
 
 
@@ -247,20 +279,17 @@ class SdpaBackend:
         kvh, hd, g = self.num_kv_heads, self.head_dim, self.group
         out = torch.empty_like(q)
 
-        if meta.decode_seq_ids:
-            rows = meta.decode_token_index
-            blocks = meta.decode_blocks
-            if rows is None or blocks is None or meta.decode_mask is None:
-                raise RuntimeError("SDPA decode metadata was not built")
+        if meta.decode_seq_ids and not meta.decode_groups:
+            raise RuntimeError("SDPA decode metadata was not built")
+        for group in meta.decode_groups:
+            rows = group.rows
             bd = rows.numel()
-            # [Bd, H, D] -> [Bd, KVH, G, D]: the group plays the query axis.
+            # [Bd, H, D] -> [Bd, KVH, G, D]: the GQA group plays the query axis.
             qd = q.index_select(0, rows).view(bd, kvh, g, hd)
             # [Bd * nblk, bs, KVH, D] -> [Bd, KVH, nblk * bs, D]
-            kd = k_cache.index_select(0, blocks).view(bd, -1, kvh, hd).transpose(1, 2)
-            vd = v_cache.index_select(0, blocks).view(bd, -1, kvh, hd).transpose(1, 2)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale
-            )
+            kd = k_cache.index_select(0, group.blocks).view(bd, -1, kvh, hd).transpose(1, 2)
+            vd = v_cache.index_select(0, group.blocks).view(bd, -1, kvh, hd).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=self.scale)
             out.index_copy_(0, rows, od.reshape(bd, self.num_heads, hd))
 
         cu = meta.query_starts
