@@ -269,21 +269,39 @@ class Batch:
             self._fire_settled()
 
     def slice_done(self, s: Slice) -> None:
-        self.slices_done((s,))
+        self._complete([(s.op_index, s.length)])
 
     def slices_done(self, slices: Sequence[Slice]) -> None:
         """Report finished slices (all of this batch) under one lock."""
+        self._complete([(s.op_index, s.length) for s in slices])
+
+    def ops_done(self, indices: Sequence[int]) -> None:
+        """Report whole ops moved as one unit each (see ``_add_ops``)."""
+        ops = self.ops
+        self._complete([(i, ops[i].length) for i in indices])
+
+    def ops_failed(self, indices: Sequence[int], reason: str) -> None:
+        fire = False
+        with self._lock:
+            for i in indices:
+                self._fail_locked(i, reason)
+            self._outstanding -= len(indices)
+            fire = self._sealed and self._outstanding == 0
+        if fire:
+            self._fire_settled()
+
+    def _complete(self, units: Sequence[tuple[int, int]]) -> None:
+        """(op index, bytes) per finished unit: a slice, or a whole op."""
         done_read = done_written = 0
         by_transport: dict[str, int] = {}
         num_done = 0
         with self._lock:
             status = self._status
             remaining = self._remaining
-            for s in slices:
-                i = s.op_index
+            for i, nbytes in units:
                 if status[i] is OpStatus.PENDING:
                     remaining[i] -= 1
-                    self._bytes_done += s.length
+                    self._bytes_done += nbytes
                     if remaining[i] == 0:
                         status[i] = OpStatus.DONE
                         self._num_pending -= 1
@@ -295,7 +313,7 @@ class Batch:
                             done_written += op.length
                         t = self._transports[i]
                         by_transport[t] = by_transport.get(t, 0) + op.length
-            self._outstanding -= len(slices)
+            self._outstanding -= len(units)
             fire = self._sealed and self._outstanding == 0
         if num_done:
             m = self._metrics
@@ -320,6 +338,19 @@ class Batch:
     def slice_dropped(self, s: Slice) -> None:
         """A transport let go of a slice whose op already has a verdict."""
         self.slice_failed(s, "dropped")
+
+    def _add_ops(self, indices: Sequence[int], transport: str) -> None:
+        """Engine: these ops move as one unit each (no Slice objects)."""
+        with self._lock:
+            remaining = self._remaining
+            transports = self._transports
+            for i in indices:
+                remaining[i] += 1
+                transports[i] = transport
+            self._outstanding += len(indices)
+
+    def is_pending(self, op_index: int) -> bool:
+        return self._status[op_index] is OpStatus.PENDING
 
     def _complete_empty(self, op_index: int) -> None:
         """Engine: an op of length 0 is done without moving anything."""

@@ -47,9 +47,10 @@ from mooncaked.transfer.segment import (
     SegmentError,
     SegmentTable,
     SharedBuffer,
+    memmove,
 )
 from mooncaked.transfer.server import TransferServer
-from mooncaked.transfer.shm import ShmPeer, ShmRegistry, boot_id, copy_slice
+from mooncaked.transfer.shm import ShmMapping, ShmPeer, ShmRegistry, boot_id, copy_slice
 from mooncaked.transfer.tcp import PeerLink, RemoteSegment, TcpPeer, parse_address
 
 log = structlog.get_logger(__name__)
@@ -58,6 +59,37 @@ log = structlog.get_logger(__name__)
 COPY_WORKERS = 2
 # One copy job moves at most this much, so a big batch spreads over workers.
 COPY_JOB_BYTES = 16 * 1024 * 1024
+
+
+# A whole op moved by one memcpy: (op index, destination, source, length),
+# with raw addresses into memory the job keeps referenced.
+_Copy = tuple[int, int, int, int]
+
+
+def _copy_item(index: int, kind: OpKind, here: int, there: int, length: int) -> _Copy:
+    """A READ copies there -> here, a WRITE here -> there."""
+    return (index, here, there, length) if kind is OpKind.READ else (index, there, here, length)
+
+
+def _copy_ops(
+    batch: Batch, items: list[_Copy], shm: ShmPeer | None, mapping: ShmMapping | None
+) -> None:
+    """Worker thread: memcpy whole ops of one batch, report them at once.
+
+    ``mapping`` (a peer's segment, held here so its addresses stay mapped) is
+    checked for revocation once per job; ops cancelled meanwhile are skipped.
+    """
+    indices = [item[0] for item in items]
+    if shm is not None and mapping is not None:
+        reason = shm.check_live(mapping)
+        if reason is not None:
+            batch.ops_failed(indices, reason)
+            return
+    pending = batch.is_pending
+    for i, dst, src, length in items:
+        if pending(i):
+            memmove(dst, src, length)
+    batch.ops_done(indices)
 
 
 @dataclass(slots=True, eq=False)
@@ -350,24 +382,28 @@ class TransferEngine:
         return batch
 
     def _check_local(self, ops: Sequence[TransferOp]) -> list[Segment]:
+        # Per op, and batches run to thousands of ops: segments are looked up
+        # once per name, and the common case costs a few comparisons.
         used: dict[str, Segment] = {}
+        read, write = OpKind.READ, OpKind.WRITE
         for i, op in enumerate(ops):
-            if not isinstance(op, TransferOp):
+            if type(op) is not TransferOp and not isinstance(op, TransferOp):
                 raise TypeError(f"op {i} is a {type(op).__name__}, not a TransferOp")
-            if op.kind not in (OpKind.READ, OpKind.WRITE):
+            if op.kind is not read and op.kind is not write:
                 raise ValueError(f"op {i}: kind must be READ or WRITE")
-            seg = used.get(op.local_segment) or self._table.get(op.local_segment)
+            seg = used.get(op.local_segment)
             if seg is None:
-                raise SegmentError(
-                    f"op {i}: local segment {op.local_segment!r} is not registered "
-                    f"(registered: {self._table.names()[:10]})"
-                )
-            reason = seg.check_range(op.local_offset, op.length)
-            if reason is not None:
-                raise SegmentError(f"op {i}: {reason}")
+                seg = self._table.get(op.local_segment)
+                if seg is None:
+                    raise SegmentError(
+                        f"op {i}: local segment {op.local_segment!r} is not registered "
+                        f"(registered: {self._table.names()[:10]})"
+                    )
+                used[seg.name] = seg
+            if op.local_offset < 0 or op.length < 0 or op.local_offset + op.length > seg.length:
+                raise SegmentError(f"op {i}: {seg.check_range(op.local_offset, op.length)}")
             if op.remote_offset < 0:
                 raise ValueError(f"op {i}: negative remote offset {op.remote_offset}")
-            used[seg.name] = seg
         return list(used.values())
 
     def _slices(self, batch: Batch, i: int, transport: str, local: Segment) -> list[Slice]:
@@ -407,6 +443,7 @@ class TransferEngine:
 
     def _dispatch_local(self, batch: Batch, indices: list[int]) -> None:
         slices: list[Slice] = []
+        copies: list[_Copy] = []
         for i in indices:
             op = batch.ops[i]
             remote = self._table.get(op.remote_segment)
@@ -423,7 +460,15 @@ class TransferEngine:
             if remote not in held:
                 remote.acquire()
                 held.append(remote)
-            slices.extend(self._slices(batch, i, "local", self._table.get(op.local_segment)))  # type: ignore[arg-type]
+            local = self._table.get(op.local_segment)
+            if remote.is_host and local.is_host and op.length <= self.config.slice_bytes:  # type: ignore[union-attr]
+                there = remote.address + op.remote_offset
+                here = local.address + op.local_offset  # type: ignore[union-attr]
+                copies.append(_copy_item(i, op.kind, here, there, op.length))
+            else:
+                slices.extend(self._slices(batch, i, "local", local))  # type: ignore[arg-type]
+        if copies:
+            self._run_op_copies(batch, copies, "local", None, None)
         if slices:
             self._run_copies(slices, self._copy_local)
 
@@ -469,8 +514,31 @@ class TransferEngine:
         if job:
             self._submit_job(fn, job)
 
-    def _submit_job(self, fn: Any, job: list[Slice]) -> None:
-        future = self._pool.submit(fn, job)  # type: ignore[union-attr]
+    def _run_op_copies(
+        self,
+        batch: Batch,
+        items: list[_Copy],
+        transport: str,
+        shm: ShmPeer | None,
+        mapping: ShmMapping | None,
+    ) -> None:
+        """Whole-op memcpys in jobs of about COPY_JOB_BYTES (see ``_copy_ops``)."""
+        if self._pool is None:
+            raise RuntimeError("the transfer engine is not running")
+        batch._add_ops([item[0] for item in items], transport)
+        job: list[_Copy] = []
+        size = 0
+        for item in items:
+            job.append(item)
+            size += item[3]
+            if size >= COPY_JOB_BYTES:
+                self._submit_job(_copy_ops, batch, job, shm, mapping)
+                job, size = [], 0
+        if job:
+            self._submit_job(_copy_ops, batch, job, shm, mapping)
+
+    def _submit_job(self, fn: Any, *args: Any) -> None:
+        future = self._pool.submit(fn, *args)  # type: ignore[union-attr]
         self._jobs.add(future)
         future.add_done_callback(self._job_done)
 
@@ -495,9 +563,19 @@ class TransferEngine:
                 batch.fail_op(i, reason)
             return
         by_transport: dict[str, list[Slice]] = defaultdict(list)
+        copies: dict[ShmMapping, list[_Copy]] = {}
+        step = self.config.slice_bytes
+        # (remote name, local name) -> remote, local, transport, shm mapping:
+        # resolved once per pair, not once per op.
+        routes: dict[tuple[str, str], tuple[Any, ...]] = {}
+        ops = batch.ops
         for i in indices:
-            op = batch.ops[i]
-            remote = peer.link.cached(op.remote_segment)
+            op = ops[i]
+            key = (op.remote_segment, op.local_segment)
+            route = routes.get(key)
+            if route is None:
+                route = routes[key] = self._route(peer, op)
+            remote, local, transport, mapping = route
             if remote is None:
                 batch.fail_op(i, f"segment {op.remote_segment!r} is not registered on node {node}")
                 continue
@@ -508,9 +586,18 @@ class TransferEngine:
                     f"segment {op.remote_segment!r} of {remote.length} bytes on node {node}",
                 )
                 continue
-            local = self._table.get(op.local_segment)
-            transport = self._choose(peer, remote, local)  # type: ignore[arg-type]
-            by_transport[transport].extend(self._slices(batch, i, transport, local))  # type: ignore[arg-type]
+            if mapping is not None and op.length <= step:
+                # Small host ops over shm skip slicing: one memcpy each.
+                here = local.address + op.local_offset
+                there = mapping.buffer.address + op.remote_offset
+                items = copies.get(mapping)
+                if items is None:
+                    items = copies[mapping] = []
+                items.append(_copy_item(i, op.kind, here, there, op.length))
+                continue
+            by_transport[transport].extend(self._slices(batch, i, transport, local))
+        for mapping, items in copies.items():
+            self._run_op_copies(batch, items, "shm", peer.shm, mapping)
         for transport, slices in by_transport.items():
             if transport == "shm":
                 self._run_copies(slices, peer.shm.copy)  # type: ignore[union-attr]
@@ -518,6 +605,19 @@ class TransferEngine:
                 peer.rdma.post(slices)
             else:
                 peer.tcp.submit(slices)
+
+    def _route(self, peer: _Peer, op: TransferOp) -> tuple[Any, ...]:
+        """(remote segment or None, local segment, transport, shm mapping for the
+        whole-op memcpy path or None)."""
+        remote = peer.link.cached(op.remote_segment)
+        local = self._table.get(op.local_segment)
+        if remote is None or local is None:
+            return (None, local, "", None)
+        transport = self._choose(peer, remote, local)
+        mapping = None
+        if transport == "shm" and local.is_host and peer.shm is not None:
+            mapping = peer.shm.mapping(remote)
+        return (remote, local, transport, mapping)
 
     def _choose(self, peer: _Peer, remote: RemoteSegment, local: Segment) -> str:
         if peer.shm is not None and remote.shm and peer.shm.mapping(remote) is not None:

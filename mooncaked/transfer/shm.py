@@ -221,6 +221,15 @@ class ShmPeer:
             if self._mappings.get(mapping.remote.seg_id) is mapping:
                 del self._mappings[mapping.remote.seg_id]
 
+    def check_live(self, mapping: ShmMapping) -> str | None:
+        """Why ops on ``mapping`` must fail now (the peer unregistered the
+        segment), forgetting it so the next batch looks the name up; or None."""
+        if self.is_live(mapping):
+            return None
+        self.forget(mapping)
+        self.link.invalidate(mapping.remote.name)
+        return f"segment {mapping.remote.name!r} is not registered on node {self.link.node_id}"
+
     def is_live(self, mapping: ShmMapping) -> bool:
         slots = self._registry_slots
         return (
