@@ -3,6 +3,7 @@
     python tools/bench_cache.py                  # everything, default sizes
     python tools/bench_cache.py --quick          # smaller sizes, fewer repeats
     python tools/bench_cache.py --skip-mooncake  # without the Mooncake Store anchor
+    python tools/bench_cache.py --sections 4     # only the TTFT per tier
 
 Sections, each printed side by side with its baseline and the ratio:
 
@@ -16,7 +17,14 @@ Sections, each printed side by side with its baseline and the ratio:
 3. 1 MiB put/get: our DRAM tier vs Mooncake Store (``mooncake_master`` plus
    ``MooncakeDistributedStore``, TCP protocol, loopback), run in the anchor
    venv that ``tools/mooncake_anchor.sh`` installs.
-4. TTFT per tier: not measured yet (needs the engine to load cached prefixes).
+4. TTFT per tier: two in-process daemons (a holder with DRAM and SSD tiers, a
+   reader that lists it as a peer) on loopback. Each round takes a fresh
+   prompt of ``--ttft-tokens`` whose first 90% is a shared prefix and times a
+   one-token completion served with the prefix from each tier: computed
+   (cold), the device prefix cache, DRAM (device cache reset first), SSD
+   (device cache reset, DRAM cleared, slab file evicted from the page cache),
+   and a peer's DRAM (a reader pulls it over shared memory, another over
+   TCP); each against the cold run of the same prompt length.
 
 Every figure is the median of ``--repeats`` runs, ours and the baseline run in
 turn. The machine is shared: compare ratios, not absolute numbers.
@@ -487,6 +495,132 @@ def one_mib_line(what: str, n: int, put_s: float, get_s: float) -> str:
     )
 
 
+# -- 4. TTFT per tier -------------------------------------------------------------
+
+# (what serves the prefix, which node is asked)
+TTFT_CASES = (
+    ("recompute (cold)", "holder"),
+    ("device prefix cache", "holder"),
+    ("DRAM (device reset)", "holder"),
+    ("SSD (device reset, DRAM cleared)", "holder"),
+    ("peer DRAM over shm", "shm"),
+    ("peer DRAM over tcp", "tcp"),
+)
+
+
+async def bench_ttft(args: argparse.Namespace, workdir: Path) -> None:
+    import aiohttp
+
+    from mooncaked.config import Config, LogConfig, with_overrides
+    from mooncaked.daemon import Node
+    from mooncaked.log import configure_logging
+
+    configure_logging(LogConfig(level="warning", format="console"), "bench")
+    block = 16
+    total = args.ttft_tokens
+    prefix_len = (total * 9 // 10) // block * block
+    base = with_overrides(
+        Config(),
+        server={"port": 0},
+        model={"path": args.ttft_model},
+        kv={"block_size": block, "num_blocks": 4 * (total // block + 2)},
+        log={"level": "warning", "format": "console"},
+    )
+    holder = Node(
+        with_overrides(
+            base,
+            store={
+                "dram_bytes": 512 * MiB,
+                "ssd_path": str(workdir / "ttft-ssd"),
+                "ssd_bytes": 2048 * MiB,
+                "ssd_write_queue": 4096,
+            },
+        )
+    )
+    await holder.start()
+    readers: dict[str, Node] = {}
+    try:
+        for transport in ("shm", "tcp"):
+            readers[transport] = Node(
+                with_overrides(
+                    base,
+                    store={"dram_bytes": 512 * MiB, "peers": [holder.url]},
+                    transfer={"transports": [transport] if transport == "tcp" else ["shm", "tcp"]},
+                )
+            )
+            await readers[transport].start()
+        engine = holder.engine
+        hstore = holder.store
+        if engine is None or hstore is None:
+            raise RuntimeError("the holder came up without its engine or store")
+        vocab = engine.loaded.arch.vocab_size
+        print(
+            f"model {args.ttft_model}, prompt {total} tokens, cached prefix {prefix_len} "
+            f"({100 * prefix_len / total:.0f}%), block {hstore.block_bytes / 1024:.0f} KiB, "
+            f"median of {args.repeats}",
+            flush=True,
+        )
+        times: dict[str, list[float]] = {name: [] for name, _ in TTFT_CASES}
+        cached: dict[str, set[int]] = {name: set() for name, _ in TTFT_CASES}
+        g = torch.Generator().manual_seed(1234)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
+
+            async def ttft(node: Node, ids: list[int]) -> tuple[float, int]:
+                body = {"prompt": ids, "max_tokens": 1, "temperature": 0}
+                t0 = time.perf_counter()
+                async with http.post(node.url + "/v1/completions", json=body) as r:
+                    out = await r.json()
+                    if r.status != 200:
+                        raise RuntimeError(f"completion failed: {out}")
+                took = time.perf_counter() - t0
+                return took, int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+            def tokens(n: int) -> list[int]:
+                return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+            # Untimed rounds: first-call costs (allocations, kernels) out of the way.
+            for _ in range(2):
+                for node in (holder, *readers.values()):
+                    await ttft(node, tokens(total))
+            slab = workdir / "ttft-ssd" / "slab.bin"
+            for _ in range(args.repeats):
+                prefix = tokens(prefix_len)
+                for name, where in TTFT_CASES:
+                    node = readers.get(where, holder)
+                    await hstore.flush()
+                    if name.startswith("DRAM") or name.startswith("SSD"):
+                        engine.reset_prefix_cache()
+                    if name.startswith("SSD"):
+                        hstore.dram.clear()
+                        # From the disk, not from the page cache.
+                        drop_cache(slab)
+                    took, hit = await ttft(node, prefix + tokens(total - prefix_len))
+                    times[name].append(took)
+                    cached[name].add(hit)
+        cold = statistics.median(times[TTFT_CASES[0][0]])
+        print(f"{'prefix served from':<34} {'TTFT':>10}   {'cached tokens':>13}   vs recompute")
+        print("-" * 78)
+        for name, _ in TTFT_CASES:
+            med = statistics.median(times[name])
+            hits = ",".join(str(h) for h in sorted(cached[name]))
+            print(
+                f"{name:<34} {med * 1000:>8.1f}ms   {hits:>13}   x{cold / med:>5.2f} faster",
+                flush=True,
+            )
+        for transport, reader in readers.items():
+            fetch = reader.peer_fetcher.stats() if reader.peer_fetcher else None
+            moved = reader.transfer.metrics() if reader.transfer else None
+            if fetch is not None and moved is not None:
+                print(
+                    f"reader ({transport}): peer fetches {fetch.ok} ok, {fetch.failed} failed, "
+                    f"{fetch.blocks} blocks; bytes by transport {moved.bytes_by_transport}"
+                )
+    finally:
+        for reader in readers.values():
+            await reader.stop()
+        await holder.stop()
+
+
 # -- main ----------------------------------------------------------------------
 
 
@@ -499,7 +633,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--one-mib-ops", type=int, default=0, help="1 MiB ops per run (default 64)")
     p.add_argument("--dir", default="", help="where SSD files go (default: a temp dir)")
     p.add_argument("--skip-mooncake", action="store_true", help="skip the Mooncake Store anchor")
+    p.add_argument(
+        "--sections", default="1,2,3,4", help="which sections to run, e.g. 4 or 1,2 (default all)"
+    )
+    p.add_argument("--ttft-model", default="builtin:tiny", help="model of section 4")
+    p.add_argument(
+        "--ttft-tokens", type=int, default=0, help="prompt tokens in section 4 (default 2048)"
+    )
     args = p.parse_args(argv)
+    try:
+        args.sections = {int(x) for x in args.sections.split(",") if x.strip()}
+    except ValueError:
+        p.error(f"--sections must be numbers 1-4 separated by commas, got {args.sections!r}")
+    args.ttft_tokens = args.ttft_tokens or (1024 if args.quick else 2048)
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.dram_blocks = args.dram_blocks or (16 if args.quick else 128)
     args.ssd_blocks = args.ssd_blocks or (8 if args.quick else 64)
@@ -518,47 +664,49 @@ async def main_async(args: argparse.Namespace) -> int:
         f"torch threads {torch.get_num_threads()}",
         flush=True,
     )
-    print("\n## 1. DRAM tier vs memcpy\n" + HEADER, flush=True)
-    for row in await bench_dram(layout, args.dram_blocks, args.repeats):
-        print(row.line(), flush=True)
+    if 1 in args.sections:
+        print("\n## 1. DRAM tier vs memcpy\n" + HEADER, flush=True)
+        for row in await bench_dram(layout, args.dram_blocks, args.repeats):
+            print(row.line(), flush=True)
 
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-cache-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        print("\n## 2. SSD tier vs plain file I/O\n" + HEADER, flush=True)
-        for row in await bench_ssd(layout, args.ssd_blocks, args.repeats, workdir):
-            print(row.line(), flush=True)
+        if 2 in args.sections:
+            print("\n## 2. SSD tier vs plain file I/O\n" + HEADER, flush=True)
+            for row in await bench_ssd(layout, args.ssd_blocks, args.repeats, workdir):
+                print(row.line(), flush=True)
+        if 3 in args.sections:
+            await section_one_mib(args)
+        if 4 in args.sections:
+            print("\n## 4. TTFT of a prompt with a 90% prefix hit, per tier", flush=True)
+            await bench_ttft(args, workdir)
     finally:
         if not args.dir:
             shutil.rmtree(workdir, ignore_errors=True)
+    return 0
 
+
+async def section_one_mib(args: argparse.Namespace) -> None:
     n = args.one_mib_ops
     print(f"\n## 3. 1 MiB put/get, {n} sequential ops, vs Mooncake Store (loopback)", flush=True)
     put_s, get_s = await bench_one_mib(n, args.repeats)
     print(one_mib_line("ours: DRAM tier (offload / load)", n, put_s, get_s), flush=True)
     if args.skip_mooncake:
         print("mooncake: skipped (--skip-mooncake)")
-    else:
-        for memcpy, label in ((True, "local memcpy path"), (False, "MC_STORE_MEMCPY=0, TCP")):
-            result, why = await asyncio.to_thread(run_mooncake, n, args.repeats, memcpy)
-            what = f"Mooncake Store put_from/get_into ({label})"
-            if result is None:
-                print(f"{what}: not run: {why}", flush=True)
-                continue
-            print(one_mib_line(what, n, result["put_s"], result["get_s"]), flush=True)
-            print(
-                f"{'':<44} ours/Mooncake: put x{result['put_s'] / put_s:.2f}, "
-                f"get x{result['get_s'] / get_s:.2f}",
-                flush=True,
-            )
-
-    print("\n## 4. TTFT of a prompt with a 90% prefix hit, per tier")
-    # TODO(engine integration): serve one prompt with a 90% cached prefix from
-    # each tier (device, DRAM, SSD, a peer's DRAM) and with full recompute, and
-    # print the TTFTs side by side. Needs the engine to consult the store
-    # before prefill and the peer fetch through the transfer engine.
-    print("not measured yet: the engine does not load cached prefixes from the store yet")
-    return 0
+        return
+    for memcpy, label in ((True, "local memcpy path"), (False, "MC_STORE_MEMCPY=0, TCP")):
+        result, why = await asyncio.to_thread(run_mooncake, n, args.repeats, memcpy)
+        what = f"Mooncake Store put_from/get_into ({label})"
+        if result is None:
+            print(f"{what}: not run: {why}", flush=True)
+            continue
+        print(one_mib_line(what, n, result["put_s"], result["get_s"]), flush=True)
+        print(
+            f"{'':<44} ours/Mooncake: put x{result['put_s'] / put_s:.2f}, "
+            f"get x{result['get_s'] / get_s:.2f}",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
