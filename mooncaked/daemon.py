@@ -112,6 +112,7 @@ class Node:
         self._peer_fetcher: PeerFetcher | None = None
         self._peer_client: InternalClient | None = None
         self._holding: Holding | None = None
+        self._peer_urls: tuple[str, ...] = ()
         self._ready = False
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
@@ -385,9 +386,11 @@ class Node:
         )
         await client.start()
         self._peer_client = client
+        # A node listed among its own peers would only ever miss.
+        self._peer_urls = tuple(u for u in cfg.peers if u.rstrip("/") != self.url)
         self._peer_fetcher = PeerFetcher(
             store,
-            StaticPeers(cfg.peers),
+            StaticPeers(self._peer_urls),
             client,
             TransferBlockReader(transfer, DRAM_SEGMENT),
             timeout_s=cfg.peer_fetch_timeout_s,
@@ -433,7 +436,7 @@ class Node:
             return
         cfg = self._config.store
         # Without peers to ask there is nothing to wait for before admission.
-        prefetch = fetcher.fetch if fetcher is not None and cfg.peers else None
+        prefetch = fetcher.fetch if fetcher is not None and self._peer_urls else None
         engine.attach_store(
             store,
             prefetch=prefetch,

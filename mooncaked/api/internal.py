@@ -214,11 +214,10 @@ class InternalClient:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        # No pooled connection outlives a peer's restart for long, and a
-        # lookup never waits behind a slow one to the same peer.
+        # A bounded number of calls in flight per peer; idle connections are
+        # closed soon, so none outlives a peer's restart for long.
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit_per_host=16, keepalive_timeout=15.0),
-            json_serialize=lambda o: orjson.dumps(o).decode(),
+            connector=aiohttp.TCPConnector(limit_per_host=16, keepalive_timeout=15.0)
         )
 
     async def close(self) -> None:
@@ -312,6 +311,10 @@ class TransferBlockReader:
             )
         if not local_offsets:
             return 0
+        if offer.node_id == self._transfer.node_id:
+            # Ops naming this node are local copies: they would read our own
+            # slots, not the peer's. Two nodes must never share an id.
+            raise PeerError(f"{offer.peer} answered with this node's own id {offer.node_id!r}")
         self._transfer.add_peer(offer.node_id, offer.transfer_address)
         ops, firsts = _coalesce(self._local_segment, offer, list(local_offsets), offer.block_bytes)
         batch = await self._transfer.submit(ops, op_timeout_s=timeout_s)
