@@ -409,7 +409,7 @@ class Node:
             "store started",
             dram_slots=num_slots,
             ssd=cfg.ssd_path or None,
-            peers=len(cfg.peers),
+            peers=len(self._peer_urls),
             transfer=transfer.address,
         )
 
