@@ -163,6 +163,7 @@ def _load_builtin(config: ModelConfig, device: torch.device, dtype: torch.dtype)
     model = CausalLM(arch)
     _builtin_weights(model, config.seed)
     model = model.to(device=device, dtype=dtype).eval()
+    model.fuse_projections()
     return LoadedModel(
         model=model,
         arch=arch,
@@ -276,6 +277,7 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"{d}: weights missing from the safetensors files: {shown}")
     model.eval()
+    model.fuse_projections()
 
     h = hashlib.sha256()
     h.update(cfg_path.read_bytes())

@@ -208,6 +208,46 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+class _FusedLinear:
+    """Several projections of the same input as one matmul.
+
+    ``fuse`` concatenates the layers' weights once and re-points each layer's
+    parameters at its rows of the fused tensor, so memory is not doubled and
+    the HF parameter names still load (a copy into a layer's weight writes
+    the fused tensor). Small-batch decode on CPU is dominated by per-op
+    overhead: three (q, k, v) or two (gate, up) GEMMs become one.
+    """
+
+    __slots__ = ("bias", "sizes", "weight")
+
+    def __init__(self) -> None:
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.sizes: list[int] = []
+
+    def fuse(self, layers: list[nn.Linear]) -> None:
+        with torch.no_grad():
+            weight = torch.cat([layer.weight for layer in layers])
+            has_bias = [layer.bias is not None for layer in layers]
+            bias = torch.cat([layer.bias for layer in layers]) if all(has_bias) else None
+            if any(has_bias) and bias is None:
+                return  # mixed biases: keep the separate matmuls
+            lo = 0
+            for layer in layers:
+                hi = lo + layer.weight.shape[0]
+                layer.weight.data = weight[lo:hi]
+                if bias is not None:
+                    layer.bias.data = bias[lo:hi]
+                lo = hi
+        self.weight, self.bias = weight, bias
+        self.sizes = [layer.weight.shape[0] for layer in layers]
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.weight is None:
+            raise RuntimeError("fused projection used before fuse()")
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -224,6 +264,10 @@ class Attention(nn.Module):
             arch.hidden_size, arch.num_kv_heads * arch.head_dim, bias=arch.qkv_bias
         )
         self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias)
+        self.qkv = _FusedLinear()
+
+    def fuse(self) -> None:
+        self.qkv.fuse([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -234,9 +278,13 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv.weight is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
@@ -249,9 +297,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up = _FusedLinear()
+
+    def fuse(self) -> None:
+        self.gate_up.fuse([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up.weight is not None:
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -295,6 +351,12 @@ class CausalLM(nn.Module):
         # device and is never part of a checkpoint.
         self._inv_freq_cpu = rope_inv_freq(arch)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def fuse_projections(self) -> None:
+        """Call once the weights are loaded, on their final device and dtype."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
