@@ -39,9 +39,11 @@ Durability (fsync policy):
   name slots whose bytes did not reach the disk (the data CRC drops them).
   The tier is a cache: losing blocks is allowed, serving wrong bytes is not.
 
-All slot and log I/O runs in the tier's thread pool; the index is only
-touched on the event loop's thread. Log records are buffered in index order and
-appended by one flusher task, so the log's order is the index's order.
+Slot I/O runs in the tier's thread pool; the index is only touched on the
+event loop's thread. A log record is appended right there, in index order, as
+one small write into the page cache (so an acknowledged put survives SIGKILL);
+while the flusher task compacts or appends a backlog, records queue behind it
+and it appends them, so the log's order is always the index's order.
 """
 
 from __future__ import annotations
@@ -230,6 +232,8 @@ class SsdTier:
         self._generation = 0
 
         self._log_buf = bytearray()
+        # True while the flusher appends or rewrites the log in its thread.
+        self._log_busy = False
         self._log_wakeup = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
         self._compact_waiters: list[asyncio.Future[None]] = []
@@ -695,6 +699,27 @@ class SsdTier:
     # -- the log -----------------------------------------------------------
 
     def _append(self, record: bytes) -> None:
+        # Straight into the page cache when no log I/O is in flight, so an
+        # acknowledged put survives SIGKILL (a buffered record would die with
+        # the process). While the flusher appends or compacts (the file may be
+        # swapped under it), records queue behind it, in order.
+        flusher = self._flusher
+        if (
+            not self._log_buf
+            and not self._log_busy
+            and self._log_fd >= 0
+            and flusher is not None
+            and not flusher.done()
+        ):
+            try:
+                self._append_log(record)
+            except OSError as exc:
+                self.num_io_errors += 1
+                log.error("ssd.log_write_failed", error=str(exc))
+                return
+            if self._needs_compaction():
+                self._log_wakeup.set()
+            return
         self._log_buf += record
         self._log_wakeup.set()
 
@@ -731,6 +756,7 @@ class SsdTier:
             compact, self._compact_waiters = self._compact_waiters, []
             sync, self._sync_waiters = self._sync_waiters, []
             waiters = compact + sync
+            self._log_busy = True
             try:
                 if compact or self._needs_compaction():
                     # A compaction that syncs the slab makes everything durable,
@@ -750,6 +776,8 @@ class SsdTier:
                 for fut in waiters:
                     if not fut.done():
                         fut.set_exception(exc)
+            finally:
+                self._log_busy = False
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(None)
