@@ -79,57 +79,84 @@ _MAX_INFLIGHT_SYNCS = 2
 _PRIMARY_RESERVE = 160
 
 
-@dataclass(slots=True)
-class _Broadcast:
-    frame: bytes
-    order: int
-    transmits: int = 0
+Key = tuple[str, str, int]
+
+
+# Membership news first, then states, then block deltas: a receiver drops a
+# state or delta of a member it has not heard of, so the alive must come first.
+_KIND_RANK = {"m": 0, "s": 1, "b": 2}
 
 
 class BroadcastQueue:
-    """News waiting to be piggy-backed: fewest-sent first, bounded, keyed for replacement."""
+    """News waiting to be piggy-backed: fewest-sent first, bounded, keyed for replacement.
+
+    Items sit in buckets by how often they were sent (newest first within a
+    bucket), so ``take`` visits only what it sends instead of sorting the
+    queue for every packet.
+    """
 
     def __init__(self, max_items: int, counters: ClusterCounters) -> None:
-        self._items: dict[tuple[str, str, int], _Broadcast] = {}
+        self._where: dict[Key, int] = {}
+        self._buckets: list[dict[Key, bytes]] = [{}]
         self._max_items = max_items
         self._counters = counters
-        self._order = 0
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._where)
 
-    def put(self, key: tuple[str, str, int], frame: bytes) -> None:
+    def put(self, key: Key, frame: bytes) -> None:
         """Queue ``frame``; it replaces queued news under the same key."""
-        self._order += 1
-        self._items[key] = _Broadcast(frame, self._order)
-        if len(self._items) > self._max_items:
-            # The most-sent item has done most of its work: drop it first.
-            victim = max(
-                self._items, key=lambda k: (self._items[k].transmits, -self._items[k].order)
-            )
-            del self._items[victim]
-            self._counters.dropped_broadcasts += 1
+        old = self._where.get(key)
+        if old is not None:
+            del self._buckets[old][key]
+        self._buckets[0][key] = frame
+        self._where[key] = 0
+        if len(self._where) > self._max_items:
+            # The oldest of the most-sent items has done most of its work.
+            for bucket in reversed(self._buckets):
+                if bucket:
+                    victim = next(iter(bucket))
+                    del bucket[victim]
+                    del self._where[victim]
+                    self._counters.dropped_broadcasts += 1
+                    break
 
     def take(self, budget: int, limit: int) -> list[bytes]:
         """Frames fitting in ``budget`` bytes, each counted as sent once more."""
-        if not self._items or budget <= 0:
+        if not self._where or budget <= 0:
             return []
-        out: list[bytes] = []
-        done: list[tuple[str, str, int]] = []
-        ranked = sorted(self._items.items(), key=lambda kv: (kv[1].transmits, -kv[1].order))
-        for key, item in ranked:
-            size = len(item.frame)
-            if size > budget:
+        sent: list[tuple[int, Key, bytes]] = []
+        buckets = self._buckets
+        for t, bucket in enumerate(buckets):
+            if not bucket:
                 continue
-            out.append(item.frame)
-            budget -= size
-            item.transmits += 1
-            if item.transmits >= limit:
-                done.append(key)
+            if t >= limit:
+                # The cluster shrank: these were sent often enough.
+                for key in bucket:
+                    del self._where[key]
+                bucket.clear()
+                continue
+            for key in reversed(bucket):
+                frame = bucket[key]
+                if len(frame) > budget:
+                    continue
+                budget -= len(frame)
+                sent.append((t, key, frame))
+                if budget < 32:
+                    break
             if budget < 32:
                 break
-        for key in done:
-            del self._items[key]
+        sent.sort(key=lambda item: _KIND_RANK[item[1][0]])
+        out = [frame for _, _, frame in sent]
+        for t, key, frame in sent:
+            del buckets[t][key]
+            if t + 1 >= limit:
+                del self._where[key]
+                continue
+            if t + 1 == len(buckets):
+                buckets.append({})
+            buckets[t + 1][key] = frame
+            self._where[key] = t + 1
         return out
 
 
@@ -200,11 +227,14 @@ class GossipCore:
         self._suspect_deadlines: dict[str, float] = {}
         self._relays: dict[int, tuple[Addr, int, str, float]] = {}
         self._seq = 0
+        # Derived from the member list; None when a status change made it stale.
+        self._up_peers: list[Member] | None = None
+        self._limit_cache = 0
         self._probe: _Probe | None = None
         self._probe_order: list[str] = []
         self._probe_pos = 0
         self._next_probe = now + rng.uniform(0, config.probe_interval_s)
-        self._next_gossip = now + config.gossip_interval_s
+        self._next_gossip = now + rng.uniform(0, config.gossip_interval_s)
         self._next_sync = now + config.sync_interval_s * rng.uniform(0.5, 1.0)
         self.seeds: list[Addr] = [wire.parse_addr(s) for s in config.seeds]
         self.leaving = False
@@ -215,6 +245,11 @@ class GossipCore:
             1, (self._datagram_budget - _PRIMARY_RESERVE - 64 - len(node_id.encode())) // 17
         )
         self._bump_state()
+
+    @property
+    def num_pending_broadcasts(self) -> int:
+        """News still to be piggy-backed (0 once everything was sent often enough)."""
+        return len(self._queue)
 
     # ------------------------------------------------------------------ setup
 
@@ -318,7 +353,7 @@ class GossipCore:
             ):
                 self._send_indirect(probe)
             if now >= self._next_probe:
-                self._probe_tick(now)
+                self._probe_tick(now, late=now - self._next_probe)
             if self._suspect_deadlines:
                 self._expire_suspicions(now)
         # Every timer that next_deadline() reports moves on here, leaving or
@@ -333,12 +368,17 @@ class GossipCore:
                 self._sync_tick(now)
             self._next_sync = _next_tick(self._next_sync, self.config.sync_interval_s, now)
 
-    def _probe_tick(self, now: float) -> None:
+    def _probe_tick(self, now: float, late: float = 0.0) -> None:
         probe = self._probe
         self._probe = None
         if probe is not None and not probe.acked:
             m = self.view.members.get(probe.target)
-            if m is not None and m.status is MemberStatus.ALIVE:
+            if late > self.config.probe_timeout_s:
+                # This node ran late (a stalled loop, a starved CPU): the ack may
+                # be unread rather than missing. Judge no one on our own slowness
+                # (Lifeguard's local-health idea, in its simplest form).
+                self.counters.probes_inconclusive += 1
+            elif m is not None and m.status is MemberStatus.ALIVE:
                 self.counters.suspicions_raised += 1
                 log.info("probe failed; suspecting", node=self.node_id, target=probe.target)
                 self._on_suspect(probe.target, m.incarnation, self.node_id)
@@ -424,7 +464,7 @@ class GossipCore:
             self._schedule_pulls(now)
         if not len(self._queue):
             return
-        peers = [m for n, m in self.view.members.items() if n != self.node_id and m.is_up]
+        peers = self._peers_up()
         k = min(self.config.gossip_fanout, len(peers))
         for m in self._rng.sample(peers, k):
             self._send(m.addr, [wire.msg_frame({"t": "g"})], m.node_id, require_news=True)
@@ -455,6 +495,7 @@ class GossipCore:
         for node_id, m in list(self.view.members.items()):
             if not m.is_up and m.status_since <= horizon and node_id != self.node_id:
                 del self.view.members[node_id]
+                self._members_changed()
                 self.view.blocks.pop(node_id, None)
                 self._lag_since.pop(node_id, None)
                 self._gap_versions.pop(node_id, None)
@@ -462,9 +503,24 @@ class GossipCore:
 
     # ------------------------------------------------------------------ send
 
+    def _members_changed(self) -> None:
+        self._up_peers = None
+        self._limit_cache = 0
+
+    def _peers_up(self) -> list[Member]:
+        # Cached between status changes: sends and gossip rounds must not walk
+        # the whole member list each time.
+        if self._up_peers is None:
+            self._up_peers = [
+                m for n, m in self.view.members.items() if n != self.node_id and m.is_up
+            ]
+        return self._up_peers
+
     def _limit(self) -> int:
-        n = sum(1 for m in self.view.members.values() if m.is_up)
-        return self.config.retransmit_mult * max(1, math.ceil(math.log10(n + 1)))
+        if self._limit_cache <= 0:
+            n = len(self._peers_up()) + 1
+            self._limit_cache = self.config.retransmit_mult * max(1, math.ceil(math.log10(n + 1)))
+        return self._limit_cache
 
     def _send(
         self,
@@ -600,6 +656,19 @@ class GossipCore:
                 wire.get_str(msg, "node"), wire.get_int(msg, "inc"), wire.get_str(msg, "from")
             )
         elif t == "state":
+            # Most state news arrives again and again: check before decoding it all.
+            node_id = msg.get("node")
+            if not isinstance(node_id, str):
+                raise wire.WireError("field 'node' must be a string")
+            m = self.view.members.get(node_id)
+            cur = None if m is None else m.state
+            if m is None or (
+                cur is not None
+                and msg.get("gen") == cur.generation
+                and isinstance(msg.get("ver"), int)
+                and msg["ver"] <= cur.version
+            ):
+                return
             self._on_state(wire.state_from_json(msg), _frame(wire.FRAME_MSG, raw))
         else:
             raise wire.WireError(f"unknown message type {t!r}")
@@ -629,6 +698,7 @@ class GossipCore:
             )
             m.status = status
             m.status_since = self._clock()
+            self._members_changed()
 
     def _refute(self, inc: int) -> None:
         self.incarnation = max(self.incarnation, inc) + 1
@@ -638,7 +708,14 @@ class GossipCore:
         self._queue.put(("m", self.node_id, 0), self._alive_frame(self._me))
 
     def _on_alive(
-        self, node_id: str, inc: int, gen: int, addr: Addr, frame: bytes | None = None
+        self,
+        node_id: str,
+        inc: int,
+        gen: int,
+        addr: Addr,
+        frame: bytes | None = None,
+        *,
+        spread: bool = True,
     ) -> None:
         if node_id == self.node_id:
             # News of an older self with a higher incarnation: outrank it.
@@ -650,6 +727,7 @@ class GossipCore:
         if m is None:
             m = Member(node_id, addr, inc, gen, MemberStatus.ALIVE, now, now)
             self.view.members[node_id] = m
+            self._members_changed()
             self.view.blocks[node_id] = NodeBlocks(gen)
             log.info(
                 "member joined", node=self.node_id, target=node_id, addr=f"{addr[0]}:{addr[1]}"
@@ -672,7 +750,8 @@ class GossipCore:
                 self.view.blocks[node_id] = NodeBlocks(gen)
             elif not was_up:
                 self.view.blocks[node_id] = NodeBlocks(gen)
-        self._queue.put(("m", node_id, 0), frame if frame is not None else self._alive_frame(m))
+        if spread:
+            self._queue.put(("m", node_id, 0), frame if frame is not None else self._alive_frame(m))
 
     def _on_suspect(self, node_id: str, inc: int, source: str) -> None:
         if node_id == self.node_id:
@@ -711,7 +790,7 @@ class GossipCore:
             wire.msg_frame({"t": "dead", "node": node_id, "inc": inc, "from": source}),
         )
 
-    def _on_state(self, st: NodeState, frame: bytes | None = None) -> bool:
+    def _on_state(self, st: NodeState, frame: bytes | None = None, *, spread: bool = True) -> bool:
         if st.node_id == self.node_id:
             return False
         m = self.view.members.get(st.node_id)
@@ -723,12 +802,13 @@ class GossipCore:
             return False
         m.state = st
         m.last_heard = self._clock()
-        self._queue.put(
-            ("s", st.node_id, 0),
-            frame
-            if frame is not None
-            else wire.msg_frame({"t": "state", **wire.state_to_json(st)}),
-        )
+        if spread:
+            self._queue.put(
+                ("s", st.node_id, 0),
+                frame
+                if frame is not None
+                else wire.msg_frame({"t": "state", **wire.state_to_json(st)}),
+            )
         self._check_lag(m)
         return True
 
@@ -890,7 +970,14 @@ class GossipCore:
         return self.codec.seal([wire.msg_frame({"t": t, "join": join, "members": members})])
 
     def merge_sync(self, sender: str, msg: Mapping[str, Any]) -> None:
-        """Merges a remote member list; remote 'dead' is only taken as 'suspect'."""
+        """Merges a remote member list; remote 'dead' is only taken as 'suspect'.
+
+        Alive and state news about third parties is applied but not passed on:
+        the peer already spreads what it learned by gossip, and re-spreading a
+        whole member list would make every join cost O(N) broadcasts per
+        node. News about the peer itself (how a joiner becomes known) and
+        every accusation (so the accused hears it and can refute) do spread.
+        """
         entries = msg.get("members")
         if not isinstance(entries, list):
             raise wire.WireError("sync without a member list")
@@ -902,8 +989,9 @@ class GossipCore:
             gen = wire.get_int(e, "gen")
             addr = wire.get_addr(e, "addr")
             status = e.get("status")
+            spread = node_id == sender
             if status == MemberStatus.ALIVE:
-                self._on_alive(node_id, inc, gen, addr)
+                self._on_alive(node_id, inc, gen, addr, spread=spread)
             elif status in (MemberStatus.SUSPECT, MemberStatus.DEAD):
                 self._on_suspect(node_id, inc, sender)
             elif status == MemberStatus.LEFT:
@@ -915,10 +1003,21 @@ class GossipCore:
                 continue
             if not isinstance(st_obj, dict):
                 raise wire.WireError("sync member state is not an object")
+            m = self.view.members.get(node_id)
+            cur = None if m is None else m.state
+            if (
+                cur is not None
+                and st_obj.get("gen") == cur.generation
+                and isinstance(st_obj.get("ver"), int)
+                and st_obj["ver"] <= cur.version
+                and m is not None
+                and wire.get_int(e, "sver") <= m.segments_version
+            ):
+                continue  # nothing new: skip decoding it
             st = wire.state_from_json(st_obj)
             if st.node_id != node_id:
                 raise wire.WireError("sync member state names another node")
-            self._on_state(st)
+            self._on_state(st, spread=spread)
             m = self.view.members.get(node_id)
             # The sender's copy of the segments, at the version it holds.
             sver = wire.get_int(e, "sver")
@@ -1113,6 +1212,8 @@ class ClusterService:
         self._wake = asyncio.Event()
         self._sleep_until = 0.0
         self._syncs_inflight = 0
+        # Open inbound TCP connections (sync and pull requests being served).
+        self._conns: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
         self._closed = False
 
     # ------------------------------------------------------------- accessors
@@ -1231,10 +1332,15 @@ class ClusterService:
         if self._closed:
             return
         self._closed = True
-        await self._tasks.close()
         server, self._server = self._server, None
         if server is not None:
             server.close()
+        for writer in self._conns.values():
+            writer.transport.abort()
+        if self._conns:
+            await asyncio.wait(list(self._conns), timeout=self.config.sync_timeout_s)
+        await self._tasks.close()
+        if server is not None:
             await server.wait_closed()
         udp, self._udp = self._udp, None
         if udp is not None:
@@ -1247,10 +1353,7 @@ class ClusterService:
         core = self.core
         while True:
             delay = core.next_deadline() - self._clock()
-            if delay <= 0:
-                # Overdue: run it, but let the packets and the other tasks in first.
-                await asyncio.sleep(0)
-            else:
+            if delay > 0:
                 self._wake.clear()
                 self._sleep_until = core.next_deadline()
                 handle = loop.call_later(delay, self._wake.set)
@@ -1258,6 +1361,10 @@ class ClusterService:
                     await self._wake.wait()
                 finally:
                     handle.cancel()
+            # One loop turn first: acks and refutations already in the socket
+            # buffer are read before a timer judges anyone (and an overdue
+            # deadline can never starve the loop).
+            await asyncio.sleep(0)
             try:
                 core.on_timer()
             except Exception:
@@ -1360,9 +1467,13 @@ class ClusterService:
             self._flush()
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # asyncio owns this task; close() ends it by aborting its transport
+        # (cancelling it would make asyncio report the cancellation as an error).
         task = asyncio.current_task()
-        if task is not None:
-            self._tasks.adopt(task)
+        if self._closed or task is None:
+            writer.close()
+            return
+        self._conns[task] = writer
         try:
             async with asyncio.timeout(self.config.sync_timeout_s * 4):
                 packet = await _read_packet(reader, self.config.max_sync_bytes)
@@ -1374,7 +1485,11 @@ class ClusterService:
             log.debug("rejected TCP request", node=self.node_id, error=str(exc))
         except (OSError, TimeoutError, asyncio.IncompleteReadError, PermissionError):
             pass
+        except Exception:
+            self.counters.handler_errors += 1
+            log.exception("gossip TCP handler failed", node=self.node_id)
         finally:
+            self._conns.pop(task, None)
             writer.close()
         self._flush()
         self._wake.set()

@@ -506,6 +506,8 @@ class ClusterCounters:
     handler_errors: int = 0
     probes: int = 0
     indirect_probes: int = 0
+    # Failed probes not held against the target because this node ran late.
+    probes_inconclusive: int = 0
     suspicions_raised: int = 0
     refutations: int = 0
     syncs_ok: int = 0

@@ -467,3 +467,47 @@ def test_every_deadline_moves_on_while_leaving() -> None:
         net.clock.t = n1.next_deadline()
         n1.on_timer()
         assert n1.next_deadline() > net.clock.t
+
+
+def test_a_late_timer_judges_no_one() -> None:
+    net = make_cluster(3)
+    n0 = net.core("n0")
+    net.down.update({"n1", "n2"})  # nobody answers n0 any more
+    sent = n0.counters.probes
+    # Step n0 alone, deadline by deadline, until it has a probe out.
+    while n0.counters.probes == sent:
+        net.clock.t = n0.next_deadline()
+        n0.on_timer()
+        net.deliver()
+    # n0 stalls for far longer than a probe timeout before its next tick.
+    net.clock.t += 10 * CONFIG.probe_interval_s
+    n0.on_timer()
+    assert n0.counters.probes_inconclusive == 1
+    assert n0.counters.suspicions_raised == 0
+    assert all(m.status is MemberStatus.ALIVE for m in n0.view.members.values())
+    # On time again, the silence counts.
+    net.run_until(lambda: n0.counters.suspicions_raised > 0, 3)
+
+
+def test_broadcast_queue_order_replacement_limit_and_bound() -> None:
+    from mooncaked.cluster.gossip import BroadcastQueue
+    from mooncaked.cluster.state import ClusterCounters
+
+    counters = ClusterCounters()
+    q = BroadcastQueue(max_items=3, counters=counters)
+    q.put(("s", "a", 0), b"S-a-1")
+    q.put(("m", "a", 0), b"M-a")
+    q.put(("s", "a", 0), b"S-a-2")  # replaces the older state of a
+    assert len(q) == 2
+    # Membership news goes first in a packet, whatever its age.
+    assert q.take(budget=100, limit=2) == [b"M-a", b"S-a-2"]
+    q.put(("b", "a", 7), b"B-a-7")
+    # Fewest sends first: the unsent delta before the items sent once; the budget caps it.
+    assert q.take(budget=6, limit=2) == [b"B-a-7"]
+    assert q.take(budget=100, limit=2) == [b"M-a", b"S-a-2", b"B-a-7"]
+    # Each was sent twice (the limit): gone.
+    assert len(q) == 0
+    assert q.take(budget=100, limit=2) == []
+    for i in range(5):
+        q.put(("s", f"n{i}", 0), f"S{i}".encode())
+    assert len(q) == 3 and counters.dropped_broadcasts == 2
