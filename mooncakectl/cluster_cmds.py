@@ -25,10 +25,8 @@ def _state(node: dict[str, Any]) -> str:
 
 def _load(st: dict[str, Any]) -> str:
     load = st.get("load") or {}
-    return (
-        f"{load.get('queued_prefill_tokens', 0)} queued tok, "
-        f"{load.get('running_decode_batch', 0)} decoding"
-    )
+    # Queued prefill tokens, then the running decode batch.
+    return f"{load.get('queued_prefill_tokens', 0)} tok, {load.get('running_decode_batch', 0)} dec"
 
 
 def _ago(seconds: float) -> str:

@@ -21,11 +21,13 @@ how a batch too big for one datagram still travels by gossip.
 
 Memory (measured with tracemalloc, CPython 3.11, x86-64, ``tools/bench_gossip.py``):
 a replica of 1M blocks costs about 91 MB (the dict and its 1M 16-byte ``bytes``
-keys; the masks are cached small ints), i.e. ~95 bytes per block per node that
+keys; the masks are cached small ints), i.e. ~91 bytes per block per node that
 holds it. The cluster pays that once per (node, block) pair in every node's
-view, so N nodes each caching B blocks cost ~95·N·B bytes on every node:
-100 nodes with 1M blocks each is ~9.5 GB per node, which is where a shared
+view, so N nodes each caching B blocks cost ~91·N·B bytes on every node:
+100 nodes with 1M blocks each is ~9.1 GB per node, which is where a shared
 interned key table or a numpy open-addressing table would be the next step.
+Applying deltas from the wire runs at about 2.3M events per CPU second (same
+benchmark, 1,000-event batches); the dict insertions themselves dominate.
 """
 
 from __future__ import annotations
@@ -582,6 +584,21 @@ class ClusterView:
                 n += 1
             out[node_id] = PrefixMatch(n, (counts[0], counts[1], counts[2]))
         return out
+
+    def check_integrity(self) -> None:
+        """Raises RuntimeError if the view contradicts itself."""
+        me = self.members.get(self.self_id)
+        if me is None or self.self_id not in self.blocks:
+            raise RuntimeError(f"the view lacks its own node {self.self_id!r}")
+        stray = set(self.blocks) - set(self.members)
+        if stray:
+            raise RuntimeError(f"block indexes of unknown members: {sorted(stray)}")
+        for node_id, m in self.members.items():
+            if m.node_id != node_id:
+                raise RuntimeError(f"member {m.node_id!r} filed under {node_id!r}")
+            index = self.blocks.get(node_id)
+            if not m.is_up and index is not None and len(index) and node_id != self.self_id:
+                raise RuntimeError(f"{node_id} is {m.status.value} but still holds blocks")
 
     def num_cached_blocks(self, node_id: str) -> int:
         index = self.blocks.get(node_id)

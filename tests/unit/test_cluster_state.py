@@ -271,3 +271,21 @@ def test_wire_roundtrip_of_state_and_blocks() -> None:
         wire.state_from_json(bad)
     with pytest.raises(ValueError):
         wire.Codec(b"short", "x")
+
+
+def test_check_integrity_catches_contradictions() -> None:
+    view = ClusterView("a", clock=lambda: 0.0)
+    with pytest.raises(RuntimeError, match="own node"):
+        view.check_integrity()
+    view.members["a"] = _member("a")
+    view.blocks["a"] = NodeBlocks(1)
+    view.check_integrity()
+    view.members["b"] = _member("b", MemberStatus.DEAD)
+    view.blocks["b"] = NodeBlocks(1)
+    view.blocks["b"].masks[h(1)] = 1
+    with pytest.raises(RuntimeError, match="dead but still holds blocks"):
+        view.check_integrity()
+    view.blocks["b"].masks.clear()
+    view.blocks["c"] = NodeBlocks(1)
+    with pytest.raises(RuntimeError, match="unknown members"):
+        view.check_integrity()

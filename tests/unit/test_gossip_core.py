@@ -160,6 +160,8 @@ class SimNet:
                 if core.next_deadline() <= self.clock.t:
                     core.on_timer()
             self.deliver()
+            for core in live:
+                core.view.check_integrity()
 
     def run_until(self, cond, limit: float, step: float = 0.05) -> float:
         """Runs until ``cond()`` holds; returns the simulated seconds it took."""
