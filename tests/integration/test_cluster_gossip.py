@@ -318,7 +318,7 @@ def test_sigterm_leaves_gracefully_then_restart_rejoins(cluster: Cluster) -> Non
     proc = cluster.signal("g4", signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
     # "left" only comes from the node's own announcement, never from probing.
-    cluster.wait(lambda: cluster.all_see("g4", "left"), 5.0, "g4 left in every view")
+    cluster.wait(lambda: cluster.all_see("g4", "left"), 10.0, "g4 left in every view")
     cluster.start("g4")
     cluster.wait(cluster.converged, START_BOUND_S, "restarted g4 alive in every view")
 
