@@ -333,6 +333,11 @@ class GossipCore:
 
     def next_deadline(self) -> float:
         t = min(self._next_probe, self._next_gossip, self._next_sync)
+        if self.leaving:
+            # on_timer judges no one while leaving, so a probe or suspicion
+            # deadline (news that arrives after leave() can still start one)
+            # would never move on and would spin the host's loop.
+            return t
         probe = self._probe
         if probe is not None and not probe.acked and not probe.indirect_sent:
             t = min(t, probe.indirect_at)

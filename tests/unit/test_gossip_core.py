@@ -471,6 +471,25 @@ def test_every_deadline_moves_on_while_leaving() -> None:
         assert n1.next_deadline() > net.clock.t
 
 
+def test_suspicion_heard_after_leaving_does_not_stall_the_timers() -> None:
+    # News still arrives between leave() and close(): a suspicion learned then
+    # must not leave an overdue deadline behind (the host loop would spin on it
+    # until close, which during a daemon's drain is many seconds).
+    net = make_cluster(3)
+    n0, n1 = net.core("n0"), net.core("n1")
+    n1.leave()
+    inc = n1.view.members["n2"].incarnation
+    n1.on_datagram(
+        n0.codec.seal([wire.msg_frame({"t": "suspect", "node": "n2", "inc": inc, "from": "n0"})]),
+        net.addr_of("n0"),
+    )
+    assert n1.view.members["n2"].status is MemberStatus.SUSPECT
+    for _ in range(40):
+        net.clock.t = n1.next_deadline()
+        n1.on_timer()
+        assert n1.next_deadline() > net.clock.t
+
+
 def test_a_late_timer_judges_no_one() -> None:
     net = make_cluster(3)
     n0 = net.core("n0")
