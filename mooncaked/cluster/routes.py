@@ -2,8 +2,14 @@
 
 - ``GET /admin/cluster``: ``ClusterView.to_json()``, what ``mooncakectl nodes``
   and ``mooncakectl cluster`` render.
-- ``POST /admin/cluster/prefix`` ``{"hashes": [hex, ...]}``: ``longest_prefix``
-  per node, for operators checking where a prompt's blocks live.
+- ``POST /admin/cluster/prefix`` ``{"hashes": [hex, ...], "tiers": [name, ...]}``:
+  ``longest_prefix`` per node, for operators checking where a prompt's blocks
+  live; ``tiers`` (optional, default all) counts only blocks in those tiers,
+  e.g. ``["dram", "ssd"]`` for what peers can lease.
+
+The routes take the service itself, or a function returning it (None while
+it is not running: the routes answer 503 then), so a daemon can add them
+before its cluster subsystem starts.
 
 With ``test_hooks`` (off unless a flag asks for them; never in production):
 
@@ -15,6 +21,7 @@ With ``test_hooks`` (off unless a flag asks for them; never in production):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -22,7 +29,7 @@ from aiohttp import web
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES
 from mooncaked.cluster.gossip import ClusterService
-from mooncaked.cluster.state import BlockOp
+from mooncaked.cluster.state import ALL_TIERS_MASK, BlockOp, tier_mask
 
 _MAX_HASHES = 1 << 20
 
@@ -61,16 +68,51 @@ def _hashes(data: dict[str, Any], key: str) -> list[bytes]:
     return out
 
 
-def cluster_routes(service: ClusterService, *, test_hooks: bool = False) -> list[web.RouteDef]:
+def _tiers(data: dict[str, Any]) -> int:
+    raw = data.get("tiers")
+    if raw is None:
+        return ALL_TIERS_MASK
+    if not isinstance(raw, list) or not raw or not all(isinstance(t, str) for t in raw):
+        raise ValueError("'tiers' must be a non-empty list of tier names (device, dram, ssd)")
+    return tier_mask(*raw)
+
+
+def _unavailable() -> web.Response:
+    return _json(
+        {
+            "error": {
+                "message": "the cluster subsystem is not running (starting or stopping)",
+                "type": "unavailable",
+            }
+        },
+        status=503,
+    )
+
+
+ServiceRef = ClusterService | Callable[[], ClusterService | None]
+
+
+def cluster_routes(service: ServiceRef, *, test_hooks: bool = False) -> list[web.RouteDef]:
+    def get_service() -> ClusterService | None:
+        return service if isinstance(service, ClusterService) else service()
+
     async def cluster(_request: web.Request) -> web.Response:
-        return _json(service.view.to_json())
+        svc = get_service()
+        if svc is None:
+            return _unavailable()
+        return _json(svc.view.to_json())
 
     async def prefix(request: web.Request) -> web.Response:
+        svc = get_service()
+        if svc is None:
+            return _unavailable()
         try:
-            hashes = _hashes(await _body(request), "hashes")
+            data = await _body(request)
+            hashes = _hashes(data, "hashes")
+            tiers = _tiers(data)
         except ValueError as exc:
             return _bad(str(exc))
-        matches = service.view.longest_prefix(hashes)
+        matches = svc.view.longest_prefix(hashes, tiers=tiers)
         return _json(
             {
                 node_id: {"num_blocks": m.num_blocks, "tier_blocks": list(m.tier_blocks)}
@@ -79,17 +121,25 @@ def cluster_routes(service: ClusterService, *, test_hooks: bool = False) -> list
         )
 
     async def test_blocks(request: web.Request) -> web.Response:
+        svc = get_service()
+        if svc is None:
+            return _unavailable()
         try:
             data = await _body(request)
             tier = data.get("tier", "dram")
+            if not isinstance(tier, str):
+                raise ValueError("'tier' must be a tier name (device, dram, ssd)")
             events = [(h, tier, BlockOp.STORED) for h in _hashes(data, "stored")]
             events += [(h, tier, BlockOp.REMOVED) for h in _hashes(data, "removed")]
-            changed = service.publish_block_events(events)
+            changed = svc.publish_block_events(events)
         except ValueError as exc:
             return _bad(str(exc))
         return _json({"changed": changed})
 
     async def test_drop_peers(request: web.Request) -> web.Response:
+        svc = get_service()
+        if svc is None:
+            return _unavailable()
         try:
             data = await _body(request)
         except ValueError as exc:
@@ -97,7 +147,7 @@ def cluster_routes(service: ClusterService, *, test_hooks: bool = False) -> list
         peers = data.get("peers")
         if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
             return _bad("'peers' must be a list of node ids")
-        service.set_blocked_peers(peers)
+        svc.set_blocked_peers(peers)
         return _json({"blocked": sorted(peers)})
 
     routes = [

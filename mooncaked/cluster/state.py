@@ -79,6 +79,17 @@ ALL_TIERS_MASK = 0b111
 BlockEvent = tuple[bytes, "Tier | int | str", "BlockOp | str"]
 
 
+def tier_mask(*tiers: Tier | int | str) -> int:
+    """The bitmask of some tiers, by enum, value or name ("device", "dram", "ssd")."""
+    mask = 0
+    for t in tiers:
+        bit = _TIER_BIT.get(t)
+        if bit is None:
+            raise ValueError(f"unknown tier {t!r}; use a Tier or one of device, dram, ssd")
+        mask |= bit
+    return mask
+
+
 @dataclass(frozen=True, slots=True)
 class NodeLoad:
     queued_prefill_tokens: int = 0
@@ -558,29 +569,35 @@ class ClusterView:
             if m.status is MemberStatus.ALIVE and m.state is not None and not m.state.draining
         ]
 
-    def longest_prefix(self, hashes: Sequence[bytes]) -> dict[str, PrefixMatch]:
+    def longest_prefix(
+        self, hashes: Sequence[bytes], *, tiers: int = ALL_TIERS_MASK
+    ) -> dict[str, PrefixMatch]:
         """Per node (self included) that holds ``hashes[0]``: its leading run of held blocks.
 
-        Nodes holding none of the prefix are left out. Down nodes hold nothing.
-        Cost: one dict lookup per node for the first block, then one per
-        matched block.
+        ``tiers`` (a mask, see ``tier_mask``) counts only blocks held in those
+        tiers: ``tier_mask("dram", "ssd")`` gives what a peer can lease, since
+        device blocks cannot be. Each block is counted under its fastest tier
+        among ``tiers``. Nodes holding none of the prefix are left out. Down
+        nodes hold nothing. Cost: one dict lookup per node for the first
+        block, then one per matched block.
         """
         out: dict[str, PrefixMatch] = {}
         if not hashes:
             return out
+        tiers &= ALL_TIERS_MASK
         first = hashes[0]
         fastest = _FASTEST_TIER
         for node_id, index in self.blocks.items():
             masks = index.masks
-            if first not in masks:
+            if not masks.get(first, 0) & tiers:
                 continue
             counts = [0, 0, 0]
             n = 0
             for h in hashes:
-                m = masks.get(h)
+                m = masks.get(h, 0) & tiers
                 if not m:
                     break
-                counts[fastest[m & ALL_TIERS_MASK]] += 1
+                counts[fastest[m]] += 1
                 n += 1
             out[node_id] = PrefixMatch(n, (counts[0], counts[1], counts[2]))
         return out

@@ -19,6 +19,7 @@ from mooncaked.cluster.state import (
     Tier,
     join_chunks,
     merge_deltas,
+    tier_mask,
 )
 
 GEN = 5
@@ -227,6 +228,29 @@ def test_longest_prefix_counts_leading_blocks_and_tiers() -> None:
     assert (m["b"].num_blocks, m["b"].tier_blocks) == (6, (3, 1, 2))
     assert m["a"].slowest_tier is Tier.SSD
     assert view.longest_prefix([]) == {}
+
+
+def test_longest_prefix_in_some_tiers_only() -> None:
+    view = ClusterView("a", clock=lambda: 10.0)
+    seq = [h(i) for i in range(4)]
+    a = NodeBlocks(1)
+    # Device and DRAM, DRAM only, device only, SSD: a lease reaches two.
+    a.masks.update({seq[0]: 0b011, seq[1]: 0b010, seq[2]: 0b001, seq[3]: 0b100})
+    b = NodeBlocks(1)
+    b.masks.update({seq[0]: 0b001, seq[1]: 0b110})  # first block on the device only
+    view.blocks.update({"a": a, "b": b})
+    leasable = tier_mask("dram", "ssd")
+    assert leasable == tier_mask(Tier.DRAM, Tier.SSD) == 0b110
+    m = view.longest_prefix(seq, tiers=leasable)
+    assert sorted(m) == ["a"]
+    # A block in device and DRAM counts under DRAM once the device is left out.
+    assert (m["a"].num_blocks, m["a"].tier_blocks) == (2, (0, 2, 0))
+    m = view.longest_prefix(seq)
+    assert (m["a"].num_blocks, m["a"].tier_blocks) == (4, (2, 1, 1))
+    assert (m["b"].num_blocks, m["b"].tier_blocks) == (2, (1, 1, 0))
+    assert view.longest_prefix(seq, tiers=tier_mask("ssd")) == {}
+    with pytest.raises(ValueError, match="unknown tier"):
+        tier_mask("hbm")
 
 
 def test_to_json_lists_members_and_summary() -> None:

@@ -68,6 +68,21 @@ async def test_hooks_blocks_prefix_and_errors(served: tuple[ClusterService, str,
             url + "/admin/cluster/prefix", json={"hashes": [*hashes[:2], hashes[3]]}
         )
         assert await r.json() == {"solo": {"num_blocks": 3, "tier_blocks": [0, 0, 3]}}
+        r = await http.post(
+            url + "/admin/cluster/prefix", json={"hashes": hashes, "tiers": ["device", "dram"]}
+        )
+        assert await r.json() == {}
+        r = await http.post(url + "/admin/test/blocks", json={"stored": hashes[:1], "tier": "dram"})
+        r = await http.post(
+            url + "/admin/cluster/prefix", json={"hashes": hashes, "tiers": ["dram"]}
+        )
+        assert await r.json() == {"solo": {"num_blocks": 1, "tier_blocks": [0, 1, 0]}}
+        r = await http.post(url + "/admin/cluster/prefix", json={"hashes": hashes, "tiers": ["x"]})
+        assert r.status == 400 and "unknown tier" in (await r.json())["error"]["message"]
+        r = await http.post(url + "/admin/cluster/prefix", json={"hashes": hashes, "tiers": "dram"})
+        assert r.status == 400
+        r = await http.post(url + "/admin/test/blocks", json={"stored": hashes, "tier": [1]})
+        assert r.status == 400
         r = await http.post(url + "/admin/test/blocks", json={"stored": ["zz"]})
         assert r.status == 400 and "block hash" in (await r.json())["error"]["message"]
         r = await http.post(url + "/admin/cluster/prefix", data=b"not json")
@@ -115,3 +130,33 @@ async def test_mooncakectl_renders_table_summary_and_json(
     assert doc["summary"]["by_status"]["alive"] == 1 and "counters" in doc
     status, text = await ctl("http://127.0.0.1:1", "nodes", "--timeout", "2")
     assert status == 3 and "cannot reach" in text
+
+
+async def test_routes_of_a_service_not_running_answer_503() -> None:
+    # A daemon adds the routes before its cluster step starts the service.
+    current: list[ClusterService] = []
+    app = web.Application()
+    app.add_routes(cluster_routes(lambda: current[0] if current else None, test_hooks=True))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    service = ClusterService(ClusterConfig(), "later", b"routes-test-secret")
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with aiohttp.ClientSession() as http:
+            for method, path in (
+                ("GET", "/admin/cluster"),
+                ("POST", "/admin/cluster/prefix"),
+                ("POST", "/admin/test/blocks"),
+                ("POST", "/admin/test/drop_peers"),
+            ):
+                r = await http.request(method, url + path, json={})
+                assert r.status == 503, path
+            await service.start()
+            current.append(service)
+            r = await http.get(url + "/admin/cluster")
+            assert r.status == 200 and (await r.json())["self"] == "later"
+    finally:
+        await runner.cleanup()
+        await service.close()
