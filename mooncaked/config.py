@@ -252,6 +252,9 @@ class ClusterConfig:
     block_log_entries: int = 65536
     # Dead and left members are forgotten after this long.
     dead_reap_s: float = 300.0
+    # Tests only: serve POST /admin/test/blocks (fake block events) and
+    # /admin/test/drop_peers (a staged partition). Never in production.
+    test_hooks: bool = False
 
     def __post_init__(self) -> None:
         _check(0 <= self.gossip_port <= 65535, "gossip_port", "must be in 0..65535")

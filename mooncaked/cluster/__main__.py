@@ -7,18 +7,20 @@ It reads the ``[node]``, ``[server]``, ``[cluster]`` and ``[log]`` sections of
 the daemon's config (flags override them), runs a ``ClusterService`` and
 serves ``/admin/cluster`` on ``server.host:server.port``. It is how the
 cluster layer is exercised and benchmarked with real processes before (and
-besides) the full daemon; ``--test-hooks`` adds the fake-block and
-packet-drop routes of ``mooncaked.cluster.routes``.
+besides) the full daemon; ``--test-hooks`` (or ``cluster.test_hooks``) adds
+the fake-block and packet-drop routes of ``mooncaked.cluster.routes``.
 
 On start it prints one JSON line to stdout:
 ``{"node_id": ..., "gossip_port": ..., "http_port": ...}``. The first
-SIGTERM/SIGINT leaves the cluster gracefully and exits 0.
+SIGTERM/SIGINT leaves the cluster gracefully and exits 0; a second one exits
+at once with status 3, as the daemon does.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -36,6 +38,8 @@ from mooncaked.config import Config, ConfigError, load_config, with_overrides
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 1
 EXIT_CONFIG = 2
+# A second signal cut the departure short.
+EXIT_FORCED = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,8 +90,17 @@ async def serve(config: Config, *, model_id: str, test_hooks: bool) -> int:
     log = structlog.get_logger("mooncaked.cluster")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        if stop.is_set():
+            # Whatever holds up the departure, the operator asked twice.
+            log.warning("second signal: exiting at once", signal=signal.Signals(signum).name)
+            sys.stderr.flush()
+            os._exit(EXIT_FORCED)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
 
     api_addr = ""
 
@@ -145,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mooncaked.log import configure_logging
 
     configure_logging(config.log, config.node_id)
-    coro = serve(config, model_id=args.model_id, test_hooks=args.test_hooks)
+    test_hooks = args.test_hooks or config.cluster.test_hooks
+    coro = serve(config, model_id=args.model_id, test_hooks=test_hooks)
     try:
         import uvloop
     except ImportError:
