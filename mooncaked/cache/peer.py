@@ -22,7 +22,8 @@ and counted and only means the prompt is computed instead; ``fetch`` never
 raises. The wire (HTTP control calls, the transfer engine) sits behind the
 ``PeerClient`` and ``BlockReader`` protocols, implemented in
 ``mooncaked.api.internal``; who holds what sits behind ``HolderLocator``
-(static peer URLs from the config now, the cluster block index later).
+(static peer URLs from the config, or the cluster block index:
+``mooncaked.cluster.local.ClusterHolders``).
 """
 
 from __future__ import annotations
@@ -246,6 +247,9 @@ class FetchStats:
     missed: int = 0
     # Over peer_max_fetches: computed instead, nobody asked.
     skipped: int = 0
+    # fetch() calls that found no peer to ask. The engine checks would_ask()
+    # first, so a prompt that no peer holds normally never gets here.
+    nobody_to_ask: int = 0
     # The caller stopped waiting at peer_fetch_timeout_s.
     timed_out: int = 0
     # Failed fetches because the holder said the lease had lapsed.
@@ -301,6 +305,14 @@ class PeerFetcher:
         n = self.device_prefix(hashes) if self.device_prefix is not None else 0
         return n + self._store.lookup(hashes[n:], record_stats=False).num_blocks
 
+    def would_ask(self, hashes: Sequence[BlockHash]) -> bool:
+        """Whether ``fetch(hashes)`` would ask any peer; no I/O. The engine asks
+        on arrival, so a prompt that no peer holds is never held back."""
+        if self._closing:
+            return False
+        start = self.local_prefix(hashes)
+        return start < len(hashes) and bool(self._locator.holders(hashes[start:]))
+
     async def fetch(self, hashes: Sequence[BlockHash]) -> int:
         """Bring the blocks of ``hashes`` that peers hold into local DRAM; how many
         leading blocks of ``hashes`` are local afterwards. Never raises."""
@@ -317,6 +329,7 @@ class PeerFetcher:
             return start
         holders = self._locator.holders(hashes[start:])
         if not holders:
+            self._stats.nobody_to_ask += 1
             return start
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s

@@ -61,6 +61,8 @@ log = structlog.get_logger(__name__)
 # Pulls what peers hold of these blocks into the local DRAM tier; returns how
 # many leading blocks are now local.
 Prefetch = Callable[[list[BlockHash]], Awaitable[int]]
+# Whether a prefetch of these blocks would ask anyone; cheap, no I/O.
+PrefetchWanted = Callable[[list[BlockHash]], bool]
 
 
 class PromptTooLongError(ValueError):
@@ -181,6 +183,7 @@ class EngineCore:
         self.store: TieredStore | None = None
         self._prefetch: Prefetch | None = None
         self._prefetch_timeout_s = 0.0
+        self._prefetch_wanted: PrefetchWanted | None = None
         self._load_tasks: set[asyncio.Task[None]] = set()
         self._prefetch_tasks: set[asyncio.Task[None]] = set()
         # Blocks cached on the device since the last step: offloaded after it.
@@ -209,13 +212,19 @@ class EngineCore:
         store: TieredStore,
         prefetch: Prefetch | None = None,
         prefetch_timeout_s: float = 2.0,
+        prefetch_wanted: PrefetchWanted | None = None,
     ) -> None:
-        """Use ``store`` (started by the caller) for loads and offloads; before start()."""
+        """Use ``store`` (started by the caller) for loads and offloads; before start().
+
+        ``prefetch_wanted``, asked on arrival, lets a request no peer can help
+        be admitted at once instead of waiting for a prefetch that finds nothing.
+        """
         if self._loop_task is not None:
             raise RuntimeError("attach_store must be called before start()")
         self.store = store
         self._prefetch = prefetch
         self._prefetch_timeout_s = prefetch_timeout_s
+        self._prefetch_wanted = prefetch_wanted
 
         def external(hashes: Any) -> int:
             # Asked once per admission: the store's per-tier hit/miss counters
@@ -391,7 +400,10 @@ class EngineCore:
         # The last block is recomputed anyway (one token must be sampled).
         hashes = hashes[: (len(req.prompt_token_ids) - 1) // self.block_size]
         on_device = len(self.pool.longest_cached_prefix(hashes))
-        return hashes[on_device:] or None
+        rest = hashes[on_device:]
+        if not rest or (self._prefetch_wanted is not None and not self._prefetch_wanted(rest)):
+            return None
+        return rest
 
     async def wait_idle(self) -> None:
         """Return once no request is unfinished."""

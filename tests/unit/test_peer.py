@@ -274,3 +274,26 @@ async def test_reserved_slots_are_dropped_by_a_clear_in_between(
     assert res is not None and s.store.commit_reserved(res, 1) == 1
     assert s.store.lookup(HASHES[:2], record_stats=False).num_blocks == 1
     s.store.dram.check_integrity()
+
+
+async def test_would_ask_only_when_something_is_missing_and_someone_to_ask(
+    stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    holder = await make(stack, "holder", tmp_path)
+    await put(holder, HASHES[:4], rows(4, seed=9))
+    alone = await make(stack, "alone", tmp_path)
+    assert alone.fetcher is not None
+    # Nobody to ask: the engine admits such a prompt at once, and a fetch
+    # that is made anyway asks nobody (and counts it).
+    assert not alone.fetcher.would_ask(HASHES[:4])
+    assert await alone.fetcher.fetch(HASHES[:4]) == 0
+    st = alone.fetcher.stats()
+    assert (st.nobody_to_ask, st.fetches, st.missed) == (1, 0, 0)
+    reader = await make(stack, "reader", tmp_path, peers=(holder.url,))
+    assert reader.fetcher is not None
+    assert reader.fetcher.would_ask(HASHES[:4])
+    assert await reader.fetcher.fetch(HASHES[:4]) == 4
+    # All local now: nothing to ask for.
+    assert not reader.fetcher.would_ask(HASHES[:4])
+    assert reader.fetcher.would_ask(HASHES[:5])
+    assert reader.fetcher.stats().nobody_to_ask == 0
