@@ -10,21 +10,28 @@ Start order: ``http`` (so /health answers while the model loads), ``model``
 (build the engine), ``transfer`` (the transfer engine on ``[transfer]``),
 ``store`` (the tiered KV cache, its DRAM pool in a transfer segment peers can
 read, and the peer fetcher), ``engine`` (attach the store, start the step
-loop), ``serving``.
+loop), ``cluster`` (gossip on ``[cluster]``: join the seeds, publish this
+node's state, its DRAM segment and every block event of its tiers; peer
+fetches then find holders through the cluster-wide block index), ``serving``.
 
 Drain order (the stop half of the steps, newest first):
 
 1. ``serving``: close the gate: new generation requests get 503 and /ready
-   turns 503, so a load balancer stops sending; wait up to
-   ``server.drain_timeout_s`` for the requests in flight to finish.
-2. ``engine``: close the engine, which aborts whatever is still running
+   turns 503, so a load balancer stops sending; gossip announces
+   ``draining`` at once, so other nodes stop placing work here; wait up to
+   ``server.drain_timeout_s`` for the requests in flight to finish (peers
+   may still lease this node's cached blocks meanwhile).
+2. ``cluster``: stop publishing block events, leave the cluster (peers mark
+   this node "left" and drop its blocks from their index, so no new fetch
+   comes here), close the gossip sockets.
+3. ``engine``: close the engine, which aborts whatever is still running
    (those streams end with finish reason "abort") and stops its step loop.
-3. ``store``: wait for peer fetches in flight, end the leases granted to
+4. ``store``: wait for peer fetches in flight, end the leases granted to
    peers, finish queued offloads and SSD writes (the engine may have queued
    some on its way out), close the SSD tier.
-4. ``transfer``: close the transfer engine, withdrawing the DRAM segment.
-5. ``model``: nothing left to do (the engine was closed in 2).
-6. ``http``: stop listening, then give handlers a short grace to write
+5. ``transfer``: close the transfer engine, withdrawing the DRAM segment.
+6. ``model``: nothing left to do (the engine was closed in 3).
+7. ``http``: stop listening, then give handlers a short grace to write
    their last bytes before their connections are closed.
 
 ``run()`` adds the signals: the first SIGTERM/SIGINT starts that drain and
@@ -42,7 +49,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
@@ -57,6 +64,9 @@ if TYPE_CHECKING:
     from mooncaked.api.internal import InternalClient
     from mooncaked.cache.peer import LeaseDesk, PeerFetcher
     from mooncaked.cache.store import TieredStore
+    from mooncaked.cluster.gossip import ClusterService
+    from mooncaked.cluster.local import BlockEventBatcher, ClusterSnapshot
+    from mooncaked.cluster.state import BlockEvent, ClusterView
     from mooncaked.engine.core import EngineCore, EngineStats
     from mooncaked.transfer import TransferEngine
 
@@ -74,6 +84,8 @@ DRAM_SEGMENT = "kv.dram"
 # The engine waits this much longer for a peer fetch than the fetcher's own
 # bound, so the fetcher gives up (and counts it) first.
 _PREFETCH_GRACE_S = 0.5
+# Listen addresses that name no single interface, so no use to a peer.
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
 def _default_engine_factory(config: Config) -> EngineCore:
@@ -113,6 +125,8 @@ class Node:
         self._peer_client: InternalClient | None = None
         self._holding: Holding | None = None
         self._peer_urls: tuple[str, ...] = ()
+        self._cluster: ClusterService | None = None
+        self._block_events: BlockEventBatcher | None = None
         self._ready = False
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
@@ -129,6 +143,7 @@ class Node:
         # append before start().
         self.extra_routes: list[web.RouteDef] = []
         self._add_cache_endpoints()
+        self._add_cluster_endpoints()
 
     # ------------------------------------------------------------ accessors
 
@@ -200,6 +215,24 @@ class Node:
     def lease_desk(self) -> LeaseDesk | None:
         return self._lease_desk
 
+    @property
+    def cluster(self) -> ClusterService | None:
+        """The gossip subsystem; None before its step and after stop."""
+        return self._cluster
+
+    @property
+    def api_addr(self) -> str:
+        """host:port other nodes reach this node's HTTP API at (announced by gossip)."""
+        host = self._config.server.host
+        if host in _WILDCARD_HOSTS:
+            # Listening everywhere: the gossip address is one peers reach.
+            host = self._config.cluster.gossip_host
+            if host in _WILDCARD_HOSTS:
+                host = socket.gethostname()
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{host}:{self.port}"
+
     # ------------------------------------------------------------ lifecycle
 
     def _steps(self) -> list[Step]:
@@ -210,6 +243,7 @@ class Node:
             Step("transfer", self._start_transfer, self._stop_transfer),
             Step("store", self._start_store, self._stop_store),
             Step("engine", self._start_engine, self._stop_engine),
+            Step("cluster", self._start_cluster, self._stop_cluster),
             Step("serving", self._start_serving, self._drain),
         ]
 
@@ -362,8 +396,9 @@ class Node:
     async def _open_store(self, engine: EngineCore, transfer: TransferEngine) -> None:
         from mooncaked.api.internal import InternalClient, TransferBlockReader
         from mooncaked.cache.dram import BlockLayout
-        from mooncaked.cache.peer import LeaseDesk, PeerFetcher, StaticPeers
+        from mooncaked.cache.peer import LeaseDesk, PeerFetcher
         from mooncaked.cache.store import TieredStore
+        from mooncaked.cluster.local import ClusterHolders
 
         cfg = self._config.store
         layout = BlockLayout.from_kv_caches(engine.runner.kv_caches)
@@ -388,9 +423,12 @@ class Node:
         self._peer_client = client
         # A node listed among its own peers would only ever miss.
         self._peer_urls = tuple(u for u in cfg.peers if u.rstrip("/") != self.url)
+        # Holders from the cluster's block index once gossip runs; the
+        # configured peers when it names nobody (or before it runs).
+        locator = ClusterHolders(self._cluster_view, static=self._peer_urls)
         self._peer_fetcher = PeerFetcher(
             store,
-            StaticPeers(self._peer_urls),
+            locator,
             client,
             TransferBlockReader(transfer, DRAM_SEGMENT),
             timeout_s=cfg.peer_fetch_timeout_s,
@@ -435,13 +473,130 @@ class Node:
         if store is None:
             return
         cfg = self._config.store
-        # Without peers to ask there is nothing to wait for before admission.
-        prefetch = fetcher.fetch if fetcher is not None and self._peer_urls else None
+        # A request waits for a prefetch only when the fetcher would ask
+        # someone (a holder in the index, or configured peers).
         engine.attach_store(
             store,
-            prefetch=prefetch,
+            prefetch=fetcher.fetch if fetcher is not None else None,
             prefetch_timeout_s=cfg.peer_fetch_timeout_s + _PREFETCH_GRACE_S,
+            prefetch_wanted=fetcher.would_ask if fetcher is not None else None,
         )
+
+    # -------------------------------------------------------------- cluster
+
+    def _add_cluster_endpoints(self) -> None:
+        """/admin/cluster, /admin/cluster/prefix (and the test hooks when
+        ``cluster.test_hooks``), the "cluster" status section and gossip
+        metrics; all answer 503 (or report nothing) until gossip runs."""
+        from mooncaked.cluster.routes import cluster_routes
+
+        self.extra_routes.extend(
+            cluster_routes(lambda: self._cluster, test_hooks=self._config.cluster.test_hooks)
+        )
+        self.admin.add_status_section("cluster", self._cluster_status)
+        self.metrics.add_cluster_collector(self._cluster_snapshot)
+
+    def _cluster_view(self) -> ClusterView | None:
+        return self._cluster.view if self._cluster is not None else None
+
+    def _cluster_snapshot(self) -> ClusterSnapshot | None:
+        from mooncaked.cluster.local import cluster_snapshot
+
+        service, batcher = self._cluster, self._block_events
+        if service is None or batcher is None:
+            return None
+        return cluster_snapshot(service, batcher)
+
+    def _cluster_status(self) -> dict[str, Any] | None:
+        snap = self._cluster_snapshot()
+        return None if snap is None else snap.status()
+
+    async def _start_cluster(self) -> None:
+        from mooncaked.cluster.gossip import ClusterService
+        from mooncaked.cluster.local import LoadMeter
+
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError("the cluster step ran before the engine step")
+        cfg = self._config
+        meter = LoadMeter(
+            role=cfg.node.role,
+            api_addr=self.api_addr,
+            engine=lambda: self._engine,
+            draining=lambda: self.draining,
+            clock=time.monotonic,
+        )
+        service = ClusterService(
+            cfg.cluster, self.node_id, cfg.node.cluster_secret.encode(), local_state=meter
+        )
+        # start() closes the service itself when it fails.
+        joined = await service.start()
+        self._cluster = service
+        try:
+            self._attach_block_events(service, engine)
+            transfer = self._transfer
+            if transfer is not None and self._holding is not None:
+                # Where peers read this node's DRAM slots from.
+                service.set_segments([transfer.descriptor(DRAM_SEGMENT).to_dict()])
+        except BaseException:
+            # A step that fails is not unwound by the node: undo our half here.
+            self._detach_block_events()
+            self._cluster = None
+            await service.close()
+            raise
+        self._log.info(
+            "cluster joined",
+            gossip=f"{cfg.cluster.gossip_host}:{service.gossip_port}",
+            seeds=len(cfg.cluster.seeds),
+            seeds_answered=joined,
+            api=self.api_addr,
+        )
+
+    def _attach_block_events(self, service: ClusterService, engine: EngineCore) -> None:
+        from mooncaked.cluster.local import BlockEventBatcher
+        from mooncaked.cluster.state import BlockOp
+
+        batcher = BlockEventBatcher(service.publish_block_events, asyncio.get_running_loop())
+        self._block_events = batcher
+        # Listeners first, then what is cached already, in one go: no event
+        # can fall in between (all of it runs on the loop, without awaiting).
+        engine.pool.listeners.append(batcher.on_device_event)
+        snapshot: list[BlockEvent] = [
+            (h, "device", BlockOp.STORED) for h in engine.pool.cached_blocks
+        ]
+        store = self._store
+        if store is not None:
+            store.on_block_event = batcher.on_store_event
+            snapshot += [(h, "dram", BlockOp.STORED) for h in store.dram.cached_hashes()]
+            if store.ssd is not None:
+                snapshot += [(h, "ssd", BlockOp.STORED) for h in store.ssd.hashes()]
+        batcher.add_snapshot(snapshot)
+
+    def _detach_block_events(self) -> None:
+        batcher, self._block_events = self._block_events, None
+        if batcher is None:
+            return
+        engine, store = self._engine, self._store
+        if engine is not None and batcher.on_device_event in engine.pool.listeners:
+            engine.pool.listeners.remove(batcher.on_device_event)
+        if store is not None and store.on_block_event == batcher.on_store_event:
+            store.on_block_event = None
+        batcher.close()
+
+    async def _stop_cluster(self) -> None:
+        service = self._cluster
+        if service is None:
+            return
+        self._detach_block_events()
+        try:
+            # Peers see "left" at once and drop this node's blocks from their
+            # index, instead of suspecting it for seconds after it is gone.
+            await service.leave()
+        finally:
+            self._cluster = None
+            await service.close()
+
+    # -------------------------------------------------------------- serving
 
     async def _start_serving(self) -> None:
         self._ready = True
@@ -449,6 +604,9 @@ class Node:
     async def _drain(self) -> None:
         self._ready = False
         self.gate.close()
+        if self._cluster is not None:
+            # Announce "draining" now rather than at the next gossip round.
+            self._cluster.refresh_state()
         timeout = self._config.server.drain_timeout_s
         if self.gate.num_inflight:
             self._log.info("draining", inflight=self.gate.num_inflight, timeout_s=timeout)

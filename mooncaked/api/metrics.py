@@ -226,6 +226,114 @@ class _CacheCollector(Collector):
         )
 
 
+class _ClusterCollector(Collector):
+    """Gossip: members by status, packets, drops, the block index; read at scrape time.
+
+    ``snapshot()`` returns None while gossip is not running, else a
+    ``mooncaked.cluster.local.ClusterSnapshot``.
+    """
+
+    def __init__(self, snapshot: Callable[[], Any | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        if snap is None:
+            return
+        members = GaugeMetricFamily(
+            "mooncaked_cluster_members",
+            "Cluster members in this node's view (itself included), by status.",
+            labels=["status"],
+        )
+        for status, n in snap.members.items():
+            members.add_metric([status], float(n))
+        yield members
+        c = snap.counters
+        yield CounterMetricFamily(
+            "mooncaked_gossip_packets_sent", "Gossip datagrams sent.", value=float(c.packets_sent)
+        )
+        yield CounterMetricFamily(
+            "mooncaked_gossip_packets_received",
+            "Gossip datagrams received (dropped ones included).",
+            value=float(c.packets_received),
+        )
+        yield CounterMetricFamily(
+            "mooncaked_gossip_bytes_sent",
+            "Bytes of gossip datagrams sent.",
+            value=float(c.bytes_sent),
+        )
+        yield CounterMetricFamily(
+            "mooncaked_gossip_bytes_received",
+            "Bytes of gossip datagrams received.",
+            value=float(c.bytes_received),
+        )
+        dropped = CounterMetricFamily(
+            "mooncaked_gossip_packets_dropped",
+            "Gossip packets dropped, by reason: forged (bad MAC), malformed, oversize, "
+            "blocked (a test partition).",
+            labels=["reason"],
+        )
+        for reason, value in (
+            ("forged", c.dropped_bad_mac),
+            ("malformed", c.dropped_malformed),
+            ("oversize", c.dropped_oversize),
+            ("blocked", c.dropped_blocked),
+        ):
+            dropped.add_metric([reason], float(value))
+        yield dropped
+        yield CounterMetricFamily(
+            "mooncaked_gossip_broadcasts_dropped",
+            "Queued pieces of news dropped on a full broadcast queue.",
+            value=float(c.dropped_broadcasts),
+        )
+        yield CounterMetricFamily(
+            "mooncaked_gossip_handler_errors",
+            "Gossip packets or timers whose handler failed (a bug).",
+            value=float(c.handler_errors),
+        )
+        yield CounterMetricFamily(
+            "mooncaked_gossip_probes", "Failure-detector probes sent.", value=float(c.probes)
+        )
+        yield CounterMetricFamily(
+            "mooncaked_gossip_suspicions",
+            "Members this node suspected after a failed probe.",
+            value=float(c.suspicions_raised),
+        )
+        yield CounterMetricFamily(
+            "mooncaked_gossip_refutations",
+            "Suspicions of this node it refuted.",
+            value=float(c.refutations),
+        )
+        for name, doc, ok, failed in (
+            (
+                "mooncaked_gossip_syncs",
+                "Push-pull state exchanges, by result.",
+                c.syncs_ok,
+                c.syncs_failed,
+            ),
+            ("mooncaked_gossip_pulls", "Block-index pulls, by result.", c.pulls_ok, c.pulls_failed),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["result"])
+            family.add_metric(["ok"], float(ok))
+            family.add_metric(["failed"], float(failed))
+            yield family
+        yield GaugeMetricFamily(
+            "mooncaked_cluster_index_blocks",
+            "Entries of the cluster-wide block index here, every node's replica together.",
+            value=float(snap.index_blocks),
+        )
+        yield GaugeMetricFamily(
+            "mooncaked_cluster_index_own_blocks",
+            "Blocks this node publishes in the cluster-wide index.",
+            value=float(snap.own_blocks),
+        )
+        yield CounterMetricFamily(
+            "mooncaked_cluster_block_events",
+            "Block events (stored, removed) of this node's tiers published to gossip.",
+            value=float(snap.block_events),
+        )
+
+
 class ApiMetrics:
     def __init__(self, engine_stats: Callable[[], Any | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -276,6 +384,10 @@ class ApiMetrics:
     def add_cache_collector(self, snapshot: Callable[[], Any | None]) -> None:
         """Expose the KV cache's tiers, peer fetches and transfers (see _CacheCollector)."""
         self.registry.register(_CacheCollector(snapshot))
+
+    def add_cluster_collector(self, snapshot: Callable[[], Any | None]) -> None:
+        """Expose gossip membership, traffic and the block index (see _ClusterCollector)."""
+        self.registry.register(_ClusterCollector(snapshot))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

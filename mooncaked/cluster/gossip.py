@@ -1329,8 +1329,11 @@ class ClusterService:
         """Tells the cluster this node is leaving, then lets one more gossip round go out."""
         if self._udp is None or self.core.leaving:
             return
+        alone = not any(m.is_up for n, m in self.view.members.items() if n != self.node_id)
         self.core.leave()
         self._flush()
+        if alone:
+            return  # nobody to tell: no round to wait for
         await asyncio.sleep(self.config.gossip_interval_s)
 
     async def close(self) -> None:
