@@ -1,17 +1,25 @@
 """Five real node processes on loopback: failure detection, rejoin, block index, partitions.
 
-The harness starts each node from a command template, by default the
-gossip-only node::
+The tests of the five-node ``cluster`` fixture run against two kinds of node:
 
-    {python} -m mooncaked.cluster --config {config} --test-hooks
+- ``gossip``: the gossip-only node, ``{python} -m mooncaked.cluster --config {config}``;
+- ``daemon``: the full daemon, ``{python} -m mooncaked --config {config}``,
+  with the builtin model, a small KV pool and DRAM tier. Its tests also serve
+  real prompts: their blocks reach every node's index, and a node that is
+  asked a prompt another node served fetches the prefix from it, found
+  through the index alone (no ``store.peers``).
 
-Set ``MOONCAKED_CLUSTER_NODE_CMD`` to run the same tests against another
-program (the full daemon). Placeholders: ``{python}``, ``{config}`` (a TOML
-file with ``[node]``, ``[server]``, ``[cluster]`` and ``[log]``), ``{node_id}``,
-``{http_port}``, ``{gossip_port}``. The program must serve ``GET
-/admin/cluster`` and the test hooks ``POST /admin/test/blocks`` and ``POST
-/admin/test/drop_peers`` (see ``mooncaked.cluster.routes``) on
-``server.port``, and leave the cluster on SIGTERM.
+One more test starts three gossip-only nodes of its own: the last one left,
+after its peers have gone, idles and exits on SIGTERM.
+
+Set ``MOONCAKED_CLUSTER_NODE_CMD`` to also run the kind-independent tests
+against another program (kind ``custom``). Placeholders: ``{python}``,
+``{config}`` (a TOML file with ``[node]``, ``[server]``, ``[cluster]`` and
+``[log]``, ``cluster.test_hooks = true``), ``{node_id}``, ``{http_port}``,
+``{gossip_port}``. The program must serve ``GET /admin/cluster`` and the test
+hooks ``POST /admin/test/blocks`` and ``POST /admin/test/drop_peers`` (see
+``mooncaked.cluster.routes``) on ``server.port``, and leave the cluster on
+SIGTERM.
 
 Every wait below is a correctness bound (the configured failure-detection
 time plus generous slack for a loaded machine), never a timing measurement.
@@ -22,11 +30,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -39,10 +49,21 @@ import pytest
 
 from mooncakectl.cli import run as ctl_run
 from mooncakectl.registry import Env
+from mooncaked.cache.hashing import block_hashes
 
 NODE_CMD_ENV = "MOONCAKED_CLUSTER_NODE_CMD"
-DEFAULT_NODE_CMD = "{python} -m mooncaked.cluster --config {config} --test-hooks"
+GOSSIP_NODE_CMD = "{python} -m mooncaked.cluster --config {config}"
+DAEMON_NODE_CMD = "{python} -m mooncaked --config {config}"
 NUM_NODES = 5
+BLOCK_SIZE = 16
+# The full daemon, kept small: one torch thread each (five share the
+# machine), 8 MiB of device KV blocks and 8 MiB of DRAM tier.
+DAEMON_SECTIONS: dict[str, dict[str, Any]] = {
+    "model": {"cpu_threads": 1},
+    "kv": {"memory_bytes": 8 * 1024 * 1024, "block_size": BLOCK_SIZE},
+    "store": {"dram_bytes": 8 * 1024 * 1024},
+    "server": {"drain_timeout_s": 5.0},
+}
 SECRET = "integration-cluster-secret"
 
 PROBE_INTERVAL_S = 0.25
@@ -67,14 +88,37 @@ START_BOUND_S = 45.0
 # sync interval, then refutations spread.
 HEAL_BOUND_S = 10 * SYNC_INTERVAL_S + 15.0
 BLOCK_BOUND_S = 10.0
+# Below the daemon's drain_timeout_s (5 s): a draining node must be seen as
+# such while it still drains, before it leaves.
+DRAIN_SEEN_BOUND_S = 4.0
 
 pytestmark = pytest.mark.timeout(240)
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(udp_too: bool) -> int:
-    while True:
+    """A port free now, outside the ephemeral range when there is room below it.
+
+    A port the OS handed out for port 0 can be handed out again to any
+    process's port-0 bind or outgoing connection (our own daemons make
+    plenty) before the node starts and binds it; ports below the ephemeral
+    range are only ever taken on purpose.
+    """
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, low) if low > 21000 else 0
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
-            tcp.bind(("127.0.0.1", 0))
+            try:
+                tcp.bind(("127.0.0.1", port))
+            except OSError:
+                continue
             port = tcp.getsockname()[1]
             if not udp_too:
                 return port
@@ -84,6 +128,7 @@ def free_port(udp_too: bool) -> int:
                 except OSError:
                     continue
                 return port
+    raise RuntimeError("no free port found for a test node")
 
 
 def toml_value(v: Any) -> str:
@@ -107,10 +152,35 @@ class NodeSpec:
     log: Path
 
 
+@dataclass(frozen=True, slots=True)
+class NodeKind:
+    name: str
+    template: str
+    # TOML sections merged over the common ones ([node], [server], [cluster], [log]).
+    sections: dict[str, dict[str, Any]]
+
+    @property
+    def serves_prompts(self) -> bool:
+        return self.name == "daemon"
+
+
+GOSSIP = NodeKind("gossip", GOSSIP_NODE_CMD, {})
+DAEMON = NodeKind("daemon", DAEMON_NODE_CMD, DAEMON_SECTIONS)
+
+
+def node_kinds() -> list[NodeKind]:
+    kinds = [GOSSIP, DAEMON]
+    custom = os.environ.get(NODE_CMD_ENV)
+    if custom:
+        kinds.append(NodeKind("custom", custom, {}))
+    return kinds
+
+
 class Cluster:
-    def __init__(self, root: Path, num_nodes: int, template: str) -> None:
+    def __init__(self, root: Path, num_nodes: int, kind: NodeKind) -> None:
         self.root = root
-        self.template = template
+        self.kind = kind
+        self.template = kind.template
         self.specs = [
             NodeSpec(
                 f"g{i}",
@@ -124,12 +194,19 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         seeds = [f"127.0.0.1:{s.gossip_port}" for s in self.specs[:2]]
         for spec in self.specs:
-            sections = {
+            sections: dict[str, dict[str, Any]] = {
                 "node": {"id": spec.node_id, "cluster_secret": SECRET},
                 "server": {"host": "127.0.0.1", "port": spec.http_port},
-                "cluster": {"gossip_port": spec.gossip_port, "seeds": seeds, **CLUSTER},
+                "cluster": {
+                    "gossip_port": spec.gossip_port,
+                    "seeds": seeds,
+                    "test_hooks": True,
+                    **CLUSTER,
+                },
                 "log": {"format": "json", "level": "info"},
             }
+            for name, table in kind.sections.items():
+                sections[name] = {**sections.get(name, {}), **table}
             text = "".join(
                 f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in table.items())
                 for name, table in sections.items()
@@ -189,15 +266,29 @@ class Cluster:
         except (OSError, urllib.error.URLError, ValueError):
             return None
 
-    def post(self, node_id: str, path: str, body: Any) -> Any:
+    def post(self, node_id: str, path: str, body: Any, timeout: float = 5.0) -> Any:
         req = urllib.request.Request(
             self.url(node_id) + path,
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
             method="POST",
         )
-        with urllib.request.urlopen(req, timeout=5) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
+
+    def get(self, node_id: str, path: str) -> Any:
+        with urllib.request.urlopen(self.url(node_id) + path, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def holders(self, observer: str, hashes: list[str], tiers: list[str] | None = None) -> Any:
+        """``/admin/cluster/prefix`` on ``observer``: who holds how much of ``hashes``."""
+        body: dict[str, Any] = {"hashes": hashes}
+        if tiers is not None:
+            body["tiers"] = tiers
+        try:
+            return self.post(observer, "/admin/cluster/prefix", body)
+        except (OSError, urllib.error.URLError, ValueError):
+            return {}
 
     def statuses(self, observer: str) -> dict[str, str]:
         doc = self.view(observer)
@@ -235,16 +326,23 @@ class Cluster:
     def logs_tail(self, lines: int = 15) -> str:
         out = []
         for spec in self.specs:
+            proc = self.procs.get(spec.node_id)
+            rc = None if proc is None else proc.poll()
+            state = "running" if rc is None else f"exited with {rc}"
+            head = f"--- {spec.node_id} ({state}; http {spec.http_port}, gossip {spec.gossip_port}) ---"
+            tail = []
             if spec.log.exists():
                 tail = spec.log.read_text(errors="replace").splitlines()[-lines:]
-                out.append(f"--- {spec.node_id} ---\n" + "\n".join(tail))
+            out.append(head + "\n" + "\n".join(tail))
         return "\n".join(out)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    template = os.environ.get(NODE_CMD_ENV) or DEFAULT_NODE_CMD
-    c = Cluster(tmp_path_factory.mktemp("gossip"), NUM_NODES, template)
+@pytest.fixture(scope="module", params=node_kinds(), ids=lambda k: k.name)
+def cluster(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    kind: NodeKind = request.param
+    c = Cluster(tmp_path_factory.mktemp(kind.name), NUM_NODES, kind)
     try:
         for node_id in c.ids:
             c.start(node_id)
@@ -315,8 +413,32 @@ def test_kill9_is_declared_dead_by_everyone_then_restart_rejoins(cluster: Cluste
 
 def test_sigterm_leaves_gracefully_then_restart_rejoins(cluster: Cluster) -> None:
     cluster.wait_converged()
+    inflight: threading.Thread | None = None
+    if cluster.kind.serves_prompts:
+        # A long request keeps g4's drain going for drain_timeout_s: while it
+        # drains, every other node must see it draining (not yet left).
+        inflight = threading.Thread(
+            target=long_request, args=(cluster, "g4"), name="inflight", daemon=True
+        )
+        inflight.start()
+        cluster.wait(
+            lambda: cluster.get("g4", "/admin/status")["load"]["running"] >= 1,
+            BLOCK_BOUND_S,
+            "the long request running on g4",
+        )
     proc = cluster.signal("g4", signal.SIGTERM)
+    if inflight is not None:
+
+        def everyone_sees_g4_draining() -> bool:
+            entries = [cluster.node_entry(o, "g4") for o in cluster.ids if o != "g4"]
+            return all(
+                e is not None and e["status"] == "alive" and e["state"]["draining"] for e in entries
+            )
+
+        cluster.wait(everyone_sees_g4_draining, DRAIN_SEEN_BOUND_S, "g4 draining in every view")
     assert proc.wait(timeout=15) == 0
+    if inflight is not None:
+        inflight.join(timeout=10)
     # "left" only comes from the node's own announcement, never from probing.
     cluster.wait(lambda: cluster.all_see("g4", "left"), 10.0, "g4 left in every view")
     cluster.start("g4")
@@ -344,3 +466,182 @@ def test_partition_heals_after_it_ends(cluster: Cluster) -> None:
         for n in cluster.ids:
             cluster.post(n, "/admin/test/drop_peers", {"peers": []})
     cluster.wait(cluster.converged, HEAL_BOUND_S, "all alive again after the partition")
+
+
+# -- real prompts (the full daemon) -------------------------------------------------
+
+
+def needs_engine(cluster: Cluster) -> None:
+    if not cluster.kind.serves_prompts:
+        pytest.skip(f"{cluster.kind.name} nodes serve no prompts")
+
+
+def prompt(seed: int, num_blocks: int = 10) -> list[int]:
+    """``num_blocks`` full blocks and one token; no block shared with another seed."""
+    rng = random.Random(seed)
+    ids = [rng.randrange(256) for _ in range(num_blocks * BLOCK_SIZE + 1)]
+    ids[0] = 256 + seed % 100
+    return ids
+
+
+def complete(cluster: Cluster, node_id: str, ids: list[int]) -> dict[str, Any]:
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0}
+    return dict(cluster.post(node_id, "/v1/completions", body, timeout=60.0))
+
+
+def long_request(cluster: Cluster, node_id: str) -> None:
+    """A request far longer than the drain timeout; ends when the drain aborts it."""
+    body = {"prompt": prompt(14, 1), "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    try:
+        cluster.post(node_id, "/v1/completions", body, timeout=60.0)
+    except (OSError, urllib.error.URLError, ValueError):
+        pass  # the node went away under it: all this request was for
+
+
+def cached_tokens(out: dict[str, Any]) -> int:
+    return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def prompt_hashes(cluster: Cluster, node_id: str, ids: list[int]) -> list[str]:
+    """Hex hashes of the prompt's full blocks, as ``node_id``'s engine computes them."""
+    entry = cluster.node_entry(node_id, node_id)
+    assert entry is not None and entry["state"] is not None
+    model_id = entry["state"]["model_id"]
+    return [h.hex() for h in block_hashes(ids, BLOCK_SIZE, model_id)]
+
+
+def test_prompt_served_on_one_node_reaches_every_index(cluster: Cluster) -> None:
+    needs_engine(cluster)
+    cluster.wait_converged()
+    ids = prompt(11)
+    out = complete(cluster, "g2", ids)
+    assert cached_tokens(out) == 0
+    hashes = prompt_hashes(cluster, "g2", ids)
+    assert len(hashes) == 10
+    others = [i for i in cluster.ids if i != "g2"]
+
+    def everyone_sees_g2_hold_it() -> bool:
+        return all(cluster.holders(o, hashes).get("g2", {}).get("num_blocks") == 10 for o in others)
+
+    cluster.wait(everyone_sees_g2_hold_it, BLOCK_BOUND_S, "g2's prompt blocks in every index")
+    # Nobody else computed it: the index names g2 alone.
+    assert set(cluster.holders("g0", hashes)) == {"g2"}
+
+
+def test_prompt_is_fetched_from_the_node_the_index_names(cluster: Cluster) -> None:
+    needs_engine(cluster)
+    cluster.wait_converged()
+    ids = prompt(12)
+    cold = complete(cluster, "g0", ids)
+    assert cached_tokens(cold) == 0
+    hashes = prompt_hashes(cluster, "g0", ids)
+
+    def g1_sees_g0_lease_it() -> bool:
+        # Leasable blocks only: in g0's DRAM tier (offloaded after the prefill).
+        match = cluster.holders("g1", hashes, ["dram", "ssd"]).get("g0", {})
+        return match.get("num_blocks") == 10
+
+    cluster.wait(g1_sees_g0_lease_it, BLOCK_BOUND_S, "g0's DRAM blocks in g1's index")
+    before = cluster.get("g1", "/admin/cache/stats")["peer"]
+    warm = complete(cluster, "g1", ids)
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    assert cached_tokens(warm) == 10 * BLOCK_SIZE
+    after = cluster.get("g1", "/admin/cache/stats")["peer"]
+    assert after["ok"] - before["ok"] == 1
+    assert after["blocks"] - before["blocks"] == 10
+    # g1 asked only g0, the one holder: no failed lookups anywhere else.
+    assert after["lookup_errors"] == before["lookup_errors"]
+    leases = cluster.get("g0", "/admin/cache/stats")["leases"]
+    assert leases["granted"] >= 1 and leases["active"] == 0
+    # The fetched blocks are g1's now too, and the index says so.
+    cluster.wait(
+        lambda: cluster.holders("g3", hashes, ["dram"]).get("g1", {}).get("num_blocks") == 10,
+        BLOCK_BOUND_S,
+        "g1's fetched blocks in g3's index",
+    )
+
+
+def test_a_prompt_nobody_holds_costs_no_peer_round_trip(cluster: Cluster) -> None:
+    needs_engine(cluster)
+    cluster.wait_converged()
+    before = cluster.get("g4", "/admin/cache/stats")["peer"]
+    out = complete(cluster, "g4", prompt(13))
+    assert cached_tokens(out) == 0
+    after = cluster.get("g4", "/admin/cache/stats")["peer"]
+    # Nobody was asked, and the request never waited for a fetch: the engine
+    # saw on arrival that no peer holds its blocks and did not call one.
+    assert after["fetches"] == before["fetches"]
+    assert after["nobody_to_ask"] == before["nobody_to_ask"]
+    assert after["lookup_errors"] == before["lookup_errors"]
+
+
+def test_daemon_reports_the_cluster_in_status_and_metrics(cluster: Cluster) -> None:
+    needs_engine(cluster)
+    cluster.wait_converged()
+    status = cluster.get("g3", "/admin/status")["cluster"]
+    assert status["members"] == {"alive": NUM_NODES, "suspect": 0, "dead": 0, "left": 0}
+    assert status["node_id"] == "g3"
+    assert status["gossip_addr"] == f"127.0.0.1:{cluster.spec('g3').gossip_port}"
+    with urllib.request.urlopen(cluster.url("g3") + "/metrics", timeout=5) as resp:
+        metrics = resp.read().decode()
+    assert f'mooncaked_cluster_members{{status="alive"}} {NUM_NODES}.0' in metrics
+    sent = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("mooncaked_gossip_packets_sent_total ")
+    )
+    assert sent > 0
+    assert 'mooncaked_gossip_packets_dropped_total{reason="forged"} 0.0' in metrics
+    entry = cluster.node_entry("g0", "g3")
+    assert (
+        entry is not None
+        and entry["state"]["api_addr"] == f"127.0.0.1:{cluster.spec('g3').http_port}"
+    )
+
+    def g0_has_g3_segments() -> bool:
+        e = cluster.node_entry("g0", "g3")
+        return e is not None and [seg["name"] for seg in e["segments"]] == ["kv.dram"]
+
+    # The DRAM segment peers read from reaches them (by a pull after the state).
+    cluster.wait(g0_has_g3_segments, BLOCK_BOUND_S, "g3's DRAM segment in g0's view")
+
+
+# -- a node whose peers all left ----------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(120)
+def test_last_node_idles_then_exits_on_sigterm_after_its_peers_left(tmp_path: Path) -> None:
+    # Nodes were once found spinning in the gossip loop after every peer had
+    # left, deaf to SIGTERM: the host loop never yielded on an overdue timer.
+    c = Cluster(tmp_path, 3, GOSSIP)
+    try:
+        for node_id in c.ids:
+            c.start(node_id)
+        c.wait_converged()
+        for node_id in ("g1", "g2"):
+            assert c.signal(node_id, signal.SIGTERM).wait(timeout=15) == 0
+        c.wait(
+            lambda: c.all_see("g1", "left", ["g0"]) and c.all_see("g2", "left", ["g0"]),
+            10.0,
+            "g0 sees both peers left",
+        )
+        last = c.procs["g0"]
+        # Alone, the node only ticks its timers: a loop spinning on a stale
+        # deadline would burn most of a core over this window.
+        window_s = 3.0
+        cpu0 = cpu_seconds(last.pid)
+        deadline = time.monotonic() + window_s
+        while time.monotonic() < deadline:
+            assert c.view("g0") is not None  # still serving meanwhile
+            time.sleep(0.25)
+        assert cpu_seconds(last.pid) - cpu0 < window_s / 3
+        last.send_signal(signal.SIGTERM)
+        assert last.wait(timeout=15) == 0
+    finally:
+        c.stop_all()
