@@ -67,7 +67,8 @@ _STEP_EWMA_ALPHA = 0.3
 MAX_HOLDERS = 3
 # What a peer can lease: DRAM slots, and SSD blocks it promotes to DRAM first.
 LEASABLE_TIERS = tier_mask(Tier.DRAM, Tier.SSD)
-_STORE_TIERS = {"device": "device", "dram": "dram", "ssd": "ssd"}
+# Store tiers that are this node's own (the store also names "peer").
+_OWN_TIERS = frozenset({"device", "dram", "ssd"})
 
 
 class LoadMeter:
@@ -183,9 +184,9 @@ class BlockEventBatcher:
 
     def on_store_event(self, block_hash: BlockHash, tier: StoreTier, stored: bool) -> None:
         """The ``TieredStore.on_block_event`` listener: DRAM and SSD blocks."""
-        name = _STORE_TIERS.get(tier.value)
-        if name is None:
-            return  # not a tier of this node's own (e.g. "peer")
+        name = tier.value
+        if name not in _OWN_TIERS:
+            return
         self._add((block_hash, name, BlockOp.STORED if stored else BlockOp.REMOVED))
 
     def add_snapshot(self, events: Sequence[BlockEvent]) -> None:
