@@ -36,7 +36,7 @@ from typing import Any
 import structlog
 import torch
 
-from mooncaked.cache.hashing import BlockHash, block_hashes
+from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.store import DeviceBlocks, TieredStore
 from mooncaked.config import Config
 from mooncaked.engine.kv_pool import BlockPool
@@ -379,9 +379,17 @@ class EngineCore:
             )
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         req = Request(rid, list(prompt_token_ids), sampling)
-        prefetch = self._prefetch_hashes(req)
-        self.scheduler.add_request(req, ready=prefetch is None)
-        if prefetch is not None:
+        # Held until we know whether a peer should be asked first; the
+        # scheduler only admits between steps, so nothing runs meanwhile.
+        self.scheduler.add_request(req, ready=False)
+        try:
+            prefetch = self._prefetch_hashes(req)
+        except Exception:
+            log.exception("prefetch check failed", request_id=rid)
+            prefetch = None
+        if prefetch is None:
+            self.scheduler.release(req)
+        else:
             self._spawn(self._prefetch_then_release(req, prefetch), self._prefetch_tasks)
         self.num_prompt_tokens_total += len(req.prompt_token_ids)
         tracker = _Tracker(
@@ -396,7 +404,8 @@ class EngineCore:
         """The blocks worth asking peers for: full prompt blocks past the device hits."""
         if self._prefetch is None:
             return None
-        hashes = block_hashes(req.prompt_token_ids, self.block_size, self.model_id)
+        # The scheduler's memo: admission reuses these hashes.
+        hashes = self.scheduler.block_hashes(req)
         # The last block is recomputed anyway (one token must be sampled).
         hashes = hashes[: (len(req.prompt_token_ids) - 1) // self.block_size]
         on_device = len(self.pool.longest_cached_prefix(hashes))

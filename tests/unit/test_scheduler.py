@@ -33,9 +33,7 @@ def make(
 
 
 def req(rid: str, n: int, max_tokens: int = 4, base: int = 0, **kw: object) -> Request:
-    return Request(
-        rid, [base + i for i in range(n)], SamplingParams(max_tokens=max_tokens, **kw)
-    )
+    return Request(rid, [base + i for i in range(n)], SamplingParams(max_tokens=max_tokens, **kw))
 
 
 def step(s: Scheduler, token: int = 7) -> tuple[StepPlan, list[Request]]:
