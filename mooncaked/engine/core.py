@@ -193,6 +193,8 @@ class EngineCore:
         self._offload_ids = itertools.count()
         self.num_loads_total = 0
         self.num_offloads_total = 0
+        self._checked_at_step = 0
+        self.num_integrity_failures = 0
         self.pool.listeners.append(self._on_block_event)
 
     def _kv_budget_bytes(self) -> int:
@@ -435,6 +437,10 @@ class EngineCore:
             for job in plan.loads:
                 self._spawn(self._load(job), self._load_tasks)
             if plan.is_empty:
+                if not self._trackers and self._checked_at_step != self.num_steps:
+                    # Idle: a cheap moment for the pool's self-check.
+                    self._checked_at_step = self.num_steps
+                    self._self_check()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -554,6 +560,13 @@ class EngineCore:
             num_loads_total=self.num_loads_total,
             num_offloads_total=self.num_offloads_total,
         )
+
+    def _self_check(self) -> None:
+        try:
+            self.check_integrity()
+        except RuntimeError:
+            self.num_integrity_failures += 1
+            log.exception("KV block pool failed its self-check")
 
     def check_integrity(self) -> None:
         self.pool.check_integrity([*self.scheduler.block_tables(), *self._offload_holds.values()])

@@ -177,3 +177,18 @@ async def test_close_aborts_in_flight_requests(loaded: LoadedModel) -> None:
     await engine.close()
     _, _, last = await collect(stream)
     assert last.finish_reason is FinishReason.ABORT
+
+
+async def test_idle_engine_runs_the_pool_self_check(loaded: LoadedModel) -> None:
+    engine = await start(loaded)
+    await collect(engine.add_request([65, 66, 67], SamplingParams(max_tokens=3)))
+    await asyncio.wait_for(engine.wait_idle(), 10)
+    await asyncio.sleep(0.05)  # the loop reaches its idle point
+    assert engine.num_integrity_failures == 0
+    # Break an invariant behind the engine's back: the next idle check sees it.
+    engine.pool.blocks[-1].ref_cnt += 1
+    await collect(engine.add_request([65, 68], SamplingParams(max_tokens=2)))
+    await asyncio.sleep(0.05)
+    assert engine.num_integrity_failures == 1
+    engine.pool.blocks[-1].ref_cnt -= 1
+    await engine.close()
