@@ -82,6 +82,21 @@ class _EngineCollector(Collector):
                 s.num_preemptions_total,
             ),
             ("mooncaked_engine_steps", "Engine steps run.", s.num_steps),
+            (
+                "mooncaked_engine_cache_loads",
+                "Prefixes loaded from the host tiers instead of computed.",
+                s.num_loads_total,
+            ),
+            (
+                "mooncaked_engine_offloads",
+                "Batches of device blocks handed to the host tiers.",
+                s.num_offloads_total,
+            ),
+            (
+                "mooncaked_kv_pool_self_check_failures",
+                "Idle self-checks of the device block pool that found it inconsistent.",
+                s.num_integrity_failures,
+            ),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=float(value))

@@ -90,6 +90,7 @@ class EngineStats:
     num_loading: int = 0
     num_loads_total: int = 0
     num_offloads_total: int = 0
+    num_integrity_failures: int = 0
 
 
 class _Tracker:
@@ -559,6 +560,7 @@ class EngineCore:
             num_loading=len(s.loading),
             num_loads_total=self.num_loads_total,
             num_offloads_total=self.num_offloads_total,
+            num_integrity_failures=self.num_integrity_failures,
         )
 
     def _self_check(self) -> None:
