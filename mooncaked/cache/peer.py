@@ -29,7 +29,6 @@ raises. The wire (HTTP control calls, the transfer engine) sits behind the
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -41,6 +40,7 @@ import structlog
 from mooncaked.cache.dram import Clock, Lease
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.store import TieredStore
+from mooncaked.tasks import TaskSet
 
 log = structlog.get_logger(__name__)
 
@@ -294,7 +294,7 @@ class PeerFetcher:
         # Leading blocks the engine's device prefix cache holds already.
         self.device_prefix = device_prefix
         self._stats = FetchStats()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet("peer-fetch", on_failure=self._task_failed)
         # First block of each fetch in flight: a second request for the same
         # prefix waits for it instead of leasing the same blocks again.
         self._inflight: dict[BlockHash, asyncio.Task[None]] = {}
@@ -474,27 +474,16 @@ class PeerFetcher:
     # -- lifecycle ---------------------------------------------------------
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
+        return self._tasks.spawn(coro, name)
 
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            self._stats.failed += 1
-            log.error("peer.fetch_task_failed", error=repr(exc), exc_info=exc)
+    def _task_failed(self, exc: BaseException) -> None:
+        self._stats.failed += 1
 
     async def close(self) -> None:
         """Refuse new fetches and wait for those in flight (each is bounded by its
         deadline), so no transfer writes into the store after this returns."""
         self._closing = True
-        if self._tasks:
-            with contextlib.suppress(Exception):
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.wait()
 
     def stats(self) -> FetchStats:
         out = dataclasses.replace(self._stats)

@@ -63,6 +63,7 @@ from mooncaked.cache.dram import (
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.ssd import SsdTier
 from mooncaked.config import StoreConfig
+from mooncaked.tasks import TaskSet
 
 log = structlog.get_logger(__name__)
 
@@ -245,7 +246,7 @@ class TieredStore:
         self._ssd_q: asyncio.Queue[_SsdJob | None] = asyncio.Queue(config.ssd_write_queue)
         # Queued SSD writes by hash: dedupes them, and lets an eviction attach bytes.
         self._ssd_jobs: dict[BlockHash, _SsdJob] = {}
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet("store")
         self._workers: list[asyncio.Task[None]] = []
         self._copy_executor: ThreadPoolExecutor | None = None
         self._generation = 0
@@ -303,7 +304,7 @@ class TieredStore:
                 await task
         finally:
             # Loads and promotions in flight; a failed one was logged already.
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._tasks.wait()
             if self.ssd is not None:
                 await self.ssd.close()
             if self._copy_executor is not None:
@@ -314,18 +315,7 @@ class TieredStore:
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """A background task the store owns: kept, awaited on close, failure logged."""
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            log.error("store.task_failed", task=task.get_name(), error=repr(exc), exc_info=exc)
+        return self._tasks.spawn(coro, name)
 
     def _check_started(self) -> None:
         if not self._started or self._closing:

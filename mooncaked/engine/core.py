@@ -28,7 +28,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +53,7 @@ from mooncaked.request import (
     SamplingParams,
     TokenLogprob,
 )
+from mooncaked.tasks import TaskSet
 
 __all__ = ["EngineCore", "EngineStats", "PromptTooLongError", "QueueFullError", "RequestStream"]
 
@@ -185,8 +186,8 @@ class EngineCore:
         self._prefetch: Prefetch | None = None
         self._prefetch_timeout_s = 0.0
         self._prefetch_wanted: PrefetchWanted | None = None
-        self._load_tasks: set[asyncio.Task[None]] = set()
-        self._prefetch_tasks: set[asyncio.Task[None]] = set()
+        self._load_tasks = TaskSet("engine-loads")
+        self._prefetch_tasks = TaskSet("engine-prefetches")
         # Blocks cached on the device since the last step: offloaded after it.
         self._to_offload: list[BlockHash] = []
         # References held on device blocks until the store has copied them.
@@ -273,17 +274,6 @@ class EngineCore:
         self.pool.free(self._offload_holds.pop(key))
         self._wakeup.set()  # freed blocks may admit a waiting request
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
-        task = asyncio.create_task(coro)
-        tasks.add(task)
-
-        def done(t: asyncio.Task[None]) -> None:
-            tasks.discard(t)
-            if not t.cancelled() and t.exception() is not None:
-                log.error("engine task failed", exc_info=t.exception())
-
-        task.add_done_callback(done)
-
     async def _load(self, job: LoadJob) -> None:
         store = self.store
         loaded = 0
@@ -340,10 +330,10 @@ class EngineCore:
                 await task
             except Exception:
                 log.exception("engine step loop failed")
-        for t in self._prefetch_tasks:
-            t.cancel()
+        self._prefetch_tasks.cancel()
+        await self._prefetch_tasks.wait()
         # Loads write device blocks: let them end before their requests go.
-        await asyncio.gather(*self._prefetch_tasks, *self._load_tasks, return_exceptions=True)
+        await self._load_tasks.wait()
         # Requests never scheduled by a loop that is gone still get their end.
         self._apply_aborts()
         self._executor.shutdown(wait=True)
@@ -393,7 +383,7 @@ class EngineCore:
         if prefetch is None:
             self.scheduler.release(req)
         else:
-            self._spawn(self._prefetch_then_release(req, prefetch), self._prefetch_tasks)
+            self._prefetch_tasks.spawn(self._prefetch_then_release(req, prefetch))
         self.num_prompt_tokens_total += len(req.prompt_token_ids)
         tracker = _Tracker(
             req, IncrementalDetokenizer(self.tokenizer, prompt_ids=req.prompt_token_ids)
@@ -436,7 +426,7 @@ class EngineCore:
                 return
             plan = self.scheduler.schedule()
             for job in plan.loads:
-                self._spawn(self._load(job), self._load_tasks)
+                self._load_tasks.spawn(self._load(job))
             if plan.is_empty:
                 if not self._trackers and self._checked_at_step != self.num_steps:
                     # Idle: a cheap moment for the pool's self-check.
