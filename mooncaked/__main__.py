@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from mooncaked.config import Config, ConfigError, load_config, with_overrides
+from mooncaked.config import Config, ConfigError, apply_flags, load_config
 
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 1
@@ -40,24 +40,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def build_config(args: argparse.Namespace) -> Config:
     """The file's config with the flags applied; raises ConfigError."""
-    config = load_config(args.config)
-    sections: dict[str, dict[str, Any]] = {}
-    for flag, section, key in (
-        ("host", "server", "host"),
-        ("port", "server", "port"),
-        ("model", "model", "path"),
-        ("role", "node", "role"),
-        ("log_format", "log", "format"),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            sections.setdefault(section, {})[key] = value
-    if not sections:
-        return config
-    try:
-        return with_overrides(config, **sections)
-    except ConfigError as exc:
-        raise ConfigError(f"{exc} (from the command line)") from None
+    return apply_flags(
+        load_config(args.config),
+        vars(args),
+        {
+            "host": ("server", "host"),
+            "port": ("server", "port"),
+            "model": ("model", "path"),
+            "role": ("node", "role"),
+            "log_format": ("log", "format"),
+        },
+    )
 
 
 def _run_loop(coro: Coroutine[Any, Any, int]) -> int:

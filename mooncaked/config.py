@@ -416,6 +416,22 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
     return config_from_dict(data, str(p))
 
 
+def apply_flags(config: Config, values: dict[str, Any], keys: dict[str, tuple[str, str]]) -> Config:
+    """``config`` with command-line values applied: ``keys`` maps a flag to its
+    (section, key); flags left at None keep the file's value."""
+    sections: dict[str, dict[str, Any]] = {}
+    for flag, (section, key) in keys.items():
+        value = values.get(flag)
+        if value is not None:
+            sections.setdefault(section, {})[key] = value
+    if not sections:
+        return config
+    try:
+        return with_overrides(config, **sections)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (from the command line)") from None
+
+
 def with_overrides(config: Config, **sections: dict[str, Any]) -> Config:
     """A copy of ``config`` with some keys replaced, validated like the file.
 

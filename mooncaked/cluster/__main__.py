@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 import orjson
 import structlog
@@ -33,7 +32,7 @@ from aiohttp import web
 from mooncaked.cluster.gossip import ClusterService
 from mooncaked.cluster.routes import cluster_routes
 from mooncaked.cluster.state import LocalState
-from mooncaked.config import Config, ConfigError, load_config, with_overrides
+from mooncaked.config import Config, ConfigError, apply_flags, load_config
 
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 1
@@ -65,25 +64,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    config = load_config(args.config)
-    sections: dict[str, dict[str, Any]] = {}
-    for flag, section, key in (
-        ("node_id", "node", "id"),
-        ("host", "server", "host"),
-        ("port", "server", "port"),
-        ("gossip_port", "cluster", "gossip_port"),
-        ("seeds", "cluster", "seeds"),
-        ("role", "node", "role"),
-    ):
-        value = getattr(args, flag)
-        if value is not None:
-            sections.setdefault(section, {})[key] = value
-    if not sections:
-        return config
-    try:
-        return with_overrides(config, **sections)
-    except ConfigError as exc:
-        raise ConfigError(f"{exc} (from the command line)") from None
+    return apply_flags(
+        load_config(args.config),
+        vars(args),
+        {
+            "node_id": ("node", "id"),
+            "host": ("server", "host"),
+            "port": ("server", "port"),
+            "gossip_port": ("cluster", "gossip_port"),
+            "seeds": ("cluster", "seeds"),
+            "role": ("node", "role"),
+        },
+    )
 
 
 async def serve(config: Config, *, model_id: str, test_hooks: bool) -> int:
