@@ -331,15 +331,7 @@ class TieredStore:
         is in neither tier or follows the end of the prefix. Peer and
         scheduler queries pass ``record_stats=False``.
         """
-        tiers: list[Tier] = []
-        for h in hashes:
-            if self.dram.contains(h):
-                tiers.append(Tier.DRAM)
-            elif self.ssd is not None and self.ssd.contains(h):
-                tiers.append(Tier.SSD)
-            else:
-                break
-        hit = StoreHit(tuple(tiers))
+        hit = StoreHit(tuple(self._tiers_of_prefix(hashes)))
         if record_stats:
             num_dram = hit.num_in(Tier.DRAM)
             num_ssd = hit.num_in(Tier.SSD)
@@ -349,6 +341,18 @@ class TieredStore:
                 self._stats.ssd.hits += num_ssd
                 self._stats.ssd.misses += len(hashes) - num_dram - num_ssd
         return hit
+
+    def _tiers_of_prefix(self, hashes: Sequence[BlockHash]) -> list[Tier]:
+        """The tier of each block of the longest prefix of ``hashes`` held here."""
+        tiers: list[Tier] = []
+        for h in hashes:
+            if self.dram.contains(h):
+                tiers.append(Tier.DRAM)
+            elif self.ssd is not None and self.ssd.contains(h):
+                tiers.append(Tier.SSD)
+            else:
+                break
+        return tiers
 
     # -- load --------------------------------------------------------------
 
@@ -366,17 +370,10 @@ class TieredStore:
         self._check_buffer(dst, len(hashes), "dst")
         if not hashes:
             return 0
-        dram, ssd = self.dram, self.ssd
+        dram = self.dram
         # Decide every block's source in one step on the loop: nothing can
         # change between the checks and the leases.
-        plan: list[Tier] = []
-        for h in hashes:
-            if dram.contains(h):
-                plan.append(Tier.DRAM)
-            elif ssd is not None and ssd.contains(h):
-                plan.append(Tier.SSD)
-            else:
-                break
+        plan = self._tiers_of_prefix(hashes)
         if not plan:
             return 0
         dram_hashes = [h for h, t in zip(hashes, plan, strict=False) if t is Tier.DRAM]
@@ -517,15 +514,8 @@ class TieredStore:
         failed its read.
         """
         self._check_started()
-        dram, ssd = self.dram, self.ssd
-        plan: list[Tier] = []
-        for h in hashes:
-            if dram.contains(h):
-                plan.append(Tier.DRAM)
-            elif ssd is not None and ssd.contains(h):
-                plan.append(Tier.SSD)
-            else:
-                break
+        dram = self.dram
+        plan = self._tiers_of_prefix(hashes)
         leases: list[Lease] = []
         if Tier.SSD in plan:
             # Leased while the SSD reads run, so allocating slots for them
