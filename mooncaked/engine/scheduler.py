@@ -194,7 +194,7 @@ class Scheduler:
         end = start + num_new
         return ScheduledChunk(
             request=req,
-            token_ids=req.all_token_ids[start:end],
+            token_ids=req.token_slice(start, end),
             start_pos=start,
             block_ids=list(req.block_ids),
             sample=end == req.num_tokens,
@@ -297,7 +297,7 @@ class Scheduler:
         """The request's first ``num_full`` block hashes, extending the memo as needed."""
         have = len(track.hashes)
         if num_full > have:
-            tokens = req.all_token_ids[: num_full * self.block_size]
+            tokens = req.token_slice(0, num_full * self.block_size)
             track.hashes.extend(
                 block_hashes(
                     tokens,

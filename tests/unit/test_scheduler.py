@@ -228,3 +228,12 @@ def test_held_requests_are_skipped_until_released() -> None:
     s.release(a)
     plan, _ = step(s)
     assert [c.request.request_id for c in plan.chunks] == ["b", "a"]
+
+
+def test_token_slice_equals_slicing_the_whole_sequence() -> None:
+    r = req("r", 3)
+    r.output_token_ids = [40, 41]
+    full = r.all_token_ids
+    for start in range(len(full) + 1):
+        for end in range(start, len(full) + 2):
+            assert r.token_slice(start, end) == full[start:end]
