@@ -86,6 +86,10 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # Chained hashes of every full block of the request's tokens so far: the
+    # prompt's computed once at entry, extended by the scheduler as output
+    # fills blocks. 16-byte ``cache.hashing.BlockHash`` values.
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

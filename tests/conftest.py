@@ -14,6 +14,7 @@ Everything uses the builtin model with a small KV pool so start-up is quick.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import selectors
 import signal
@@ -207,3 +208,14 @@ async def node() -> AsyncIterator[Node]:
         yield n
     finally:
         await n.stop()
+
+
+async def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Until ``cond()`` holds (checked every 10 ms); AssertionError naming ``what`` after
+    ``timeout_s``. For state with no event to await; never a fixed sleep."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not cond():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)

@@ -29,6 +29,7 @@ import torch
 from mooncaked.config import Config, with_overrides
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import LoadedModel, load_model
+from mooncaked.process import tune_process
 from mooncaked.request import SamplingParams
 
 
@@ -192,10 +193,10 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = engine_config(args)
+    # The daemon's process settings (threads, allocator), applied as its entry
+    # point does: HF runs under the same ones.
+    tune_process(cfg.model)
     loaded = load_model(cfg.model)
-    # The engine applies its CPU settings (threads, allocator) process-wide:
-    # HF runs under the same ones.
-    EngineCore(with_overrides(cfg, kv={"num_blocks": 1}), loaded)
     print(
         f"model {loaded.served_name}: {sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M "
         f"params, {loaded.dtype}, torch threads {torch.get_num_threads()}"

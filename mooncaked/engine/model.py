@@ -9,6 +9,7 @@ states; logits are computed separately, only where the runner samples.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -380,12 +381,19 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] of flat tokens; writes their K/V into ``kv_caches``."""
+        """Hidden states [T, hidden] of flat tokens; writes their K/V into ``kv_caches``.
+
+        ``layer_done(i)`` runs once layer ``i`` has written its K/V, so they can
+        leave the device while the next layers compute.
+        """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self._rope(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, kv_cache, meta)
+            if layer_done is not None:
+                layer_done(i)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,24 @@
-"""The plain data passed from the scheduler to the runner and back."""
+"""The plain data passed from the scheduler to the runner and back.
+
+A plan crosses the thread boundary (the runner executes it in the step
+thread) and could cross a process boundary: it carries values, never the
+live ``Request`` the event loop owns.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mooncaked.cache.hashing import BlockHash
-from mooncaked.request import Request, TokenLogprob
+from mooncaked.request import Request, SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True)
 class ScheduledChunk:
     """One request's work in one step: a prefill chunk or one decode token."""
 
-    request: Request
+    request_id: str
     # Tokens whose KV is computed this step, at positions start_pos, start_pos+1, ...
     token_ids: list[int]
     start_pos: int
@@ -20,20 +26,47 @@ class ScheduledChunk:
     block_ids: list[int]
     # Sample the next token from the last position (the prompt's last chunk, or a decode).
     sample: bool
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Tokens the request had sampled before this step (a seeded sampler's counter).
+    num_output_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+def chunk_of(
+    req: Request, token_ids: list[int], start_pos: int, block_ids: list[int], sample: bool
+) -> ScheduledChunk:
+    """A chunk of ``req`` with the request's values copied in."""
+    return ScheduledChunk(
+        request_id=req.request_id,
+        token_ids=token_ids,
+        start_pos=start_pos,
+        block_ids=list(block_ids),
+        sample=sample,
+        sampling=req.sampling,
+        num_output_tokens=len(req.output_token_ids),
+    )
+
 
 @dataclass(slots=True)
 class LoadJob:
-    """Copy cached blocks from the host tiers into a request's device blocks."""
+    """Bring a request's tokens from outside the device into its blocks (event loop side).
 
-    request: Request
-    hashes: list[BlockHash]
-    # block_ids[i] receives hashes[i].
+    ``block_ids[i]`` is the request's logical block ``first_block + i``; the
+    connector fills tokens ``first_block * block_size`` up to ``num_tokens`` more.
+    """
+
+    request_id: str
+    first_block: int
     block_ids: list[int]
+    num_tokens: int
+    hashes: list[BlockHash] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -42,7 +75,10 @@ class StepPlan:
     # Loads to start now; their requests join the running set when done.
     loads: list[LoadJob] = field(default_factory=list)
     # Requests that lost their blocks this step; they rejoin the waiting queue.
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    # What the KV connector's worker side does during this step (plain data the
+    # connector built; None when it has nothing to do).
+    connector_meta: Any = None
 
     @property
     def num_tokens(self) -> int:

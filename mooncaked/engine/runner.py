@@ -4,17 +4,21 @@
 slots, attention metadata), runs one forward pass over every chunk of the step
 (prefill chunks and decodes mixed), computes logits only at the positions that
 sample, and samples each with its request's settings. It runs synchronously
-under ``torch.inference_mode``; the engine calls it from a worker thread. It
-reads the requests of the plan and never mutates them.
+under ``torch.inference_mode``; the engine calls it from a worker thread. The
+plan is plain data; the runner never sees a live request.
+
+With a KV connector, its worker side runs inside the step: ``save_layer``
+after each layer's forward, ``wait_for_save`` before the results return.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from mooncaked.engine.attention import AttentionBackend, build_metadata, select_backend
+from mooncaked.engine.connector import KVConnector
 from mooncaked.engine.loader import LoadedModel
 from mooncaked.engine.model import ModelArch
 from mooncaked.engine.plan import SampledToken, StepPlan
@@ -78,27 +82,43 @@ class ModelRunner:
     def block_bytes(self) -> int:
         return kv_bytes_per_block(self.arch, self.block_size, self.dtype)
 
-    def execute(self, plan: StepPlan) -> list[SampledToken | None]:
+    def execute(
+        self, plan: StepPlan, connector: KVConnector | None = None
+    ) -> list[SampledToken | None]:
         """One entry per chunk, in plan order: a token where ``chunk.sample``."""
         if plan.is_empty:
             return []
+        meta = plan.connector_meta if connector is not None else None
+        layer_done = None
+        if connector is not None and meta is not None:
+
+            def layer_done(layer: int) -> None:
+                connector.save_layer(layer, meta)
+
         with torch.inference_mode():
-            hidden, sample_rows = self._forward(plan)
-            results: list[SampledToken | None] = [None] * len(plan.chunks)
-            sampling = [i for i, c in enumerate(plan.chunks) if c.sample]
-            if not sampling:
-                return results
-            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
-            chunks = [plan.chunks[i] for i in sampling]
-            tokens = self.sampler.sample(
-                logits,
-                [c.request.sampling for c in chunks],
-                [len(c.request.output_token_ids) for c in chunks],
-            )
-            for i, tok in zip(sampling, tokens, strict=True):
-                results[i] = tok
+            try:
+                hidden, sample_rows = self._forward(plan, layer_done)
+                return self._sample(plan, hidden, sample_rows)
+            finally:
+                if connector is not None and meta is not None:
+                    connector.wait_for_save(meta)
+
+    def _sample(
+        self, plan: StepPlan, hidden: torch.Tensor, sample_rows: list[int]
+    ) -> list[SampledToken | None]:
+        results: list[SampledToken | None] = [None] * len(plan.chunks)
+        sampling = [i for i, c in enumerate(plan.chunks) if c.sample]
+        if not sampling:
             return results
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        chunks = [plan.chunks[i] for i in sampling]
+        tokens = self.sampler.sample(
+            logits, [c.sampling for c in chunks], [c.num_output_tokens for c in chunks]
+        )
+        for i, tok in zip(sampling, tokens, strict=True):
+            results[i] = tok
+        return results
 
     def forward_logits(self, plan: StepPlan) -> list[torch.Tensor]:
         """Logits [num_tokens, vocab] of every computed position, one tensor per chunk.
@@ -117,7 +137,9 @@ class ModelRunner:
                 lo += c.num_tokens
             return out
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
+    def _forward(
+        self, plan: StepPlan, layer_done: Callable[[int], None] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """Hidden states of every token of the plan, and the row of each sampled chunk."""
         ids: list[int] = []
         positions: list[int] = []
@@ -128,17 +150,17 @@ class ModelRunner:
         for i, c in enumerate(plan.chunks):
             n = c.num_tokens
             if n == 0:
-                raise ValueError(f"chunk {i} ({c.request.request_id}) has no tokens")
+                raise ValueError(f"chunk {i} ({c.request_id}) has no tokens")
             end = c.start_pos + n
             if c.start_pos < 0 or end > self.max_model_len:
                 raise ValueError(
-                    f"chunk {i} ({c.request.request_id}) covers positions "
+                    f"chunk {i} ({c.request_id}) covers positions "
                     f"{c.start_pos}..{end - 1}, beyond max_model_len {self.max_model_len}"
                 )
             bad = [b for b in c.block_ids if not 0 <= b < self.num_blocks]
             if bad:
                 raise ValueError(
-                    f"chunk {i} ({c.request.request_id}) has block ids {bad[:4]} outside "
+                    f"chunk {i} ({c.request_id}) has block ids {bad[:4]} outside "
                     f"0..{self.num_blocks - 1}"
                 )
             ids.extend(c.token_ids)
@@ -159,7 +181,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, pos, self.kv_caches, meta)
+        hidden = self.model(input_ids, pos, self.kv_caches, meta, layer_done)
         return hidden, sample_rows
 
     def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:

@@ -9,29 +9,29 @@ admitted running request is preempted: its blocks are freed and it rejoins the
 front of the waiting queue, to be recomputed (its cached blocks usually still
 hit, so recompute is cheap).
 
-With a host cache attached (``external``), the blocks after the device
-prefix hit are looked up there too; a request with host hits gets its blocks
-and moves to LOADING (a LoadJob in the plan) instead of computing them, then
-joins the running set when the load is done, and computes only its tail.
+With a KV connector (``mooncaked.engine.connector``), the tokens after the
+device prefix hit are looked up outside the device too; a request with hits
+there gets its blocks and moves to LOADING (a LoadJob in the plan) instead of
+computing them, then joins the running set when the load is done, and
+computes only its tail. A connector that does not know yet (a prefetch is in
+flight) keeps the request waiting; others are admitted past it.
 
 The scheduler emits a StepPlan and takes sampled tokens back; it never touches
-tensors.
+tensors. It does not decide when a request is finished (the output processor
+does: it needs the text for stop strings); ``finish`` takes a request out.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 from mooncaked.cache.hashing import BlockHash, block_hashes
 from mooncaked.config import SchedulerConfig
+from mooncaked.engine.connector import KVConnector, LoadResult
 from mooncaked.engine.kv_pool import BlockPool
-from mooncaked.engine.plan import LoadJob, SampledToken, ScheduledChunk, StepPlan
+from mooncaked.engine.plan import LoadJob, SampledToken, ScheduledChunk, StepPlan, chunk_of
 from mooncaked.request import FinishReason, Request, RequestState
-
-# How many leading blocks of these hashes the host tiers hold.
-ExternalLookup = Callable[[Sequence[BlockHash]], int]
 
 
 class QueueFullError(Exception):
@@ -40,16 +40,6 @@ class QueueFullError(Exception):
     def __init__(self, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-@dataclass(slots=True)
-class _Tracking:
-    """Scheduler-private bookkeeping per request."""
-
-    # Hashes of the request's full blocks so far (prompt and output tokens).
-    hashes: list[BlockHash]
-    # Leading blocks already in the prefix index (hits, or published by us).
-    num_published: int = 0
 
 
 class Scheduler:
@@ -61,22 +51,21 @@ class Scheduler:
         block_size: int,
         max_model_len: int,
         model_id: str,
-        eos_token_ids: Sequence[int] = (),
+        connector: KVConnector | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.model_id = model_id
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.connector = connector if connector is not None else KVConnector()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
-        # Waiting requests not to be admitted yet (their prefix is being fetched).
-        self._held: set[str] = set()
-        self.external: ExternalLookup | None = None
-        self._tracking: dict[str, _Tracking] = {}
+        # Leading blocks of each request already in the prefix index (hits, or
+        # published by us).
+        self._num_published: dict[str, int] = {}
         # Counters for /metrics.
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -88,8 +77,8 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
-    def add_request(self, req: Request, *, ready: bool = True) -> None:
-        """Queue a request; ``ready=False`` holds it back until ``release``."""
+    def add_request(self, req: Request) -> None:
+        """Queue a request; raises QueueFullError when the waiting queue is full."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if len(self.waiting) >= self.config.max_waiting:
@@ -99,19 +88,10 @@ class Scheduler:
             )
         req.state = RequestState.WAITING
         self.requests[req.request_id] = req
-        self._tracking[req.request_id] = _Tracking(hashes=[])
+        self._num_published[req.request_id] = 0
+        self._hashes(req, req.num_tokens // self.block_size)
         self.waiting.append(req)
-        if not ready:
-            self._held.add(req.request_id)
-
-    def release(self, req: Request) -> None:
-        """A held request may now be admitted."""
-        self._held.discard(req.request_id)
-
-    def block_hashes(self, req: Request) -> list[BlockHash]:
-        """Hashes of every full block of the request's tokens so far."""
-        track = self._tracking[req.request_id]
-        return list(self._hashes(req, track, req.num_tokens // self.block_size))
+        self.connector.request_added(req)
 
     def _retry_after_s(self) -> float:
         # Crude but monotone in the backlog: about one second per full batch queued.
@@ -128,13 +108,13 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._held.discard(req.request_id)
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.state = RequestState.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
-        del self._tracking[req.request_id]
+        del self._num_published[req.request_id]
+        self.connector.request_finished(req)
 
     # -- one step --------------------------------------------------------
 
@@ -168,13 +148,13 @@ class Scheduler:
         for req in self.waiting:
             if budget <= 0 or len(self.running) + len(self.loading) >= self.config.max_num_seqs:
                 break
-            if req.request_id in self._held:
-                continue
             load = self._admit(req, budget)
+            if load is None:
+                continue  # the connector does not know yet: admit others past it
             if load is False:
                 break  # first come, first served among the ready ones
             admitted.append(req)
-            if load is not None:
+            if isinstance(load, LoadJob):
                 req.state = RequestState.LOADING
                 self.loading[req.request_id] = req
                 plan.loads.append(load)
@@ -192,12 +172,8 @@ class Scheduler:
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         end = start + num_new
-        return ScheduledChunk(
-            request=req,
-            token_ids=req.token_slice(start, end),
-            start_pos=start,
-            block_ids=list(req.block_ids),
-            sample=end == req.num_tokens,
+        return chunk_of(
+            req, req.token_slice(start, end), start, req.block_ids, end == req.num_tokens
         )
 
     def _blocks_needed(self, req: Request, num_tokens: int) -> int:
@@ -211,7 +187,7 @@ class Scheduler:
             if victim.request_id in scheduled:
                 raise RuntimeError("preemption victim was already scheduled this step")
             self._preempt(victim)
-            plan.preempted.append(victim)
+            plan.preempted.append(victim.request_id)
             if victim is req:
                 return False
         if need > 0:
@@ -229,35 +205,35 @@ class Scheduler:
         req.state = RequestState.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self._tracking[req.request_id].num_published = 0
+        self._num_published[req.request_id] = 0
         self.waiting.appendleft(req)
 
     def _admit(self, req: Request, budget: int) -> LoadJob | bool | None:
         """Reuse cached blocks and allocate the first chunk's blocks.
 
-        False: the pool is short, the request waits. None: admitted, its
-        first chunk runs this step. A LoadJob: admitted, its host-cached
-        blocks are to be loaded first.
+        False: the pool is short, the request waits. None: the connector does
+        not know yet what it can bring; the request waits. True: admitted, its
+        first chunk runs this step. A LoadJob: admitted, its tokens from
+        outside the device are to be loaded first.
         """
-        track = self._tracking[req.request_id]
-        tokens = req.all_token_ids
-        hashes = self._hashes(req, track, len(tokens) // self.block_size)
+        tokens_len = req.num_tokens
+        hashes = self._hashes(req, tokens_len // self.block_size)
         hit_ids = self.pool.longest_cached_prefix(hashes)
         # At least one token must be computed to sample from: when the whole
         # sequence is cached, recompute its last block rather than write into
         # a shared one.
-        max_hits = (len(tokens) - 1) // self.block_size
-        hit_ids = hit_ids[:max_hits]
-        num_ext = 0
-        if self.external is not None and len(hit_ids) < max_hits:
-            num_ext = min(self.external(hashes[len(hit_ids) : max_hits]), max_hits - len(hit_ids))
+        hit_ids = hit_ids[: (tokens_len - 1) // self.block_size]
         num_hit_tokens = len(hit_ids) * self.block_size
+        num_ext = self.connector.lookup(req, num_hit_tokens)
+        if num_ext is None:
+            return None
+        num_ext = min(num_ext, tokens_len - num_hit_tokens)
         if num_ext:
-            # Blocks for the loaded prefix only; the tail is allocated when
+            # Blocks for the loaded tokens only; the tail is allocated when
             # the request runs, like a later prefill chunk.
-            need = num_ext
+            need = -(-(num_hit_tokens + num_ext) // self.block_size) - len(hit_ids)
         else:
-            num_new = min(len(tokens) - num_hit_tokens, budget)
+            num_new = min(tokens_len - num_hit_tokens, budget)
             need = -(-(num_hit_tokens + num_new) // self.block_size) - len(hit_ids)
         # Hits that sit on the free queue stop being free once touched.
         num_free_hits = sum(1 for b in hit_ids if self.pool.blocks[b].ref_cnt == 0)
@@ -269,94 +245,121 @@ class Scheduler:
             raise RuntimeError("pool refused an allocation it said it could serve")
         req.block_ids = hit_ids + new_ids
         req.num_computed_tokens = num_hit_tokens
-        track.num_published = len(hit_ids)
+        self._num_published[req.request_id] = len(hit_ids)
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_hit_tokens
-            self.prefix_queried_tokens += len(tokens)
+            self.prefix_queried_tokens += tokens_len
             self.prefix_hit_tokens += num_hit_tokens
         if not num_ext:
-            return None
-        first = len(hit_ids)
-        return LoadJob(req, list(hashes[first : first + num_ext]), list(new_ids))
+            return True
+        return LoadJob(
+            request_id=req.request_id,
+            first_block=len(hit_ids),
+            block_ids=list(new_ids),
+            num_tokens=num_ext,
+        )
 
-    def finish_load(self, req: Request, num_loaded: int) -> None:
-        """A load ended with its first ``num_loaded`` blocks in place; run the rest."""
+    def finish_load(self, req: Request, result: LoadResult) -> bool:
+        """A load ended with ``result.num_tokens`` tokens in place; run the rest.
+
+        True when the load also sampled the request's next token (a remote
+        prefill): it is appended, and the caller processes it like a step's.
+        """
         if req.state is not RequestState.LOADING:
             raise RuntimeError(f"request {req.request_id} is not loading")
         del self.loading[req.request_id]
-        req.num_computed_tokens += num_loaded * self.block_size
+        room = req.num_tokens - req.num_computed_tokens
+        num_tokens = max(0, min(result.num_tokens, room))
+        sampled = result.sampled if num_tokens == room else None
+        if sampled is None and num_tokens == room:
+            # One token must be left to compute, to sample from.
+            num_tokens = room - 1
+        req.num_computed_tokens += num_tokens
         if req.num_preemptions == 0:
-            req.num_cached_tokens += num_loaded * self.block_size
-            self.prefix_hit_tokens += num_loaded * self.block_size
+            req.num_cached_tokens += num_tokens
+            self.prefix_hit_tokens += num_tokens
         # Blocks past the loaded ones stay allocated: the tail is computed
         # into them like any prefill chunk, so the request simply runs.
         req.state = RequestState.RUNNING
         self.running.append(req)
+        if sampled is None:
+            return False
+        self._append(req, sampled)
+        return True
 
-    def _hashes(self, req: Request, track: _Tracking, num_full: int) -> list[BlockHash]:
-        """The request's first ``num_full`` block hashes, extending the memo as needed."""
-        have = len(track.hashes)
+    def _hashes(self, req: Request, num_full: int) -> list[BlockHash]:
+        """The request's first ``num_full`` block hashes, extending ``req.block_hashes``."""
+        have = len(req.block_hashes)
         if num_full > have:
-            tokens = req.token_slice(0, num_full * self.block_size)
-            track.hashes.extend(
+            req.block_hashes.extend(
                 block_hashes(
-                    tokens,
+                    req.token_slice(0, num_full * self.block_size),
                     self.block_size,
                     self.model_id,
-                    parent=track.hashes[-1] if have else None,
+                    parent=req.block_hashes[-1] if have else None,
                     start_block=have,
                 )
             )
-        return track.hashes[:num_full]
+        return req.block_hashes[:num_full]
 
     # -- results ---------------------------------------------------------
 
     def update(self, plan: StepPlan, results: Sequence[SampledToken | None]) -> list[Request]:
         """Apply a step's sampled tokens; returns the requests that got a token.
 
-        Requests finished by EOS, a stop token or a length limit are finished
-        here (their state is FINISHED on return). A request aborted while the
-        step ran is skipped.
+        A request aborted while the step ran is skipped. Whether a token ends
+        its request is for the caller (the output processor) to say.
         """
         if len(results) != len(plan.chunks):
             raise RuntimeError(f"{len(results)} results for {len(plan.chunks)} chunks")
         out: list[Request] = []
         for chunk, result in zip(plan.chunks, results, strict=True):
-            req = chunk.request
-            if req.state is not RequestState.RUNNING:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.state is not RequestState.RUNNING:
                 continue
             req.num_computed_tokens += chunk.num_tokens
             self._publish_full_blocks(req)
             if result is None:
                 continue
-            req.output_token_ids.append(result.token_id)
-            if result.logprob is not None:
-                req.output_logprobs.append(result.logprob)
+            self._append(req, result)
             out.append(req)
-            reason = self._stop_reason(req, result.token_id)
-            if reason is not None:
-                self.finish(req, reason)
         return out
 
-    def _publish_full_blocks(self, req: Request) -> None:
-        track = self._tracking[req.request_id]
-        num_full = req.num_computed_tokens // self.block_size
-        if num_full <= track.num_published:
-            return
-        hashes = self._hashes(req, track, num_full)
-        for i in range(track.num_published, num_full):
-            self.pool.cache_block(req.block_ids[i], hashes[i])
-        track.num_published = num_full
+    def _append(self, req: Request, token: SampledToken) -> None:
+        req.output_token_ids.append(token.token_id)
+        if token.logprob is not None:
+            req.output_logprobs.append(token.logprob)
 
-    def _stop_reason(self, req: Request, token_id: int) -> FinishReason | None:
-        sp = req.sampling
-        if not sp.ignore_eos and token_id in self.eos_token_ids:
-            return FinishReason.STOP
-        if token_id in sp.stop_token_ids:
-            return FinishReason.STOP
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+    def _publish_full_blocks(self, req: Request) -> None:
+        num_published = self._num_published[req.request_id]
+        num_full = req.num_computed_tokens // self.block_size
+        if num_full <= num_published:
+            return
+        hashes = self._hashes(req, num_full)
+        for i in range(num_published, num_full):
+            self.pool.cache_block(req.block_ids[i], hashes[i])
+        self._num_published[req.request_id] = num_full
+
+    def load(self) -> tuple[int, int]:
+        """(prompt tokens still to compute, requests decoding).
+
+        Waiting requests count every token not yet computed (a preempted one
+        recomputes its output too); a running request counts as decoding once
+        it has sampled a token and has only that token left to compute, else
+        as prefilling with what it has left. Requests loading KV from outside
+        are not counted: their tail is unknown until the load ends.
+        """
+        queued = 0
+        decode = 0
+        for req in self.waiting:
+            queued += req.num_tokens - req.num_computed_tokens
+        for req in self.running:
+            left = req.num_tokens - req.num_computed_tokens
+            if left <= 1 and req.output_token_ids:
+                decode += 1
+            else:
+                queued += left
+        return queued, decode
 
     def block_tables(self) -> list[list[int]]:
         """Every live block table, for ``BlockPool.check_integrity``."""

@@ -11,6 +11,7 @@ from mooncaked.config import Config, with_overrides
 from mooncaked.engine.core import EngineCore, PromptTooLongError, QueueFullError
 from mooncaked.engine.loader import LoadedModel, load_model
 from mooncaked.request import FinishReason, RequestOutput, SamplingParams
+from tests.conftest import wait_until
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -183,12 +184,13 @@ async def test_idle_engine_runs_the_pool_self_check(loaded: LoadedModel) -> None
     engine = await start(loaded)
     await collect(engine.add_request([65, 66, 67], SamplingParams(max_tokens=3)))
     await asyncio.wait_for(engine.wait_idle(), 10)
-    await asyncio.sleep(0.05)  # the loop reaches its idle point
+    # The loop reaches its idle point, where it checks the pool.
+    await wait_until(lambda: engine.num_checks == 1, "the first idle self-check")
     assert engine.num_integrity_failures == 0
     # Break an invariant behind the engine's back: the next idle check sees it.
     engine.pool.blocks[-1].ref_cnt += 1
     await collect(engine.add_request([65, 68], SamplingParams(max_tokens=2)))
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: engine.num_checks == 2, "the second idle self-check")
     assert engine.num_integrity_failures == 1
     engine.pool.blocks[-1].ref_cnt -= 1
     await engine.close()

@@ -13,7 +13,9 @@ from mooncaked.cache.store import BlockLayout, TieredStore
 from mooncaked.config import Config, StoreConfig, with_overrides
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import LoadedModel, load_model
+from mooncaked.engine.store_connector import TieredStoreConnector
 from mooncaked.request import FinishReason, RequestOutput, SamplingParams
+from tests.conftest import wait_until
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -29,7 +31,7 @@ async def start(
     engine = EngineCore(with_overrides(Config(), kv={"num_blocks": 256}), loaded)
     store = TieredStore(BlockLayout.from_kv_caches(engine.runner.kv_caches), store_config)
     await store.start()
-    engine.attach_store(store, **kw)  # type: ignore[arg-type]
+    engine.set_connector(TieredStoreConnector(store, **kw))  # type: ignore[arg-type]
     await engine.start()
     return engine, store
 
@@ -108,8 +110,10 @@ async def test_prefetch_gates_admission_and_a_timeout_only_costs_a_recompute(
     )
     prompt = prompt_of(engine, 64)
     stream = engine.add_request(prompt, GREEDY)
-    await asyncio.sleep(0.05)
-    assert len(asked) == 1 and len(asked[0]) == 3  # 4 full blocks, the last recomputed
+    await wait_until(lambda: len(asked) == 1, "the prefetch to be asked")
+    assert len(asked[0]) == 3  # 4 full blocks, the last recomputed
+    # The engine's loop ran meanwhile and kept the request waiting.
+    await wait_until(lambda: engine.load.num_waiting == 1, "a scheduling pass")
     assert engine.stats().num_running == 0 and engine.stats().num_waiting == 1
     gate.set()
     ids = [t async for out in stream for t in out.new_token_ids]

@@ -17,7 +17,7 @@ import torch
 
 from mooncaked.config import ModelConfig
 from mooncaked.engine.loader import LoadedModel, load_model
-from mooncaked.engine.plan import ScheduledChunk, StepPlan
+from mooncaked.engine.plan import StepPlan, chunk_of
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.request import Request, SamplingParams
 from tests.hf_fixtures import EOS, VOCAB_SIZE, make_hf_model
@@ -116,9 +116,9 @@ def test_mixed_plan_logits_match_hf(hf_case: Any) -> None:
 
     step1 = StepPlan(
         [
-            ScheduledChunk(ra, a, 0, ta, True),
-            ScheduledChunk(rb, b[:16], 0, tb, False),
-            ScheduledChunk(rc, c, 0, tc, True),
+            chunk_of(ra, a, 0, ta, True),
+            chunk_of(rb, b[:16], 0, tb, False),
+            chunk_of(rc, c, 0, tc, True),
         ]
     )
     la, lb1, lc = runner.forward_logits(step1)
@@ -127,13 +127,13 @@ def test_mixed_plan_logits_match_hf(hf_case: Any) -> None:
     a_full = [*a, a_next]
     step2 = StepPlan(
         [
-            ScheduledChunk(rd, d[32:], 32, td, True),
-            ScheduledChunk(rb, b[16:36], 16, tb, False),
-            ScheduledChunk(ra, [a_next], 37, ta, True),
+            chunk_of(rd, d[32:], 32, td, True),
+            chunk_of(rb, b[16:36], 16, tb, False),
+            chunk_of(ra, [a_next], 37, ta, True),
         ]
     )
     ld, lb2, la2 = runner.forward_logits(step2)
-    step3 = StepPlan([ScheduledChunk(rb, b[36:], 36, tb, True)])
+    step3 = StepPlan([chunk_of(rb, b[36:], 36, tb, True)])
     (lb3,) = runner.forward_logits(step3)
 
     ref_a = _hf_logits(hf, a_full)
@@ -152,8 +152,8 @@ def test_execute_samples_only_where_asked(hf_case: Any) -> None:
     a, b = _prompt(5, 20), _prompt(6, 33)
     plan = StepPlan(
         [
-            ScheduledChunk(_req("a", a), a, 0, [0, 1], True),
-            ScheduledChunk(_req("b", b), b[:17], 0, [2, 3, 4], False),
+            chunk_of(_req("a", a), a, 0, [0, 1], True),
+            chunk_of(_req("b", b), b[:17], 0, [2, 3, 4], False),
         ]
     )
     out = runner.execute(plan)
@@ -175,10 +175,7 @@ def test_greedy_generation_matches_hf_generate(hf_case: Any) -> None:
     # must not touch the requests, so the test appends each sampled token.
     out = runner.execute(
         StepPlan(
-            [
-                ScheduledChunk(r, p, 0, t, True)
-                for r, p, t in zip(reqs, prompts, tables, strict=True)
-            ]
+            [chunk_of(r, p, 0, t, True) for r, p, t in zip(reqs, prompts, tables, strict=True)]
         )
     )
     for r, tok in zip(reqs, out, strict=True):
@@ -187,7 +184,7 @@ def test_greedy_generation_matches_hf_generate(hf_case: Any) -> None:
     for _ in range(new_tokens - 1):
         plan = StepPlan(
             [
-                ScheduledChunk(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
+                chunk_of(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
                 for r, t in zip(reqs, tables, strict=True)
             ]
         )

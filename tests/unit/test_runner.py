@@ -9,7 +9,7 @@ import torch
 
 from mooncaked.config import ModelConfig
 from mooncaked.engine.loader import LoadedModel, load_model
-from mooncaked.engine.plan import ScheduledChunk, StepPlan
+from mooncaked.engine.plan import StepPlan, chunk_of
 from mooncaked.engine.runner import ModelRunner, kv_bytes_per_block, num_blocks_for_bytes
 from mooncaked.request import Request, SamplingParams
 
@@ -37,14 +37,14 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[lis
         tables.append(list(range(nxt, nxt + k)))
         nxt += k
     chunks = [
-        ScheduledChunk(r, r.prompt_token_ids, 0, t, True) for r, t in zip(reqs, tables, strict=True)
+        chunk_of(r, r.prompt_token_ids, 0, t, True) for r, t in zip(reqs, tables, strict=True)
     ]
     for _ in range(n):
         for r, tok in zip(reqs, runner.execute(StepPlan(chunks)), strict=True):
             assert tok is not None
             r.output_token_ids.append(tok.token_id)
         chunks = [
-            ScheduledChunk(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
+            chunk_of(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
             for r, t in zip(reqs, tables, strict=True)
         ]
     return [r.output_token_ids for r in reqs]
@@ -106,7 +106,7 @@ def test_execute_does_not_mutate_requests(tiny: LoadedModel) -> None:
     ids = _chat_ids(tiny, "hi")
     req = Request("r", ids, SamplingParams(temperature=0.8, seed=3, logprobs=2))
     before = copy.deepcopy(req)
-    out = runner.execute(StepPlan([ScheduledChunk(req, ids, 0, [0, 1], True)]))
+    out = runner.execute(StepPlan([chunk_of(req, ids, 0, [0, 1], True)]))
     assert out[0] is not None and out[0].logprob is not None
     assert len(out[0].logprob.top) == 2
     assert req == before
@@ -120,12 +120,12 @@ def test_seeded_sampling_resumes_identically_on_another_runner(tiny: LoadedModel
     def run(runner: ModelRunner, req: Request, n: int) -> None:
         tokens = req.all_token_ids
         # Recompute everything so far in one prefill, then decode.
-        chunk = ScheduledChunk(req, tokens, 0, [0, 1, 2, 3], True)
+        chunk = chunk_of(req, tokens, 0, [0, 1, 2, 3], True)
         for _ in range(n):
             tok = runner.execute(StepPlan([chunk]))[0]
             assert tok is not None
             req.output_token_ids.append(tok.token_id)
-            chunk = ScheduledChunk(req, [tok.token_id], req.num_tokens - 1, [0, 1, 2, 3], True)
+            chunk = chunk_of(req, [tok.token_id], req.num_tokens - 1, [0, 1, 2, 3], True)
 
     straight = Request("a", ids, params)
     run(ModelRunner(tiny, num_blocks=4, block_size=BLOCK), straight, 20)
@@ -141,19 +141,15 @@ def test_copy_blocks_carries_the_context(tiny: LoadedModel) -> None:
     ids = _chat_ids(tiny, "copy me across blocks, please")  # 40 tokens: three blocks
     assert 32 < len(ids) < 48
     req = Request("r", ids, GREEDY)
-    first = runner.execute(StepPlan([ScheduledChunk(req, ids, 0, [0, 1, 2], True)]))[0]
+    first = runner.execute(StepPlan([chunk_of(req, ids, 0, [0, 1, 2], True)]))[0]
     assert first is not None
     runner.copy_blocks([0, 1, 2], [9, 7, 5])
     for layer_k, layer_v in runner.kv_caches:
         assert torch.equal(layer_k[9], layer_k[0]) and torch.equal(layer_v[5], layer_v[2])
     req.output_token_ids.append(first.token_id)
     pos = len(ids)
-    a = runner.forward_logits(
-        StepPlan([ScheduledChunk(req, [first.token_id], pos, [0, 1, 2], True)])
-    )
-    b = runner.forward_logits(
-        StepPlan([ScheduledChunk(req, [first.token_id], pos, [9, 7, 5], True)])
-    )
+    a = runner.forward_logits(StepPlan([chunk_of(req, [first.token_id], pos, [0, 1, 2], True)]))
+    b = runner.forward_logits(StepPlan([chunk_of(req, [first.token_id], pos, [9, 7, 5], True)]))
     torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="equal lists"):
         runner.copy_blocks([1], [])
@@ -163,13 +159,13 @@ def test_bad_plans_are_caller_errors(tiny: LoadedModel) -> None:
     runner = ModelRunner(tiny, num_blocks=4, block_size=BLOCK)
     req = Request("r", [1, 2, 3], GREEDY)
     with pytest.raises(ValueError, match="outside"):
-        runner.execute(StepPlan([ScheduledChunk(req, [1, 2, 3], 0, [4], True)]))
+        runner.execute(StepPlan([chunk_of(req, [1, 2, 3], 0, [4], True)]))
     with pytest.raises(ValueError, match="are needed"):
-        runner.execute(StepPlan([ScheduledChunk(req, [1, 2, 3], 15, [0], True)]))
+        runner.execute(StepPlan([chunk_of(req, [1, 2, 3], 15, [0], True)]))
     with pytest.raises(ValueError, match="max_model_len"):
-        runner.execute(StepPlan([ScheduledChunk(req, [1], 4096, [0], True)]))
+        runner.execute(StepPlan([chunk_of(req, [1], 4096, [0], True)]))
     with pytest.raises(ValueError, match="no tokens"):
-        runner.execute(StepPlan([ScheduledChunk(req, [], 0, [0], True)]))
+        runner.execute(StepPlan([chunk_of(req, [], 0, [0], True)]))
     assert runner.execute(StepPlan()) == []
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mooncaked.config import SchedulerConfig
+from mooncaked.engine.connector import KVConnector, LoadResult
 from mooncaked.engine.kv_pool import BlockPool
+from mooncaked.engine.output import token_stop_reason
 from mooncaked.engine.plan import SampledToken, StepPlan
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
 from mooncaked.request import FinishReason, Request, RequestState, SamplingParams
@@ -19,6 +21,7 @@ def make(
     budget: int = 64,
     max_num_seqs: int = 8,
     max_waiting: int = 16,
+    connector: KVConnector | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
@@ -28,7 +31,7 @@ def make(
         block_size=BS,
         max_model_len=256,
         model_id="test",
-        eos_token_ids=[EOS],
+        connector=connector,
     )
 
 
@@ -39,13 +42,23 @@ def req(rid: str, n: int, max_tokens: int = 4, base: int = 0, **kw: object) -> R
 def step(s: Scheduler, token: int = 7) -> tuple[StepPlan, list[Request]]:
     plan = s.schedule()
     results = [SampledToken(token) if c.sample else None for c in plan.chunks]
-    out = s.update(plan, results)
+    out = apply(s, plan, results)
     s.pool.check_integrity(s.block_tables())
     return plan, out
 
 
+def apply(s: Scheduler, plan: StepPlan, results: list[SampledToken | None]) -> list[Request]:
+    out = s.update(plan, results)
+    # As the engine does: the output processor's verdict takes requests out.
+    for r in out:
+        reason = token_stop_reason(r, r.output_token_ids[-1], frozenset({EOS}), 256)
+        if reason is not None:
+            s.finish(r, reason)
+    return out
+
+
 def shape(plan: StepPlan) -> list[tuple[str, int, int, bool]]:
-    return [(c.request.request_id, c.start_pos, c.num_tokens, c.sample) for c in plan.chunks]
+    return [(c.request_id, c.start_pos, c.num_tokens, c.sample) for c in plan.chunks]
 
 
 def test_prefill_then_batched_decode_until_max_tokens() -> None:
@@ -114,14 +127,14 @@ def test_preemption_frees_the_newest_request_and_it_resumes_by_recompute() -> No
     assert shape(plan) == [("a", 7, 1, True), ("b", 7, 1, True)]
     plan, _ = step(s)  # a needs a 3rd block: b is preempted
     assert shape(plan) == [("a", 8, 1, True)]
-    assert [r.request_id for r in plan.preempted] == ["b"]
+    assert plan.preempted == ["b"]
     assert b.state is RequestState.PREEMPTED and b.block_ids == []
     assert s.num_preemptions == 1
     while "a" in s.requests:
         step(s)
     # b comes back: its prompt and its 2 outputs so far are recomputed in one chunk.
     plan, _ = step(s)
-    assert plan.chunks[0].request is b
+    assert plan.chunks[0].request_id == b.request_id
     assert b.num_output_tokens == 3
     assert b.num_cached_tokens == 0  # reported once, at first admission
     while s.requests:
@@ -138,7 +151,7 @@ def test_eos_and_stop_token_ids_finish_with_stop() -> None:
     for r in (a, b, c):
         s.add_request(r)
     plan = s.schedule()
-    s.update(plan, [SampledToken(EOS), SampledToken(5), SampledToken(EOS)])
+    apply(s, plan, [SampledToken(EOS), SampledToken(5), SampledToken(EOS)])
     assert a.finish_reason is FinishReason.STOP
     assert b.finish_reason is FinishReason.STOP
     assert c.state is RequestState.RUNNING
@@ -149,7 +162,7 @@ def test_max_num_seqs_caps_running_and_fcfs_order_holds() -> None:
     for i in range(3):
         s.add_request(req(f"r{i}", 2, base=10 * i))
     plan, _ = step(s)
-    assert [c.request.request_id for c in plan.chunks] == ["r0", "r1"]
+    assert [c.request_id for c in plan.chunks] == ["r0", "r1"]
     assert [r.request_id for r in s.waiting] == ["r2"]
 
 
@@ -181,53 +194,83 @@ def test_abort_while_waiting_and_running_frees_everything() -> None:
     s.pool.check_integrity([])
 
 
+class FixedConnector(KVConnector):
+    """Offers ``blocks`` blocks past the device hits, or None while ``known`` is False."""
+
+    def __init__(self, blocks: int | None) -> None:
+        self.blocks = blocks
+        self.known = True
+        self.asked: list[tuple[str, int]] = []
+
+    def lookup(self, req: Request, num_computed_tokens: int) -> int | None:
+        self.asked.append((req.request_id, num_computed_tokens))
+        if not self.known:
+            return None
+        max_blocks = (req.num_tokens - 1) // BS - num_computed_tokens // BS
+        n = max_blocks if self.blocks is None else min(self.blocks, max_blocks)
+        return n * BS
+
+
 def test_host_cached_prefix_is_loaded_then_only_the_tail_computed() -> None:
-    s = make()
-    looked_up: list[int] = []
-
-    def external(hashes: object) -> int:
-        looked_up.append(len(hashes))  # type: ignore[arg-type]
-        return 2
-
-    s.external = external
+    conn = FixedConnector(2)
+    s = make(connector=conn)
     r = req("r", 14)
     s.add_request(r)
     plan = s.schedule()
     assert plan.chunks == [] and len(plan.loads) == 1
     job = plan.loads[0]
-    assert job.hashes == s.block_hashes(r)[:2] and job.block_ids == r.block_ids
-    assert r.state is RequestState.LOADING and looked_up == [3]
+    assert (job.first_block, job.num_tokens, job.block_ids) == (0, 8, r.block_ids)
+    assert r.state is RequestState.LOADING and conn.asked == [("r", 0)]
     s.pool.check_integrity(s.block_tables())
-    s.finish_load(r, 2)
+    assert not s.finish_load(r, LoadResult(8))
     plan, _ = step(s)
     assert shape(plan) == [("r", 8, 6, True)]
     assert r.num_cached_tokens == 8 and s.prefix_hit_tokens == 8
 
 
 def test_partial_load_computes_from_the_first_missing_block() -> None:
-    s = make()
-    s.external = lambda hashes: len(hashes)
+    s = make(connector=FixedConnector(None))
     r = req("r", 13)
     s.add_request(r)
-    assert len(s.schedule().loads[0].hashes) == 3
+    assert s.schedule().loads[0].num_tokens == 12
     with pytest.raises(RuntimeError, match="while its load runs"):
         s.finish(r, FinishReason.ABORT)
-    s.finish_load(r, 1)  # the second block vanished between lookup and load
+    s.finish_load(r, LoadResult(4))  # the second block vanished between lookup and load
     plan, _ = step(s)
     assert shape(plan) == [("r", 4, 9, True)]
     assert len(r.block_ids) == 4  # the unloaded blocks are reused for compute
 
 
-def test_held_requests_are_skipped_until_released() -> None:
-    s = make()
+def test_a_load_that_sampled_joins_the_decode_batch() -> None:
+    # A remote prefill delivers every prompt token's KV and the first token.
+    class Remote(KVConnector):
+        def lookup(self, req: Request, num_computed_tokens: int) -> int | None:
+            return req.num_tokens - num_computed_tokens
+
+    s = make(connector=Remote())
+    r = req("r", 10, max_tokens=3)
+    s.add_request(r)
+    job = s.schedule().loads[0]
+    assert (job.first_block, job.num_tokens, len(job.block_ids)) == (0, 10, 3)
+    assert s.finish_load(r, LoadResult(10, SampledToken(42)))
+    assert r.output_token_ids == [42] and r.num_computed_tokens == 10
+    plan, _ = step(s)
+    assert shape(plan) == [("r", 10, 1, True)]
+    assert r.num_cached_tokens == 10
+
+
+def test_requests_the_connector_cannot_answer_yet_wait_while_others_run() -> None:
+    conn = FixedConnector(0)
+    conn.known = False
+    s = make(connector=conn)
     a = req("a", 3)
-    s.add_request(a, ready=False)
+    s.add_request(a)
+    plan, _ = step(s)
+    assert plan.chunks == [] and a.state is RequestState.WAITING
+    conn.known = True
     s.add_request(req("b", 3, base=50))
     plan, _ = step(s)
-    assert [c.request.request_id for c in plan.chunks] == ["b"]
-    s.release(a)
-    plan, _ = step(s)
-    assert [c.request.request_id for c in plan.chunks] == ["b", "a"]
+    assert [c.request_id for c in plan.chunks] == ["a", "b"]
 
 
 def test_token_slice_equals_slicing_the_whole_sequence() -> None:

@@ -1,0 +1,175 @@
+"""The tiered KV cache (DRAM, SSD, peers) as the engine's KV connector.
+
+- **Prefetch.** When a request arrives and a peer holds blocks of its prompt
+  that no local tier has, ``lookup`` answers None until ``prefetch`` has
+  pulled them into the local DRAM tier (bounded by a timeout), so the
+  request is admitted once and loads everything from DRAM. A request no peer
+  can help (``prefetch_wanted`` says so, cheaply) is not held at all.
+- **Load.** At admission, the prefix past the device hits found in DRAM or
+  on the SSD is loaded into the request's device blocks (``TieredStore.load``)
+  while other requests' steps run; only the tail is computed.
+- **Offload.** Every block that becomes full and cached on the device is
+  offloaded to the store after the step; a reference is held on it until
+  the store has copied it, so the pool cannot hand it out meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from mooncaked.cache.hashing import BlockHash
+from mooncaked.cache.store import DeviceBlocks, TieredStore
+from mooncaked.engine.connector import ConnectorContext, KVConnector, LoadResult
+from mooncaked.engine.plan import LoadJob
+from mooncaked.request import Request
+from mooncaked.tasks import TaskSet
+
+log = structlog.get_logger(__name__)
+
+# Pulls what peers hold of these blocks into the local DRAM tier; returns how
+# many leading blocks are now local.
+Prefetch = Callable[[list[BlockHash]], Awaitable[int]]
+# Whether a prefetch of these blocks would ask anyone; cheap, no I/O.
+PrefetchWanted = Callable[[list[BlockHash]], bool]
+
+
+class TieredStoreConnector(KVConnector):
+    def __init__(
+        self,
+        store: TieredStore,
+        *,
+        prefetch: Prefetch | None = None,
+        prefetch_timeout_s: float = 2.0,
+        prefetch_wanted: PrefetchWanted | None = None,
+    ) -> None:
+        self.store = store
+        self._prefetch = prefetch
+        self._prefetch_timeout_s = prefetch_timeout_s
+        self._prefetch_wanted = prefetch_wanted
+        # Requests whose prefetch is in flight: lookup answers None for them.
+        self._prefetching: dict[str, asyncio.Task[None]] = {}
+        self._tasks = TaskSet("store-connector")
+        # Blocks cached on the device since the last step: offloaded after it.
+        self._to_offload: list[BlockHash] = []
+        # References held on device blocks until the store has copied them.
+        self._offload_holds: dict[int, list[int]] = {}
+        self._offload_ids = itertools.count()
+        self.num_offloads_total = 0
+
+    def bind(self, ctx: ConnectorContext) -> None:
+        super().bind(ctx)
+        ctx.pool.listeners.append(self._on_block_event)
+
+    # -- prefetch ------------------------------------------------------------
+
+    def request_added(self, req: Request) -> None:
+        if self._prefetch is None:
+            return
+        try:
+            hashes = self._prefetch_hashes(req)
+        except Exception:
+            log.exception("prefetch check failed", request_id=req.request_id)
+            return
+        if hashes:
+            self._prefetching[req.request_id] = self._tasks.spawn(
+                self._prefetch_then_wake(req.request_id, hashes), name=f"prefetch-{req.request_id}"
+            )
+
+    def _prefetch_hashes(self, req: Request) -> list[BlockHash]:
+        """The blocks worth asking peers for: full prompt blocks past the device hits."""
+        # The last block is recomputed anyway (one token must be sampled).
+        hashes = req.block_hashes[: (len(req.prompt_token_ids) - 1) // self.ctx.block_size]
+        on_device = len(self.ctx.pool.longest_cached_prefix(hashes))
+        rest = hashes[on_device:]
+        if not rest or (self._prefetch_wanted is not None and not self._prefetch_wanted(rest)):
+            return []
+        return rest
+
+    async def _prefetch_then_wake(self, request_id: str, hashes: list[BlockHash]) -> None:
+        prefetch = self._prefetch
+        try:
+            if prefetch is not None:
+                await asyncio.wait_for(prefetch(hashes), self._prefetch_timeout_s)
+        except TimeoutError:
+            log.info("prefetch timed out", request_id=request_id)
+        except Exception:
+            log.exception("prefetch failed", request_id=request_id)
+        finally:
+            self._prefetching.pop(request_id, None)
+            self.ctx.wakeup()
+
+    # -- lookup and load -------------------------------------------------------
+
+    def lookup(self, req: Request, num_computed_tokens: int) -> int | None:
+        if req.request_id in self._prefetching:
+            return None
+        bs = self.ctx.block_size
+        # At least one token must be computed to sample from.
+        max_blocks = (req.num_tokens - 1) // bs
+        first = num_computed_tokens // bs
+        if first >= max_blocks:
+            return 0
+        # Asked once per admission: the store's per-tier hit/miss counters
+        # then count prompts' blocks past the device hits.
+        return self.store.lookup(req.block_hashes[first:max_blocks]).num_blocks * bs
+
+    async def load(self, req: Request, job: LoadJob) -> LoadResult:
+        hashes = req.block_hashes[job.first_block : job.first_block + len(job.block_ids)]
+        n = await self.store.load(hashes, DeviceBlocks(self.ctx.kv_caches, job.block_ids))
+        return LoadResult(n * self.ctx.block_size)
+
+    def request_finished(self, req: Request) -> None:
+        task = self._prefetching.pop(req.request_id, None)
+        if task is not None:
+            task.cancel()
+
+    # -- offload ---------------------------------------------------------------
+
+    def _on_block_event(self, block_hash: BlockHash, stored: bool) -> None:
+        if stored:
+            self._to_offload.append(block_hash)
+
+    def after_step(self) -> None:
+        if not self._to_offload:
+            return
+        hashes, self._to_offload = self._to_offload, []
+        pool = self.ctx.pool
+        cached = pool.cached_blocks
+        pairs = [(h, cached[h]) for h in hashes if h in cached]
+        if not pairs:
+            return
+        block_ids = [b for _, b in pairs]
+        pool.touch(block_ids)
+        try:
+            fut = self.store.offload(
+                [h for h, _ in pairs], DeviceBlocks(self.ctx.kv_caches, block_ids)
+            )
+        except RuntimeError:  # the store is closing
+            fut = None
+        if fut is None:  # queue full: dropped, the blocks stay device-only
+            pool.free(block_ids)
+            return
+        key = next(self._offload_ids)
+        self._offload_holds[key] = block_ids
+        self.num_offloads_total += 1
+        fut.add_done_callback(lambda _f, key=key: self._offload_done(key))
+
+    def _offload_done(self, key: int) -> None:
+        self.ctx.pool.free(self._offload_holds.pop(key))
+        self.ctx.wakeup()  # freed blocks may admit a waiting request
+
+    def held_blocks(self) -> list[list[int]]:
+        return list(self._offload_holds.values())
+
+    def num_saves(self) -> int:
+        return self.num_offloads_total
+
+    async def close(self) -> None:
+        self._tasks.cancel()
+        await self._tasks.wait()
+        if self._on_block_event in self.ctx.pool.listeners:
+            self.ctx.pool.listeners.remove(self._on_block_event)
