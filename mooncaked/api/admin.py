@@ -49,6 +49,8 @@ class AdminNode(Protocol):
     @property
     def ready(self) -> bool: ...
     @property
+    def failure(self) -> BaseException | None: ...
+    @property
     def draining(self) -> bool: ...
     @property
     def num_inflight(self) -> int: ...
@@ -98,6 +100,10 @@ class AdminAPI:
 
     async def ready(self, request: web.Request) -> web.Response:
         node = self._node
+        if node.failure is not None:
+            return json_response(
+                {"ready": False, "reason": "failed", "error": repr(node.failure)}, status=503
+            )
         if node.draining:
             return json_response({"ready": False, "reason": "draining"}, status=503)
         if not node.ready:
@@ -361,7 +367,7 @@ class CacheAdmin:
                 "hit_blocks": {**blocks, "total": total},
                 "hit_tokens": {**{k: v * bs for k, v in blocks.items()}, "total": total * bs},
                 "computed_tokens": len(token_ids) - total * bs,
-                "tiers": ["device"] * num_device + [t.value for t in hit.tiers],
+                "tiers": ["device"] * num_device + [t.label for t in hit.tiers],
             }
         )
 

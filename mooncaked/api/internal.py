@@ -37,7 +37,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from mooncaked.cache.hashing import BLOCK_HASH_BYTES, BlockHash
+from mooncaked.cache.hashing import BlockHash, parse_hex_hashes
 from mooncaked.cache.peer import LeaseDesk, Offer, PeerError
 from mooncaked.transfer import OpStatus, TransferEngine, TransferOp
 
@@ -78,18 +78,7 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def _parse_hashes(raw: Any) -> list[BlockHash]:
-    if not isinstance(raw, list) or len(raw) > MAX_LOOKUP_HASHES:
-        raise ValueError(f"'hashes' must be a list of at most {MAX_LOOKUP_HASHES} hex strings")
-    out: list[BlockHash] = []
-    for h in raw:
-        try:
-            b = bytes.fromhex(h) if isinstance(h, str) else b""
-        except ValueError:
-            b = b""
-        if len(b) != BLOCK_HASH_BYTES:
-            raise ValueError(f"{h!r} is not a {BLOCK_HASH_BYTES}-byte hex block hash")
-        out.append(b)
-    return out
+    return parse_hex_hashes(raw, "hashes", MAX_LOOKUP_HASHES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +213,13 @@ class InternalClient:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+    async def __aenter__(self) -> InternalClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     async def _call(self, peer: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         session = self._session

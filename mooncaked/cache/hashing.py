@@ -58,3 +58,26 @@ def block_hashes(
         prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size])
         out.append(prev)
     return out
+
+
+def parse_hex_hashes(raw: object, key: str, max_count: int) -> list[BlockHash]:
+    """Block hashes from a JSON list of hex strings; ValueError naming ``key`` otherwise.
+
+    Anything but a flat list of strings is refused before it is walked, so a
+    deeply nested value costs nothing and cannot recurse.
+    """
+    if not isinstance(raw, list) or len(raw) > max_count:
+        raise ValueError(f"{key!r} must be a list of at most {max_count} hex strings")
+    out: list[BlockHash] = []
+    for h in raw:
+        b = b""
+        if isinstance(h, str) and len(h) == 2 * BLOCK_HASH_BYTES:
+            try:
+                b = bytes.fromhex(h)
+            except ValueError:
+                b = b""
+        if len(b) != BLOCK_HASH_BYTES:
+            shown = h if isinstance(h, str) and len(h) <= 64 else type(h).__name__
+            raise ValueError(f"{key!r}: {shown!r} is not a {BLOCK_HASH_BYTES}-byte hex block hash")
+        out.append(b)
+    return out

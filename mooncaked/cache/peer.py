@@ -23,7 +23,7 @@ raises. The wire (HTTP control calls, the transfer engine) sits behind the
 ``PeerClient`` and ``BlockReader`` protocols, implemented in
 ``mooncaked.api.internal``; who holds what sits behind ``HolderLocator``
 (static peer URLs from the config, or the cluster block index:
-``mooncaked.cluster.local.ClusterHolders``).
+``mooncaked.cluster.holders.ClusterHolders``).
 """
 
 from __future__ import annotations

@@ -38,13 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
 import math
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import structlog
@@ -62,10 +61,13 @@ from mooncaked.cache.dram import (
 )
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.ssd import SsdTier
+from mooncaked.cache.tiers import Tier
 from mooncaked.config import StoreConfig
 from mooncaked.tasks import TaskSet
 
 log = structlog.get_logger(__name__)
+
+_J = TypeVar("_J")
 
 __all__ = [
     "BlockEventListener",
@@ -80,13 +82,6 @@ __all__ = [
     "gather_blocks",
     "scatter_blocks",
 ]
-
-
-class Tier(enum.Enum):
-    DEVICE = "device"
-    DRAM = "dram"
-    SSD = "ssd"
-    PEER = "peer"
 
 
 # (hash, tier, stored: True | removed: False)
@@ -213,7 +208,10 @@ class TieredStore:
         on_block_event: BlockEventListener | None = None,
         pin_memory: bool | None = None,
         dram_backing: Any = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
+        """``on_failure`` hears of a background worker (offload, SSD writer) that
+        died: the store cannot offload or persist any more."""
         self.layout = layout
         self.config = config
         self.block_bytes = layout.block_bytes
@@ -246,7 +244,7 @@ class TieredStore:
         self._ssd_q: asyncio.Queue[_SsdJob | None] = asyncio.Queue(config.ssd_write_queue)
         # Queued SSD writes by hash: dedupes them, and lets an eviction attach bytes.
         self._ssd_jobs: dict[BlockHash, _SsdJob] = {}
-        self._tasks = TaskSet("store")
+        self._tasks = TaskSet("store", on_failure=on_failure)
         self._workers: list[asyncio.Task[None]] = []
         self._copy_executor: ThreadPoolExecutor | None = None
         self._generation = 0
@@ -610,23 +608,19 @@ class TieredStore:
         return fut
 
     async def _offload_loop(self) -> None:
-        while True:
-            job = await self._offload_q.get()
-            try:
-                if job is None:
-                    return
-                stored = await self._offload_one(job)
-            except Exception as exc:
-                log.error("store.offload_failed", error=repr(exc), exc_info=exc)
-                if job is not None and not job.future.done():
-                    job.future.set_exception(exc)
-                    # Retrieved here: a caller may have dropped the future.
-                    job.future.exception()
-                continue
-            finally:
-                self._offload_q.task_done()
+        await _serve_queue(self._offload_q, self._offload_job, "store.offload_failed")
+
+    async def _offload_job(self, job: _OffloadJob) -> None:
+        try:
+            stored = await self._offload_one(job)
+        except Exception as exc:
             if not job.future.done():
-                job.future.set_result(stored)
+                job.future.set_exception(exc)
+                # Retrieved here: a caller may have dropped the future.
+                job.future.exception()
+            raise
+        if not job.future.done():
+            job.future.set_result(stored)
 
     async def _offload_one(self, job: _OffloadJob) -> int:
         dram, ssd = self.dram, self.ssd
@@ -713,20 +707,14 @@ class TieredStore:
         return True
 
     async def _ssd_write_loop(self) -> None:
-        while True:
-            job = await self._ssd_q.get()
-            try:
-                if job is None:
-                    return
-                if self._ssd_jobs.get(job.block_hash) is not job:
-                    continue  # dropped by clear()
-                del self._ssd_jobs[job.block_hash]
-                await self._write_to_ssd(job)
-            except Exception as exc:
-                # One failed write loses one block; the writer keeps going.
-                log.error("store.ssd_write_failed", error=repr(exc), exc_info=exc)
-            finally:
-                self._ssd_q.task_done()
+        # One failed write loses one block; the writer keeps going.
+        await _serve_queue(self._ssd_q, self._ssd_job, "store.ssd_write_failed")
+
+    async def _ssd_job(self, job: _SsdJob) -> None:
+        if self._ssd_jobs.get(job.block_hash) is not job:
+            return  # dropped by clear()
+        del self._ssd_jobs[job.block_hash]
+        await self._write_to_ssd(job)
 
     async def _write_to_ssd(self, job: _SsdJob) -> None:
         ssd = self.ssd
@@ -869,6 +857,23 @@ class TieredStore:
             raise ValueError(f"{name} has {buf.shape[0]} rows for {n} hashes")
         if buf.device.type != "cpu":
             raise ValueError(f"{name} as a tensor must be on the CPU; use DeviceBlocks otherwise")
+
+
+async def _serve_queue(
+    queue: asyncio.Queue[_J | None], handle: Callable[[_J], Awaitable[None]], event: str
+) -> None:
+    """A worker: handle each job until a None arrives; a failed job is logged and
+    the worker goes on (``queue.join()`` counts every job, failed or not)."""
+    while True:
+        job = await queue.get()
+        try:
+            if job is None:
+                return
+            await handle(job)
+        except Exception as exc:
+            log.error(event, error=repr(exc), exc_info=exc)
+        finally:
+            queue.task_done()
 
 
 def _copy_rows(

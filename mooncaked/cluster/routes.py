@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from mooncaked.cache.hashing import BLOCK_HASH_BYTES
+from mooncaked.cache.hashing import parse_hex_hashes
 from mooncaked.cluster.gossip import ClusterService
 from mooncaked.cluster.state import ALL_TIERS_MASK, BlockOp, tier_mask
 
@@ -53,19 +53,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 
 def _hashes(data: dict[str, Any], key: str) -> list[bytes]:
-    raw = data.get(key, [])
-    if not isinstance(raw, list) or len(raw) > _MAX_HASHES:
-        raise ValueError(f"{key!r} must be a list of at most {_MAX_HASHES} hex strings")
-    out = []
-    for h in raw:
-        try:
-            b = bytes.fromhex(h) if isinstance(h, str) else b""
-        except ValueError:
-            b = b""
-        if len(b) != BLOCK_HASH_BYTES:
-            raise ValueError(f"{key!r}: {h!r} is not a {BLOCK_HASH_BYTES}-byte hex block hash")
-        out.append(b)
-    return out
+    return parse_hex_hashes(data.get(key, []), key, _MAX_HASHES)
 
 
 def _tiers(data: dict[str, Any]) -> int:

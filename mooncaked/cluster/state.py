@@ -42,14 +42,7 @@ from typing import Any
 import numpy as np
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES
-
-
-class Tier(enum.IntEnum):
-    """Cache tiers, fastest first."""
-
-    DEVICE = 0
-    DRAM = 1
-    SSD = 2
+from mooncaked.cache.tiers import Tier
 
 
 class BlockOp(enum.StrEnum):

@@ -8,13 +8,10 @@ import hashlib
 
 import pytest
 
-from mooncaked.cache.store import Tier as StoreTier
-from mooncaked.cluster.local import (
-    BlockEventBatcher,
-    ClusterHolders,
-    LoadMeter,
-    scheduler_load,
-)
+from mooncaked.cache.tiers import Tier as StoreTier
+from mooncaked.cluster.events import BlockEventBatcher
+from mooncaked.cluster.holders import ClusterHolders
+from mooncaked.cluster.load import LoadMeter
 from mooncaked.cluster.state import (
     BlockEvent,
     BlockLog,
@@ -59,20 +56,20 @@ def test_scheduler_load_counts_prompt_tokens_left_and_decodes() -> None:
     )
     for rid, n in (("a", 6), ("b", 10), ("c", 3)):
         s.add_request(Request(rid, list(range(n)), SamplingParams(max_tokens=4)))
-    assert scheduler_load(s) == (19, 0)
+    assert s.load() == (19, 0)
 
     def step() -> None:
         plan = s.schedule()
         s.update(plan, [SampledToken(7) if c.sample else None for c in plan.chunks])
 
     step()  # a: all 6 tokens, sampled; b: 2 of 10; c waits
-    assert scheduler_load(s) == (8 + 3, 1)
+    assert s.load() == (8 + 3, 1)
     step()  # a decodes; b: 7 more (1 left); c waits
-    assert scheduler_load(s) == (1 + 3, 1)
+    assert s.load() == (1 + 3, 1)
     step()  # a decodes; b: its last token, sampled; c: 3 tokens, sampled
-    assert scheduler_load(s) == (0, 3)
+    assert s.load() == (0, 3)
     s.finish(s.requests["a"], FinishReason.ABORT)
-    assert scheduler_load(s) == (0, 2)
+    assert s.load() == (0, 2)
 
 
 async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
@@ -100,6 +97,7 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
         assert idle.load == NodeLoad() and not idle.draining
         req = Request("r", list(range(100)), SamplingParams())
         engine.scheduler.add_request(req)
+        engine.publish_load()
         # Busy, but no step measured yet: no prediction.
         assert meter().load == NodeLoad(queued_prefill_tokens=100)
         clock.t += 1.0
@@ -112,6 +110,7 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
         assert meter().load.predicted_queue_s == pytest.approx(2 * 0.325, abs=1e-3)
         assert meter.step_s == pytest.approx(0.325)
         engine.scheduler.finish(req, FinishReason.ABORT)
+        engine.publish_load()
         draining[0] = True
         done = meter()
         assert done.load == NodeLoad() and done.draining
@@ -142,7 +141,6 @@ async def test_block_events_of_one_loop_turn_are_one_batch() -> None:
     batcher.on_device_event(h(2), True)
     batcher.on_store_event(h(1), StoreTier.DRAM, True)
     batcher.on_store_event(h(3), StoreTier.SSD, True)
-    batcher.on_store_event(h(4), StoreTier.PEER, True)  # not a tier of ours
     batcher.on_device_event(h(2), False)
     assert batches == []
     await asyncio.sleep(0)

@@ -204,7 +204,7 @@ async def test_block_events_report_every_tier_change(make_store) -> None:
     events: list[tuple[int, str, bool]] = []
     store = await make_store(
         on_block_event=lambda bh, tier, stored: events.append(
-            (HASHES.index(bh), tier.value, stored)
+            (HASHES.index(bh), tier.label, stored)
         ),
     )
     kv = make_kv()

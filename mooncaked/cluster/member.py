@@ -1,0 +1,109 @@
+"""A daemon's membership in the cluster, as one async context manager.
+
+Enter: start gossip (join the seeds) with this node's ``LoadMeter`` as its
+local state, publish where peers read this node's DRAM slots, and publish
+every block event of the device pool and the store's tiers (those cached
+already first, in the same loop turn as the listeners are attached, so no
+event falls in between). Exit: stop publishing block events, leave (peers
+see "left" at once and drop this node's blocks from their index instead of
+suspecting it for seconds), close the sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from mooncaked.cluster.events import BlockEventBatcher
+from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.load import LoadMeter
+from mooncaked.cluster.state import BlockEvent, BlockOp, ClusterView
+from mooncaked.cluster.status import ClusterSnapshot, cluster_snapshot
+from mooncaked.config import ClusterConfig
+
+if TYPE_CHECKING:
+    from mooncaked.cache.store import TieredStore
+    from mooncaked.engine.kv_pool import BlockPool
+
+
+class ClusterMember:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        node_id: str,
+        secret: bytes,
+        *,
+        meter: LoadMeter,
+        pool: BlockPool,
+        store: TieredStore | None = None,
+        segments: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
+        self.service = ClusterService(config, node_id, secret, local_state=meter)
+        self._pool = pool
+        self._store = store
+        self._segments = list(segments)
+        self.batcher: BlockEventBatcher | None = None
+        self.num_seeds_answered = 0
+
+    @property
+    def view(self) -> ClusterView:
+        return self.service.view
+
+    def snapshot(self) -> ClusterSnapshot | None:
+        batcher = self.batcher
+        return None if batcher is None else cluster_snapshot(self.service, batcher)
+
+    async def __aenter__(self) -> ClusterMember:
+        # start() closes the service itself when it fails.
+        self.num_seeds_answered = await self.service.start()
+        try:
+            self._attach_block_events()
+            if self._segments:
+                self.service.set_segments(self._segments)
+        except BaseException:
+            self._detach_block_events()
+            await self.service.close()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._detach_block_events()
+        try:
+            await self.service.leave()
+        finally:
+            await self.service.close()
+
+    def _attach_block_events(self) -> None:
+        batcher = BlockEventBatcher(self.service.publish_block_events, asyncio.get_running_loop())
+        self.batcher = batcher
+        # Listeners first, then what is cached already, in one go: no event
+        # can fall in between (all of it runs on the loop, without awaiting).
+        self._pool.listeners.append(batcher.on_device_event)
+        snapshot: list[BlockEvent] = [
+            (h, "device", BlockOp.STORED) for h in self._pool.cached_blocks
+        ]
+        store = self._store
+        if store is not None:
+            store.on_block_event = batcher.on_store_event
+            snapshot += [(h, "dram", BlockOp.STORED) for h in store.dram.cached_hashes()]
+            if store.ssd is not None:
+                snapshot += [(h, "ssd", BlockOp.STORED) for h in store.ssd.hashes()]
+        batcher.add_snapshot(snapshot)
+
+    def _detach_block_events(self) -> None:
+        batcher, self.batcher = self.batcher, None
+        if batcher is None:
+            return
+        if batcher.on_device_event in self._pool.listeners:
+            self._pool.listeners.remove(batcher.on_device_event)
+        store = self._store
+        if store is not None and store.on_block_event == batcher.on_store_event:
+            store.on_block_event = None
+        batcher.close()
