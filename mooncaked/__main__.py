@@ -3,8 +3,8 @@
     mooncaked [--config FILE] [--host H] [--port N] [--model PATH] [--role R] [--log-format F]
 
 Flags override the file. Exit status: 0 after a clean drain, 1 when start-up
-fails, 2 for a bad command line or configuration, 3 when a second signal cut
-the drain short.
+fails or a subsystem dies while serving (systemd restarts it), 2 for a bad
+command line or configuration, 3 when a second signal cut the drain short.
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported after the config is known good: the engine pulls in torch.
     from mooncaked.daemon import Node
     from mooncaked.log import configure_logging
+    from mooncaked.process import tune_process
 
     log = structlog.get_logger("mooncaked")
 
@@ -87,6 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Before any logger is bound: a bound logger keeps the config it saw.
     configure_logging(config.log, node_id)
+    tune_process(config.model)
 
     async def serve() -> int:
         nonlocal node

@@ -1,38 +1,44 @@
 """Node: one mooncaked daemon, owner of every subsystem's lifecycle.
 
-Start-up is an ordered list of paired steps (start, stop). ``start()`` runs
-them in order; if one fails, the steps already started are stopped in reverse
-and the error propagates. ``stop()`` unwinds every started step in reverse.
-A new subsystem (transfer engine, gossip, tiered store) is one more step in
-``_steps()``, placed after what it depends on.
+Each subsystem is an async context manager its own package provides (the
+transfer engine, the KV cache, the engine, the cluster membership); the node
+enters them in order on one ``AsyncExitStack``. If one fails to start, those
+entered already are left in reverse and the error propagates; ``stop()``
+leaves every one, newest first.
 
-Start order: ``http`` (so /health answers while the model loads), ``model``
-(build the engine), ``transfer`` (the transfer engine on ``[transfer]``),
-``store`` (the tiered KV cache, its DRAM pool in a transfer segment peers can
-read, and the peer fetcher), ``engine`` (attach the store, start the step
-loop), ``cluster`` (gossip on ``[cluster]``: join the seeds, publish this
-node's state, its DRAM segment and every block event of its tiers; peer
-fetches then find holders through the cluster-wide block index), ``serving``.
+Start order: HTTP (so /health answers while the model loads), the transfer
+engine (``[transfer]``), the model (the engine is built, not started), the KV
+cache (tiered store with its DRAM pool in a transfer segment peers can read,
+lease desk, peer fetcher), the engine (its KV connector is the cache; the
+step loop starts), the cluster membership (gossip on ``[cluster]``: join the
+seeds, publish this node's state, its DRAM segment and every block event;
+peer fetches then find holders through the cluster-wide block index), and
+serving.
 
-Drain order (the stop half of the steps, newest first):
+Drain order (the exits, newest first):
 
-1. ``serving``: close the gate: new generation requests get 503 and /ready
+1. serving: close the gate: new generation requests get 503 and /ready
    turns 503, so a load balancer stops sending; gossip announces
    ``draining`` at once, so other nodes stop placing work here; wait up to
    ``server.drain_timeout_s`` for the requests in flight to finish (peers
    may still lease this node's cached blocks meanwhile).
-2. ``cluster``: stop publishing block events, leave the cluster (peers mark
+2. cluster: stop publishing block events, leave the cluster (peers mark
    this node "left" and drop its blocks from their index, so no new fetch
    comes here), close the gossip sockets.
-3. ``engine``: close the engine, which aborts whatever is still running
-   (those streams end with finish reason "abort") and stops its step loop.
-4. ``store``: wait for peer fetches in flight, end the leases granted to
-   peers, finish queued offloads and SSD writes (the engine may have queued
-   some on its way out), close the SSD tier.
-5. ``transfer``: close the transfer engine, withdrawing the DRAM segment.
-6. ``model``: nothing left to do (the engine was closed in 3).
-7. ``http``: stop listening, then give handlers a short grace to write
-   their last bytes before their connections are closed.
+3. engine: close the engine, which aborts whatever is still running (those
+   streams end with finish reason "abort") and stops its step loop.
+4. KV cache: stop leasing, wait for peer fetches in flight, end the leases
+   granted to peers, finish queued offloads and SSD writes (the engine may
+   have queued some on its way out), close the SSD tier.
+5. transfer: close the transfer engine, withdrawing the DRAM segment.
+6. HTTP: stop listening, then give handlers a short grace to write their
+   last bytes before their connections are closed.
+
+A subsystem whose background loop dies (the engine's step loop, a store
+worker, a transfer accept loop or RDMA poller) calls ``fail``: the node
+stops being ready (/ready answers 503 "failed"), the engine has already
+ended its requests with an error, and ``run`` drains what is left and
+returns ``EXIT_FAILED`` so that systemd restarts the daemon.
 
 ``run()`` adds the signals: the first SIGTERM/SIGINT starts that drain and
 ``run`` returns 0 once it is done; a second one exits at once with
@@ -42,36 +48,43 @@ Drain order (the stop half of the steps, newest first):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from typing import Any
 
 import structlog
 from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
-from mooncaked.api.internal import Holding, InternalAPI
+from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
+from mooncaked.cache.dram import BlockLayout
+from mooncaked.cache.peer import LeaseDesk, PeerFetcher
+from mooncaked.cache.service import KVCache
+from mooncaked.cache.store import TieredStore
+from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.holders import ClusterHolders
+from mooncaked.cluster.load import LoadMeter
+from mooncaked.cluster.member import ClusterMember
+from mooncaked.cluster.routes import cluster_routes
+from mooncaked.cluster.state import ClusterView
+from mooncaked.cluster.status import ClusterSnapshot
 from mooncaked.config import Config
+from mooncaked.engine.core import EngineCore, EngineStats
+from mooncaked.engine.store_connector import TieredStoreConnector
+from mooncaked.transfer import TransferEngine
 
-if TYPE_CHECKING:
-    from mooncaked.api.internal import InternalClient
-    from mooncaked.cache.peer import LeaseDesk, PeerFetcher
-    from mooncaked.cache.store import TieredStore
-    from mooncaked.cluster.gossip import ClusterService
-    from mooncaked.cluster.local import BlockEventBatcher, ClusterSnapshot
-    from mooncaked.cluster.state import BlockEvent, ClusterView
-    from mooncaked.engine.core import EngineCore, EngineStats
-    from mooncaked.transfer import TransferEngine
+EngineFactory = Callable[[Config], EngineCore]
 
-EngineFactory = Callable[[Config], "EngineCore"]
-
+# Exit status after a subsystem failed while serving (as for a failed start-up).
+EXIT_FAILED = 1
 # Exit status when a second signal cuts a drain short.
 EXIT_FORCED = 3
 # Handlers still writing when the server stops get this long (seconds) before
@@ -88,21 +101,6 @@ _PREFETCH_GRACE_S = 0.5
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
-def _default_engine_factory(config: Config) -> EngineCore:
-    from mooncaked.engine.core import EngineCore
-
-    return EngineCore(config)
-
-
-@dataclass(slots=True)
-class Step:
-    """One subsystem's paired start and stop."""
-
-    name: str
-    start: Callable[[], Awaitable[None]]
-    stop: Callable[[], Awaitable[None]]
-
-
 class Node:
     def __init__(
         self,
@@ -112,25 +110,21 @@ class Node:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
-        self._engine_factory = engine_factory or _default_engine_factory
+        self._engine_factory: EngineFactory = engine_factory or EngineCore
         self._clock = clock
         self._started_at = clock()
         self._engine: EngineCore | None = None
-        # Built by the "model" step, started by the "engine" step.
-        self._built_engine: EngineCore | None = None
         self._transfer: TransferEngine | None = None
-        self._store: TieredStore | None = None
-        self._lease_desk: LeaseDesk | None = None
-        self._peer_fetcher: PeerFetcher | None = None
-        self._peer_client: InternalClient | None = None
+        self._cache: KVCache | None = None
         self._holding: Holding | None = None
         self._peer_urls: tuple[str, ...] = ()
-        self._cluster: ClusterService | None = None
-        self._block_events: BlockEventBatcher | None = None
+        self._member: ClusterMember | None = None
         self._ready = False
+        self._failure: BaseException | None = None
+        self._failed = asyncio.Event()
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
-        self._started: list[Step] = []
+        self._stack: AsyncExitStack | None = None
         self._stopping = False
         self._stop_lock = asyncio.Lock()
         self._log = structlog.get_logger(__name__).bind(node=self.node_id)
@@ -182,7 +176,7 @@ class Node:
 
     @property
     def ready(self) -> bool:
-        return self._ready and not self.gate.closed
+        return self._ready and not self.gate.closed and self._failure is None
 
     @property
     def draining(self) -> bool:
@@ -200,8 +194,8 @@ class Node:
 
     @property
     def store(self) -> TieredStore | None:
-        """The tiered KV cache (DRAM, SSD); None before its step and after stop."""
-        return self._store
+        """The tiered KV cache (DRAM, SSD); None before it starts and after stop."""
+        return self._cache.store if self._cache is not None else None
 
     @property
     def transfer(self) -> TransferEngine | None:
@@ -209,16 +203,16 @@ class Node:
 
     @property
     def peer_fetcher(self) -> PeerFetcher | None:
-        return self._peer_fetcher
+        return self._cache.fetcher if self._cache is not None else None
 
     @property
     def lease_desk(self) -> LeaseDesk | None:
-        return self._lease_desk
+        return self._cache.desk if self._cache is not None else None
 
     @property
     def cluster(self) -> ClusterService | None:
-        """The gossip subsystem; None before its step and after stop."""
-        return self._cluster
+        """The gossip subsystem; None before it starts and after stop."""
+        return self._member.service if self._member is not None else None
 
     @property
     def api_addr(self) -> str:
@@ -235,53 +229,79 @@ class Node:
 
     # ------------------------------------------------------------ lifecycle
 
-    def _steps(self) -> list[Step]:
-        return [
-            # HTTP first: /health and /ready answer while the model loads.
-            Step("http", self._start_http, self._stop_http),
-            Step("model", self._build_engine, self._drop_engine),
-            Step("transfer", self._start_transfer, self._stop_transfer),
-            Step("store", self._start_store, self._stop_store),
-            Step("engine", self._start_engine, self._stop_engine),
-            Step("cluster", self._start_cluster, self._stop_cluster),
-            Step("serving", self._start_serving, self._drain),
-        ]
-
     async def start(self) -> None:
-        """Starts every step in order; on failure, unwinds those started and raises."""
-        if self._started or self._stopping:
+        """Enter every subsystem in order; on failure, leaves those entered and raises."""
+        if self._stack is not None or self._stopping:
             raise RuntimeError("a Node starts once; build a new one to start again")
         self._started_at = self._clock()
-        for step in self._steps():
-            try:
-                await step.start()
-            except BaseException:
-                self._log.error("start-up failed", step=step.name)
-                await self._unwind()
-                raise
-            self._started.append(step)
+        stack = AsyncExitStack()
+        self._stack = stack
+        try:
+            # HTTP first: /health and /ready answer while the model loads.
+            await stack.enter_async_context(self._http())
+            transfer = await stack.enter_async_context(
+                TransferEngine(
+                    self._config.transfer,
+                    self.node_id,
+                    self._config.node.cluster_secret.encode(),
+                    on_failure=self.fail,
+                )
+            )
+            self._transfer = transfer
+            stack.callback(self._forget, "_transfer")
+            engine = await self._build_engine()
+            # A built engine is closed even if it never starts (its executor).
+            stack.push_async_callback(engine.close)
+            await stack.enter_async_context(self._kv_cache(engine, transfer))
+            await stack.enter_async_context(self._engine_serving(engine))
+            await stack.enter_async_context(self._cluster_member(engine, transfer))
+            await stack.enter_async_context(self._serving())
+        except BaseException:
+            self._log.error("start-up failed")
+            await self._unwind()
+            raise
         self._log.info("node ready", url=self.url, model=self._engine_name())
 
     async def stop(self) -> None:
-        """Drains and stops every started step, newest first. Safe to call twice."""
+        """Drains and leaves every subsystem, newest first. Safe to call twice."""
         async with self._stop_lock:
             await self._unwind()
 
     async def _unwind(self) -> None:
         self._stopping = True
-        while self._started:
-            step = self._started.pop()
+        stack, self._stack = self._stack, None
+        if stack is not None:
             try:
-                await step.stop()
+                await stack.aclose()
             except Exception:
-                # Keep going: a step that fails to stop must not leak the others.
-                self._log.exception("stop failed", step=step.name)
+                # Every exit ran (the stack goes on past a failing one); say what broke.
+                self._log.exception("stop failed")
         self._log.info("node stopped")
+
+    def _forget(self, attr: str) -> None:
+        setattr(self, attr, None)
+
+    def fail(self, exc: BaseException) -> None:
+        """A subsystem died (its traceback is logged by its task owner): stop
+        being ready and make ``run`` stop the node and exit non-zero, so a
+        supervisor restarts it. Safe to call from any subsystem, any number of
+        times."""
+        if self._failure is not None:
+            return
+        self._failure = exc
+        self._ready = False
+        self._log.error("a subsystem failed; the node stops", error=repr(exc))
+        self._failed.set()
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
 
     def _engine_name(self) -> str | None:
         return self._engine.model_name if self._engine is not None else None
 
-    async def _start_http(self) -> None:
+    @contextlib.asynccontextmanager
+    async def _http(self) -> AsyncIterator[None]:
         app = web.Application(
             middlewares=[api_middleware(self.metrics)], client_max_size=_MAX_BODY_BYTES
         )
@@ -297,59 +317,52 @@ class Node:
             shutdown_timeout=_HTTP_SHUTDOWN_GRACE_S,
         )
         await runner.setup()
-        cfg = self._config.server
-        site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
         try:
+            cfg = self._config.server
+            site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
             await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self._port = _bound_port(runner, cfg.port)
-        self._log = self._log.bind(node=self.node_id)
-        self._log.info("listening", url=self.url)
-
-    async def _stop_http(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
+            self._runner = runner
+            self._port = _bound_port(runner, cfg.port)
+            self._log = self._log.bind(node=self.node_id)
+            self._log.info("listening", url=self.url)
+            yield
+        finally:
+            self._runner = None
             await runner.cleanup()
 
-    async def _build_engine(self) -> None:
+    async def _build_engine(self) -> EngineCore:
         self._log.info("loading model", path=self._config.model.path)
         t0 = self._clock()
         # Loading reads weights and builds tensors for seconds or minutes:
         # off the loop, so /health keeps answering meanwhile.
-        self._built_engine = await asyncio.to_thread(self._engine_factory, self._config)
+        engine = await asyncio.to_thread(self._engine_factory, self._config)
         self._log.info("model loaded", load_s=round(self._clock() - t0, 3))
+        return engine
 
-    async def _drop_engine(self) -> None:
-        # Only an engine that never started is still here; close it all the same.
-        engine, self._built_engine = self._built_engine, None
-        if engine is not None:
-            await engine.close()
-
-    async def _start_engine(self) -> None:
-        engine = self._built_engine
-        if engine is None:
-            raise RuntimeError("the engine step ran before the model step")
-        self._attach_store(engine)
-        try:
-            await engine.start()
-        except BaseException:
-            await engine.close()
-            self._built_engine = None
-            raise
-        self._built_engine = None
-        self._engine = engine
-        self._log.info(
-            "engine started", model=engine.model_name, max_model_len=engine.max_model_len
-        )
-
-    async def _stop_engine(self) -> None:
-        engine, self._engine = self._engine, None
-        if engine is not None:
-            # Aborts what the drain left running; their streams end now.
-            await engine.close()
+    @contextlib.asynccontextmanager
+    async def _engine_serving(self, engine: EngineCore) -> AsyncIterator[None]:
+        if self._cache is not None:
+            cache = self._cache
+            # A request waits for a prefetch only when the fetcher would ask
+            # someone (a holder in the index, or configured peers).
+            engine.set_connector(
+                TieredStoreConnector(
+                    cache.store,
+                    prefetch=cache.fetcher.fetch,
+                    prefetch_timeout_s=self._config.store.peer_fetch_timeout_s + _PREFETCH_GRACE_S,
+                    prefetch_wanted=cache.fetcher.would_ask,
+                )
+            )
+        async with engine.serving(on_fatal=self.fail):
+            self._engine = engine
+            self._log.info(
+                "engine started", model=engine.model_name, max_model_len=engine.max_model_len
+            )
+            try:
+                yield
+            finally:
+                # Aborts what the drain left running; their streams end now.
+                self._engine = None
 
     # ------------------------------------------------------------- KV cache
 
@@ -367,39 +380,8 @@ class Node:
         )
         self.extra_routes.extend(self.internal.routes())
 
-    async def _start_transfer(self) -> None:
-        from mooncaked.transfer import TransferEngine
-
-        # After "http": the node id includes the bound port.
-        transfer = TransferEngine(
-            self._config.transfer, self.node_id, self._config.node.cluster_secret.encode()
-        )
-        await transfer.start()
-        self._transfer = transfer
-
-    async def _stop_transfer(self) -> None:
-        transfer, self._transfer = self._transfer, None
-        if transfer is not None:
-            await transfer.close()
-
-    async def _start_store(self) -> None:
-        engine, transfer = self._built_engine, self._transfer
-        if engine is None or transfer is None:
-            raise RuntimeError("the store step needs the model and transfer steps first")
-        try:
-            await self._open_store(engine, transfer)
-        except BaseException:
-            # A step that fails is not unwound by the node: undo our half here.
-            await self._stop_store()
-            raise
-
-    async def _open_store(self, engine: EngineCore, transfer: TransferEngine) -> None:
-        from mooncaked.api.internal import InternalClient, TransferBlockReader
-        from mooncaked.cache.dram import BlockLayout
-        from mooncaked.cache.peer import LeaseDesk, PeerFetcher
-        from mooncaked.cache.store import TieredStore
-        from mooncaked.cluster.local import ClusterHolders
-
+    @contextlib.asynccontextmanager
+    async def _kv_cache(self, engine: EngineCore, transfer: TransferEngine) -> AsyncIterator[None]:
         cfg = self._config.store
         layout = BlockLayout.from_kv_caches(engine.runner.kv_caches)
         num_slots = TieredStore.dram_slots_for(cfg, layout)
@@ -408,79 +390,54 @@ class Node:
             # Shared memory registered with the transfer engine: peers read the
             # slots they lease, over shm when on this host, else tcp or rdma.
             backing = transfer.allocate(DRAM_SEGMENT, num_slots * layout.block_bytes).view
-        store = TieredStore(layout, cfg, dram_backing=backing)
-        self._store = store
-        await store.start()
-        desk = LeaseDesk(store, max_leases=cfg.peer_max_leases)
-        self._lease_desk = desk
-        client = InternalClient(
-            secret=self._config.node.cluster_secret.encode(),
-            node_id=lambda: self.node_id,
-            block_bytes=layout.block_bytes,
-            layout=layout.fingerprint(),
-        )
-        await client.start()
-        self._peer_client = client
         # A node listed among its own peers would only ever miss.
         self._peer_urls = tuple(u for u in cfg.peers if u.rstrip("/") != self.url)
-        # Holders from the cluster's block index once gossip runs; the
-        # configured peers when it names nobody (or before it runs).
-        locator = ClusterHolders(self._cluster_view, static=self._peer_urls)
-        self._peer_fetcher = PeerFetcher(
-            store,
-            locator,
-            client,
-            TransferBlockReader(transfer, DRAM_SEGMENT),
-            timeout_s=cfg.peer_fetch_timeout_s,
-            max_fetches=cfg.peer_max_fetches,
-            device_prefix=lambda hashes: len(engine.pool.longest_cached_prefix(hashes)),
-        )
-        if num_slots:
-            self._holding = Holding(
-                desk=desk,
-                block_bytes=layout.block_bytes,
-                layout=layout.fingerprint(),
-                segment=transfer.descriptor(DRAM_SEGMENT).to_dict(),
-                transfer_address=transfer.address,
+        async with contextlib.AsyncExitStack() as stack:
+            client = await stack.enter_async_context(
+                InternalClient(
+                    secret=self._config.node.cluster_secret.encode(),
+                    node_id=lambda: self.node_id,
+                    block_bytes=layout.block_bytes,
+                    layout=layout.fingerprint(),
+                )
             )
-        self._log.info(
-            "store started",
-            dram_slots=num_slots,
-            ssd=cfg.ssd_path or None,
-            peers=len(self._peer_urls),
-            transfer=transfer.address,
-        )
-
-    async def _stop_store(self) -> None:
-        # Stop leasing first, then let fetches in flight land (they write into
-        # DRAM slots), then close the store itself.
-        self._holding = None
-        fetcher, self._peer_fetcher = self._peer_fetcher, None
-        if fetcher is not None:
-            await fetcher.close()
-        client, self._peer_client = self._peer_client, None
-        if client is not None:
-            await client.close()
-        desk, self._lease_desk = self._lease_desk, None
-        if desk is not None:
-            desk.close()
-        store, self._store = self._store, None
-        if store is not None:
-            await store.close()
-
-    def _attach_store(self, engine: EngineCore) -> None:
-        store, fetcher = self._store, self._peer_fetcher
-        if store is None:
-            return
-        cfg = self._config.store
-        # A request waits for a prefetch only when the fetcher would ask
-        # someone (a holder in the index, or configured peers).
-        engine.attach_store(
-            store,
-            prefetch=fetcher.fetch if fetcher is not None else None,
-            prefetch_timeout_s=cfg.peer_fetch_timeout_s + _PREFETCH_GRACE_S,
-            prefetch_wanted=fetcher.would_ask if fetcher is not None else None,
-        )
+            cache = await stack.enter_async_context(
+                KVCache(
+                    cfg,
+                    layout,
+                    client=client,
+                    reader=TransferBlockReader(transfer, DRAM_SEGMENT),
+                    # Holders from the cluster's block index once gossip runs;
+                    # the configured peers when it names nobody (or before).
+                    locator=ClusterHolders(self._cluster_view, static=self._peer_urls),
+                    device_prefix=lambda hashes: len(engine.pool.longest_cached_prefix(hashes)),
+                    dram_backing=backing,
+                    on_failure=self.fail,
+                )
+            )
+            self._cache = cache
+            if num_slots:
+                self._holding = Holding(
+                    desk=cache.desk,
+                    block_bytes=layout.block_bytes,
+                    layout=layout.fingerprint(),
+                    segment=transfer.descriptor(DRAM_SEGMENT).to_dict(),
+                    transfer_address=transfer.address,
+                )
+            self._log.info(
+                "store started",
+                dram_slots=num_slots,
+                ssd=cfg.ssd_path or None,
+                peers=len(self._peer_urls),
+                transfer=transfer.address,
+            )
+            try:
+                yield
+            finally:
+                # Stop leasing first; the cache's exit then lets fetches in
+                # flight land (they write into DRAM slots) and closes the store.
+                self._holding = None
+                self._cache = None
 
     # -------------------------------------------------------------- cluster
 
@@ -488,36 +445,28 @@ class Node:
         """/admin/cluster, /admin/cluster/prefix (and the test hooks when
         ``cluster.test_hooks``), the "cluster" status section and gossip
         metrics; all answer 503 (or report nothing) until gossip runs."""
-        from mooncaked.cluster.routes import cluster_routes
-
         self.extra_routes.extend(
-            cluster_routes(lambda: self._cluster, test_hooks=self._config.cluster.test_hooks)
+            cluster_routes(lambda: self.cluster, test_hooks=self._config.cluster.test_hooks)
         )
         self.admin.add_status_section("cluster", self._cluster_status)
         self.metrics.add_cluster_collector(self._cluster_snapshot)
 
     def _cluster_view(self) -> ClusterView | None:
-        return self._cluster.view if self._cluster is not None else None
+        member = self._member
+        return member.view if member is not None else None
 
     def _cluster_snapshot(self) -> ClusterSnapshot | None:
-        from mooncaked.cluster.local import cluster_snapshot
-
-        service, batcher = self._cluster, self._block_events
-        if service is None or batcher is None:
-            return None
-        return cluster_snapshot(service, batcher)
+        member = self._member
+        return member.snapshot() if member is not None else None
 
     def _cluster_status(self) -> dict[str, Any] | None:
         snap = self._cluster_snapshot()
         return None if snap is None else snap.status()
 
-    async def _start_cluster(self) -> None:
-        from mooncaked.cluster.gossip import ClusterService
-        from mooncaked.cluster.local import LoadMeter
-
-        engine = self._engine
-        if engine is None:
-            raise RuntimeError("the cluster step ran before the engine step")
+    @contextlib.asynccontextmanager
+    async def _cluster_member(
+        self, engine: EngineCore, transfer: TransferEngine
+    ) -> AsyncIterator[None]:
         cfg = self._config
         meter = LoadMeter(
             role=cfg.node.role,
@@ -526,87 +475,48 @@ class Node:
             draining=lambda: self.draining,
             clock=time.monotonic,
         )
-        service = ClusterService(
-            cfg.cluster, self.node_id, cfg.node.cluster_secret.encode(), local_state=meter
+        # Where peers read this node's DRAM slots from.
+        segments = [transfer.descriptor(DRAM_SEGMENT).to_dict()] if self._holding else []
+        member = ClusterMember(
+            cfg.cluster,
+            self.node_id,
+            cfg.node.cluster_secret.encode(),
+            meter=meter,
+            pool=engine.pool,
+            store=self.store,
+            segments=segments,
         )
-        # start() closes the service itself when it fails.
-        joined = await service.start()
-        self._cluster = service
-        try:
-            self._attach_block_events(service, engine)
-            transfer = self._transfer
-            if transfer is not None and self._holding is not None:
-                # Where peers read this node's DRAM slots from.
-                service.set_segments([transfer.descriptor(DRAM_SEGMENT).to_dict()])
-        except BaseException:
-            # A step that fails is not unwound by the node: undo our half here.
-            self._detach_block_events()
-            self._cluster = None
-            await service.close()
-            raise
-        self._log.info(
-            "cluster joined",
-            gossip=f"{cfg.cluster.gossip_host}:{service.gossip_port}",
-            seeds=len(cfg.cluster.seeds),
-            seeds_answered=joined,
-            api=self.api_addr,
-        )
-
-    def _attach_block_events(self, service: ClusterService, engine: EngineCore) -> None:
-        from mooncaked.cluster.local import BlockEventBatcher
-        from mooncaked.cluster.state import BlockOp
-
-        batcher = BlockEventBatcher(service.publish_block_events, asyncio.get_running_loop())
-        self._block_events = batcher
-        # Listeners first, then what is cached already, in one go: no event
-        # can fall in between (all of it runs on the loop, without awaiting).
-        engine.pool.listeners.append(batcher.on_device_event)
-        snapshot: list[BlockEvent] = [
-            (h, "device", BlockOp.STORED) for h in engine.pool.cached_blocks
-        ]
-        store = self._store
-        if store is not None:
-            store.on_block_event = batcher.on_store_event
-            snapshot += [(h, "dram", BlockOp.STORED) for h in store.dram.cached_hashes()]
-            if store.ssd is not None:
-                snapshot += [(h, "ssd", BlockOp.STORED) for h in store.ssd.hashes()]
-        batcher.add_snapshot(snapshot)
-
-    def _detach_block_events(self) -> None:
-        batcher, self._block_events = self._block_events, None
-        if batcher is None:
-            return
-        engine, store = self._engine, self._store
-        if engine is not None and batcher.on_device_event in engine.pool.listeners:
-            engine.pool.listeners.remove(batcher.on_device_event)
-        if store is not None and store.on_block_event == batcher.on_store_event:
-            store.on_block_event = None
-        batcher.close()
-
-    async def _stop_cluster(self) -> None:
-        service = self._cluster
-        if service is None:
-            return
-        self._detach_block_events()
-        try:
-            # Peers see "left" at once and drop this node's blocks from their
-            # index, instead of suspecting it for seconds after it is gone.
-            await service.leave()
-        finally:
-            self._cluster = None
-            await service.close()
+        async with member:
+            self._member = member
+            self._log.info(
+                "cluster joined",
+                gossip=f"{cfg.cluster.gossip_host}:{member.service.gossip_port}",
+                seeds=len(cfg.cluster.seeds),
+                seeds_answered=member.num_seeds_answered,
+                api=self.api_addr,
+            )
+            try:
+                yield
+            finally:
+                self._member = None
 
     # -------------------------------------------------------------- serving
 
-    async def _start_serving(self) -> None:
+    @contextlib.asynccontextmanager
+    async def _serving(self) -> AsyncIterator[None]:
         self._ready = True
+        try:
+            yield
+        finally:
+            await self._drain()
 
     async def _drain(self) -> None:
         self._ready = False
         self.gate.close()
-        if self._cluster is not None:
+        member = self._member
+        if member is not None:
             # Announce "draining" now rather than at the next gossip round.
-            self._cluster.refresh_state()
+            member.service.refresh_state()
         timeout = self._config.server.drain_timeout_s
         if self.gate.num_inflight:
             self._log.info("draining", inflight=self.gate.num_inflight, timeout_s=timeout)
@@ -616,7 +526,7 @@ class Node:
             self._log.warning("drain timed out; aborting the rest", inflight=self.gate.num_inflight)
             return
         engine = self._engine
-        if engine is not None:
+        if engine is not None and engine.failure is None:
             # Idle: a good moment for the pool's self-check.
             try:
                 engine.check_integrity()
@@ -627,7 +537,8 @@ class Node:
     # -------------------------------------------------------------- signals
 
     async def run(self, on_ready: Callable[[Node], None] | None = None) -> int:
-        """Start, serve until SIGTERM/SIGINT, drain and stop; returns the exit status.
+        """Start, serve until SIGTERM/SIGINT or a subsystem's failure, drain and
+        stop; returns the exit status (``EXIT_FAILED`` after a failure).
 
         A signal during start-up takes effect once start-up finished. A second
         signal exits the process at once with ``EXIT_FORCED``.
@@ -651,12 +562,19 @@ class Node:
             await self.start()
             if on_ready is not None:
                 on_ready(self)
-            await stop_requested.wait()
+            async with asyncio.TaskGroup() as tg:
+                waits = [
+                    tg.create_task(stop_requested.wait()),
+                    tg.create_task(self._failed.wait()),
+                ]
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for t in waits:
+                    t.cancel()
             await self.stop()
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
-        return 0
+        return EXIT_FAILED if self._failure is not None else 0
 
 
 def _bound_port(runner: web.AppRunner, configured: int) -> int:

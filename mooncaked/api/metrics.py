@@ -10,7 +10,9 @@ Other subsystems add their own collectors to ``registry``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import operator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -23,330 +25,343 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
-class _EngineCollector(Collector):
-    """Reads engine stats at scrape time; nothing while the engine is not up."""
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One metric family read off a snapshot at scrape time.
 
-    def __init__(self, stats: Callable[[], Any | None]) -> None:
-        self._stats = stats
-
-    def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        if s is None:
-            return
-        gauges = (
-            ("mooncaked_num_requests_running", "Requests being scheduled.", s.num_running),
-            (
-                "mooncaked_num_requests_waiting",
-                "Requests queued for a first schedule.",
-                s.num_waiting,
-            ),
-            ("mooncaked_kv_blocks_total", "Device KV blocks in the pool.", s.kv_num_blocks),
-            (
-                "mooncaked_kv_blocks_used",
-                "Device KV blocks held by requests.",
-                s.kv_num_used_blocks,
-            ),
-            ("mooncaked_kv_usage_ratio", "Fraction of device KV blocks in use.", s.kv_usage),
-            (
-                "mooncaked_prefix_cache_hit_rate",
-                "Prompt tokens served from the prefix cache / queried.",
-                s.prefix_hit_rate,
-            ),
-        )
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=float(value))
-        counters = (
-            (
-                "mooncaked_prefix_cache_queried_tokens",
-                "Prompt tokens looked up in the prefix cache.",
-                s.prefix_queried_tokens,
-            ),
-            (
-                "mooncaked_prefix_cache_hit_tokens",
-                "Prompt tokens found in the prefix cache.",
-                s.prefix_hit_tokens,
-            ),
-            (
-                "mooncaked_engine_prompt_tokens",
-                "Prompt tokens the engine computed or reused.",
-                s.num_prompt_tokens_total,
-            ),
-            (
-                "mooncaked_engine_generation_tokens",
-                "Tokens the engine generated.",
-                s.num_generation_tokens_total,
-            ),
-            (
-                "mooncaked_preemptions",
-                "Requests preempted for lack of KV blocks.",
-                s.num_preemptions_total,
-            ),
-            ("mooncaked_engine_steps", "Engine steps run.", s.num_steps),
-            (
-                "mooncaked_engine_cache_loads",
-                "Prefixes loaded from the host tiers instead of computed.",
-                s.num_loads_total,
-            ),
-            (
-                "mooncaked_engine_offloads",
-                "Batches of device blocks handed to the host tiers.",
-                s.num_offloads_total,
-            ),
-            (
-                "mooncaked_kv_pool_self_check_failures",
-                "Idle self-checks of the device block pool that found it inconsistent.",
-                s.num_integrity_failures,
-            ),
-        )
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=float(value))
-
-
-class _CacheCollector(Collector):
-    """The KV cache's tiers, peer fetches and transfers, read at scrape time.
-
-    ``snapshot()`` returns None while the store is not up, else a mapping with
-    ``store`` (StoreStats), ``fetch`` (FetchStats), ``leases`` (LeaseStats)
-    and ``transfer`` (TransferMetrics or None).
+    ``read(snapshot)`` gives the value; with ``label``, a mapping from label
+    value to value (one sample each); None leaves the family out this scrape.
     """
 
-    def __init__(self, snapshot: Callable[[], Any | None]) -> None:
+    name: str
+    doc: str
+    read: Callable[[Any], float | Mapping[str, float] | None]
+    counter: bool = False
+    label: str | None = None
+
+
+def _families(specs: tuple[Spec, ...], snap: Any) -> Iterator[Metric]:
+    for spec in specs:
+        value = spec.read(snap)
+        if value is None:
+            continue
+        family = CounterMetricFamily if spec.counter else GaugeMetricFamily
+        if spec.label is None:
+            yield family(spec.name, spec.doc, value=float(value))  # type: ignore[arg-type]
+            continue
+        m = family(spec.name, spec.doc, labels=[spec.label])
+        for key, v in value.items():  # type: ignore[union-attr]
+            m.add_metric([key], float(v))
+        yield m
+
+
+class _SnapshotCollector(Collector):
+    """A table of specs over ``snapshot()``; nothing while it returns None (the
+    subsystem is not up)."""
+
+    def __init__(self, snapshot: Callable[[], Any | None], specs: tuple[Spec, ...]) -> None:
         self._snapshot = snapshot
+        self._specs = specs
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
-        if snap is None:
-            return
+        if snap is not None:
+            yield from _families(self._specs, snap)
+
+
+def _gauge(name: str, doc: str, attr: str) -> Spec:
+    return Spec(name, doc, operator.attrgetter(attr))
+
+
+def _counter(name: str, doc: str, attr: str) -> Spec:
+    return Spec(name, doc, operator.attrgetter(attr), counter=True)
+
+
+# Read off ``EngineCore.stats()``.
+ENGINE_METRICS: tuple[Spec, ...] = (
+    _gauge("mooncaked_num_requests_running", "Requests being scheduled.", "num_running"),
+    _gauge(
+        "mooncaked_num_requests_waiting", "Requests queued for a first schedule.", "num_waiting"
+    ),
+    _gauge("mooncaked_kv_blocks_total", "Device KV blocks in the pool.", "kv_num_blocks"),
+    _gauge("mooncaked_kv_blocks_used", "Device KV blocks held by requests.", "kv_num_used_blocks"),
+    _gauge("mooncaked_kv_usage_ratio", "Fraction of device KV blocks in use.", "kv_usage"),
+    _gauge(
+        "mooncaked_prefix_cache_hit_rate",
+        "Prompt tokens served from the prefix cache / queried.",
+        "prefix_hit_rate",
+    ),
+    _counter(
+        "mooncaked_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache.",
+        "prefix_queried_tokens",
+    ),
+    _counter(
+        "mooncaked_prefix_cache_hit_tokens",
+        "Prompt tokens found in the prefix cache.",
+        "prefix_hit_tokens",
+    ),
+    _counter(
+        "mooncaked_engine_prompt_tokens",
+        "Prompt tokens the engine computed or reused.",
+        "num_prompt_tokens_total",
+    ),
+    _counter(
+        "mooncaked_engine_generation_tokens",
+        "Tokens the engine generated.",
+        "num_generation_tokens_total",
+    ),
+    _counter(
+        "mooncaked_preemptions",
+        "Requests preempted for lack of KV blocks.",
+        "num_preemptions_total",
+    ),
+    _counter("mooncaked_engine_steps", "Engine steps run.", "num_steps"),
+    _counter(
+        "mooncaked_engine_cache_loads",
+        "Loads of KV from outside the device (host tiers, peers) instead of computing it.",
+        "num_loads_total",
+    ),
+    _counter(
+        "mooncaked_engine_offloads",
+        "Batches of device blocks handed to the host tiers.",
+        "num_offloads_total",
+    ),
+    _counter(
+        "mooncaked_kv_pool_self_check_failures",
+        "Idle self-checks of the device block pool that found it inconsistent.",
+        "num_integrity_failures",
+    ),
+)
+
+
+def _per_tier(name: str, doc: str, attr: str, counter: bool) -> Spec:
+    def read(snap: Any) -> dict[str, float]:
         store = snap["store"]
-        tiers = [("dram", store.dram)]
+        tiers = {"dram": store.dram}
         if store.ssd.capacity_blocks:
-            tiers.append(("ssd", store.ssd))
+            tiers["ssd"] = store.ssd
+        return {tier: getattr(t, attr) for tier, t in tiers.items()}
 
-        def per_tier(name: str, doc: str, attr: str, counter: bool) -> Metric:
-            family = CounterMetricFamily if counter else GaugeMetricFamily
-            m = family(name, doc, labels=["tier"])
-            for tier, t in tiers:
-                m.add_metric([tier], float(getattr(t, attr)))
-            return m
-
-        yield per_tier(
-            "mooncaked_cache_used_blocks", "KV blocks held by a host tier.", "used_blocks", False
-        )
-        yield per_tier(
-            "mooncaked_cache_capacity_blocks",
-            "KV blocks a host tier can hold.",
-            "capacity_blocks",
-            False,
-        )
-        yield per_tier("mooncaked_cache_hits", "Prefix blocks found in a host tier.", "hits", True)
-        yield per_tier(
-            "mooncaked_cache_misses", "Prefix blocks looked for and not found.", "misses", True
-        )
-        yield per_tier(
-            "mooncaked_cache_read_bytes", "Bytes loaded out of a host tier.", "bytes_read", True
-        )
-        yield per_tier(
-            "mooncaked_cache_written_bytes",
-            "Bytes stored into a host tier.",
-            "bytes_written",
-            True,
-        )
-        yield per_tier(
-            "mooncaked_cache_evictions", "Blocks evicted from a host tier.", "evictions", True
-        )
-        counters = (
-            (
-                "mooncaked_cache_offloads_dropped",
-                "Device-to-DRAM offloads dropped on a full queue.",
-                store.offloads_dropped,
-            ),
-            (
-                "mooncaked_cache_ssd_writes_dropped",
-                "SSD writes dropped on a full queue.",
-                store.ssd_writes_dropped,
-            ),
-            (
-                "mooncaked_cache_ssd_corrupt_dropped",
-                "SSD blocks that failed their checksum and were dropped.",
-                store.ssd_corrupt_dropped,
-            ),
-        )
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=float(value))
-        fetch = snap["fetch"]
-        results = CounterMetricFamily(
-            "mooncaked_peer_fetches",
-            "Fetches of cached blocks from peers, by result.",
-            labels=["result"],
-        )
-        for result in ("ok", "failed", "missed", "skipped", "timed_out"):
-            results.add_metric([result], float(getattr(fetch, result)))
-        yield results
-        yield CounterMetricFamily(
-            "mooncaked_peer_fetch_blocks", "Blocks fetched from peers.", value=float(fetch.blocks)
-        )
-        yield CounterMetricFamily(
-            "mooncaked_peer_fetch_bytes", "Bytes fetched from peers.", value=float(fetch.bytes)
-        )
-        yield GaugeMetricFamily(
-            "mooncaked_peer_fetches_inflight",
-            "Fetches from peers in flight.",
-            value=float(fetch.inflight),
-        )
-        leases = snap["leases"]
-        yield CounterMetricFamily(
-            "mooncaked_peer_leases_granted",
-            "DRAM leases granted to peers.",
-            value=float(leases.granted),
-        )
-        yield CounterMetricFamily(
-            "mooncaked_peer_leases_lapsed",
-            "DRAM leases to peers that ran out before their release.",
-            value=float(leases.lapsed),
-        )
-        yield GaugeMetricFamily(
-            "mooncaked_peer_leases_active", "DRAM leases peers hold.", value=float(leases.active)
-        )
-        transfer = snap["transfer"]
-        if transfer is None:
-            return
-        moved = CounterMetricFamily(
-            "mooncaked_transfer_bytes",
-            "Bytes this node moved by transfer ops it started, by direction.",
-            labels=["direction"],
-        )
-        moved.add_metric(["read"], float(transfer.bytes_read))
-        moved.add_metric(["written"], float(transfer.bytes_written))
-        yield moved
-        served = CounterMetricFamily(
-            "mooncaked_transfer_served_bytes",
-            "Bytes peers moved through this node's transfer endpoint, by direction.",
-            labels=["direction"],
-        )
-        served.add_metric(["read"], float(transfer.served_bytes_read))
-        served.add_metric(["written"], float(transfer.served_bytes_written))
-        yield served
-        by_transport = CounterMetricFamily(
-            "mooncaked_transfer_transport_bytes",
-            "Bytes this node moved, by transport.",
-            labels=["transport"],
-        )
-        for name, value in sorted(transfer.bytes_by_transport.items()):
-            by_transport.add_metric([name], float(value))
-        yield by_transport
-        yield CounterMetricFamily(
-            "mooncaked_transfer_ops_failed",
-            "Transfer ops that failed.",
-            value=float(transfer.ops_failed),
-        )
+    return Spec(name, doc, read, counter=counter, label="tier")
 
 
-class _ClusterCollector(Collector):
-    """Gossip: members by status, packets, drops, the block index; read at scrape time.
+def _of(section: str, attr: str) -> Callable[[Any], float | None]:
+    def read(snap: Any) -> float | None:
+        obj = snap[section]
+        return None if obj is None else getattr(obj, attr)
 
-    ``snapshot()`` returns None while gossip is not running, else a
-    ``mooncaked.cluster.local.ClusterSnapshot``.
-    """
+    return read
 
-    def __init__(self, snapshot: Callable[[], Any | None]) -> None:
-        self._snapshot = snapshot
 
-    def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
-        if snap is None:
-            return
-        members = GaugeMetricFamily(
-            "mooncaked_cluster_members",
-            "Cluster members in this node's view (itself included), by status.",
-            labels=["status"],
-        )
-        for status, n in snap.members.items():
-            members.add_metric([status], float(n))
-        yield members
-        c = snap.counters
-        yield CounterMetricFamily(
-            "mooncaked_gossip_packets_sent", "Gossip datagrams sent.", value=float(c.packets_sent)
-        )
-        yield CounterMetricFamily(
-            "mooncaked_gossip_packets_received",
-            "Gossip datagrams received (dropped ones included).",
-            value=float(c.packets_received),
-        )
-        yield CounterMetricFamily(
-            "mooncaked_gossip_bytes_sent",
-            "Bytes of gossip datagrams sent.",
-            value=float(c.bytes_sent),
-        )
-        yield CounterMetricFamily(
-            "mooncaked_gossip_bytes_received",
-            "Bytes of gossip datagrams received.",
-            value=float(c.bytes_received),
-        )
-        dropped = CounterMetricFamily(
-            "mooncaked_gossip_packets_dropped",
-            "Gossip packets dropped, by reason: forged (bad MAC), malformed, oversize, "
-            "blocked (a test partition).",
-            labels=["reason"],
-        )
-        for reason, value in (
-            ("forged", c.dropped_bad_mac),
-            ("malformed", c.dropped_malformed),
-            ("oversize", c.dropped_oversize),
-            ("blocked", c.dropped_blocked),
-        ):
-            dropped.add_metric([reason], float(value))
-        yield dropped
-        yield CounterMetricFamily(
-            "mooncaked_gossip_broadcasts_dropped",
-            "Queued pieces of news dropped on a full broadcast queue.",
-            value=float(c.dropped_broadcasts),
-        )
-        yield CounterMetricFamily(
-            "mooncaked_gossip_handler_errors",
-            "Gossip packets or timers whose handler failed (a bug).",
-            value=float(c.handler_errors),
-        )
-        yield CounterMetricFamily(
-            "mooncaked_gossip_probes", "Failure-detector probes sent.", value=float(c.probes)
-        )
-        yield CounterMetricFamily(
-            "mooncaked_gossip_suspicions",
-            "Members this node suspected after a failed probe.",
-            value=float(c.suspicions_raised),
-        )
-        yield CounterMetricFamily(
-            "mooncaked_gossip_refutations",
-            "Suspicions of this node it refuted.",
-            value=float(c.refutations),
-        )
-        for name, doc, ok, failed in (
-            (
-                "mooncaked_gossip_syncs",
-                "Push-pull state exchanges, by result.",
-                c.syncs_ok,
-                c.syncs_failed,
-            ),
-            ("mooncaked_gossip_pulls", "Block-index pulls, by result.", c.pulls_ok, c.pulls_failed),
-        ):
-            family = CounterMetricFamily(name, doc, labels=["result"])
-            family.add_metric(["ok"], float(ok))
-            family.add_metric(["failed"], float(failed))
-            yield family
-        yield GaugeMetricFamily(
-            "mooncaked_cluster_index_blocks",
-            "Entries of the cluster-wide block index here, every node's replica together.",
-            value=float(snap.index_blocks),
-        )
-        yield GaugeMetricFamily(
-            "mooncaked_cluster_index_own_blocks",
-            "Blocks this node publishes in the cluster-wide index.",
-            value=float(snap.own_blocks),
-        )
-        yield CounterMetricFamily(
-            "mooncaked_cluster_block_events",
-            "Block events (stored, removed) of this node's tiers published to gossip.",
-            value=float(snap.block_events),
-        )
+def _directions(served: bool) -> Callable[[Any], dict[str, float] | None]:
+    prefix = "served_" if served else ""
+
+    def read(snap: Any) -> dict[str, float] | None:
+        t = snap["transfer"]
+        if t is None:
+            return None
+        return {
+            "read": getattr(t, f"{prefix}bytes_read"),
+            "written": getattr(t, f"{prefix}bytes_written"),
+        }
+
+    return read
+
+
+# Read off ``CacheAdmin.snapshot()``: ``store`` (StoreStats), ``fetch``
+# (FetchStats), ``leases`` (LeaseStats), ``transfer`` (TransferMetrics or None).
+CACHE_METRICS: tuple[Spec, ...] = (
+    _per_tier(
+        "mooncaked_cache_used_blocks", "KV blocks held by a host tier.", "used_blocks", False
+    ),
+    _per_tier(
+        "mooncaked_cache_capacity_blocks",
+        "KV blocks a host tier can hold.",
+        "capacity_blocks",
+        False,
+    ),
+    _per_tier("mooncaked_cache_hits", "Prefix blocks found in a host tier.", "hits", True),
+    _per_tier("mooncaked_cache_misses", "Prefix blocks looked for and not found.", "misses", True),
+    _per_tier("mooncaked_cache_read_bytes", "Bytes loaded out of a host tier.", "bytes_read", True),
+    _per_tier(
+        "mooncaked_cache_written_bytes", "Bytes stored into a host tier.", "bytes_written", True
+    ),
+    _per_tier("mooncaked_cache_evictions", "Blocks evicted from a host tier.", "evictions", True),
+    Spec(
+        "mooncaked_cache_offloads_dropped",
+        "Device-to-DRAM offloads dropped on a full queue.",
+        _of("store", "offloads_dropped"),
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_cache_ssd_writes_dropped",
+        "SSD writes dropped on a full queue.",
+        _of("store", "ssd_writes_dropped"),
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_cache_ssd_corrupt_dropped",
+        "SSD blocks that failed their checksum and were dropped.",
+        _of("store", "ssd_corrupt_dropped"),
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_peer_fetches",
+        "Fetches of cached blocks from peers, by result.",
+        lambda snap: {
+            r: getattr(snap["fetch"], r) for r in ("ok", "failed", "missed", "skipped", "timed_out")
+        },
+        counter=True,
+        label="result",
+    ),
+    Spec(
+        "mooncaked_peer_fetch_blocks",
+        "Blocks fetched from peers.",
+        _of("fetch", "blocks"),
+        counter=True,
+    ),
+    Spec("mooncaked_peer_fetch_bytes", "Bytes fetched from peers.", _of("fetch", "bytes"), True),
+    Spec(
+        "mooncaked_peer_fetches_inflight", "Fetches from peers in flight.", _of("fetch", "inflight")
+    ),
+    Spec(
+        "mooncaked_peer_leases_granted",
+        "DRAM leases granted to peers.",
+        _of("leases", "granted"),
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_peer_leases_lapsed",
+        "DRAM leases to peers that ran out before their release.",
+        _of("leases", "lapsed"),
+        counter=True,
+    ),
+    Spec("mooncaked_peer_leases_active", "DRAM leases peers hold.", _of("leases", "active")),
+    Spec(
+        "mooncaked_transfer_bytes",
+        "Bytes this node moved by transfer ops it started, by direction.",
+        _directions(served=False),
+        counter=True,
+        label="direction",
+    ),
+    Spec(
+        "mooncaked_transfer_served_bytes",
+        "Bytes peers moved through this node's transfer endpoint, by direction.",
+        _directions(served=True),
+        counter=True,
+        label="direction",
+    ),
+    Spec(
+        "mooncaked_transfer_transport_bytes",
+        "Bytes this node moved, by transport.",
+        lambda snap: (
+            None
+            if snap["transfer"] is None
+            else dict(sorted(snap["transfer"].bytes_by_transport.items()))
+        ),
+        counter=True,
+        label="transport",
+    ),
+    Spec(
+        "mooncaked_transfer_ops_failed",
+        "Transfer ops that failed.",
+        _of("transfer", "ops_failed"),
+        counter=True,
+    ),
+)
+
+
+def _results(ok: str, failed: str) -> Callable[[Any], dict[str, float]]:
+    return lambda snap: {
+        "ok": getattr(snap.counters, ok),
+        "failed": getattr(snap.counters, failed),
+    }
+
+
+def _gossip(name: str, doc: str, attr: str) -> Spec:
+    return Spec(name, doc, lambda snap: getattr(snap.counters, attr), counter=True)
+
+
+# Read off ``mooncaked.cluster.status.ClusterSnapshot``.
+CLUSTER_METRICS: tuple[Spec, ...] = (
+    Spec(
+        "mooncaked_cluster_members",
+        "Cluster members in this node's view (itself included), by status.",
+        lambda snap: snap.members,
+        label="status",
+    ),
+    _gossip("mooncaked_gossip_packets_sent", "Gossip datagrams sent.", "packets_sent"),
+    _gossip(
+        "mooncaked_gossip_packets_received",
+        "Gossip datagrams received (dropped ones included).",
+        "packets_received",
+    ),
+    _gossip("mooncaked_gossip_bytes_sent", "Bytes of gossip datagrams sent.", "bytes_sent"),
+    _gossip(
+        "mooncaked_gossip_bytes_received", "Bytes of gossip datagrams received.", "bytes_received"
+    ),
+    Spec(
+        "mooncaked_gossip_packets_dropped",
+        "Gossip packets dropped, by reason: forged (bad MAC), malformed, oversize, "
+        "blocked (a test partition).",
+        lambda snap: {
+            "forged": snap.counters.dropped_bad_mac,
+            "malformed": snap.counters.dropped_malformed,
+            "oversize": snap.counters.dropped_oversize,
+            "blocked": snap.counters.dropped_blocked,
+        },
+        counter=True,
+        label="reason",
+    ),
+    _gossip(
+        "mooncaked_gossip_broadcasts_dropped",
+        "Queued pieces of news dropped on a full broadcast queue.",
+        "dropped_broadcasts",
+    ),
+    _gossip(
+        "mooncaked_gossip_handler_errors",
+        "Gossip packets or timers whose handler failed (a bug).",
+        "handler_errors",
+    ),
+    _gossip("mooncaked_gossip_probes", "Failure-detector probes sent.", "probes"),
+    _gossip(
+        "mooncaked_gossip_suspicions",
+        "Members this node suspected after a failed probe.",
+        "suspicions_raised",
+    ),
+    _gossip("mooncaked_gossip_refutations", "Suspicions of this node it refuted.", "refutations"),
+    Spec(
+        "mooncaked_gossip_syncs",
+        "Push-pull state exchanges, by result.",
+        _results("syncs_ok", "syncs_failed"),
+        counter=True,
+        label="result",
+    ),
+    Spec(
+        "mooncaked_gossip_pulls",
+        "Block-index pulls, by result.",
+        _results("pulls_ok", "pulls_failed"),
+        counter=True,
+        label="result",
+    ),
+    Spec(
+        "mooncaked_cluster_index_blocks",
+        "Entries of the cluster-wide block index here, every node's replica together.",
+        operator.attrgetter("index_blocks"),
+    ),
+    Spec(
+        "mooncaked_cluster_index_own_blocks",
+        "Blocks this node publishes in the cluster-wide index.",
+        operator.attrgetter("own_blocks"),
+    ),
+    Spec(
+        "mooncaked_cluster_block_events",
+        "Block events (stored, removed) of this node's tiers published to gossip.",
+        operator.attrgetter("block_events"),
+        counter=True,
+    ),
+)
 
 
 class ApiMetrics:
@@ -394,15 +409,15 @@ class ApiMetrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
-        r.register(_EngineCollector(engine_stats))
+        r.register(_SnapshotCollector(engine_stats, ENGINE_METRICS))
 
     def add_cache_collector(self, snapshot: Callable[[], Any | None]) -> None:
-        """Expose the KV cache's tiers, peer fetches and transfers (see _CacheCollector)."""
-        self.registry.register(_CacheCollector(snapshot))
+        """Expose the KV cache's tiers, peer fetches and transfers (``CACHE_METRICS``)."""
+        self.registry.register(_SnapshotCollector(snapshot, CACHE_METRICS))
 
     def add_cluster_collector(self, snapshot: Callable[[], Any | None]) -> None:
-        """Expose gossip membership, traffic and the block index (see _ClusterCollector)."""
-        self.registry.register(_ClusterCollector(snapshot))
+        """Expose gossip membership, traffic and the block index (``CLUSTER_METRICS``)."""
+        self.registry.register(_SnapshotCollector(snapshot, CLUSTER_METRICS))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

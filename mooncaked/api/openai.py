@@ -391,10 +391,22 @@ class OpenAIAPI:
     def _add_request(
         self, engine: EngineCore, parsed: Parsed, request_id: str, *, chat: bool
     ) -> RequestStream:
-        from mooncaked.engine.core import EngineClosedError, PromptTooLongError, QueueFullError
+        from mooncaked.engine.core import (
+            EngineClosedError,
+            EngineFailedError,
+            PromptTooLongError,
+            QueueFullError,
+        )
 
         try:
             return engine.add_request(parsed.prompt_token_ids, parsed.sampling, request_id)
+        except EngineFailedError:
+            raise ApiError(
+                503,
+                "this mooncaked node failed and is restarting; retry on another node",
+                type="service_unavailable",
+                code="engine_failed",
+            ) from None
         except EngineClosedError:
             raise ApiError(
                 503,

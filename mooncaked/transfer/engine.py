@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,7 +105,15 @@ class _Peer:
 
 
 class TransferEngine:
-    def __init__(self, config: TransferConfig, node_id: str, secret: bytes) -> None:
+    def __init__(
+        self,
+        config: TransferConfig,
+        node_id: str,
+        secret: bytes,
+        *,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """``on_failure`` hears of a background loop (accept, RDMA poll) that died."""
         if not node_id:
             raise ValueError("node_id must not be empty")
         if len(secret) < 8:
@@ -113,6 +121,7 @@ class TransferEngine:
         self.config = config
         self.node_id = node_id
         self._secret = secret
+        self._on_failure = on_failure
         self._instance = os.urandom(8).hex()
         self._boot_id = boot_id()
         self._table = SegmentTable()
@@ -156,6 +165,7 @@ class TransferEngine:
                 shm_fds=self._shm_fds if self._registry is not None else None,
                 rdma_region=self._rdma_region if self._rdma is not None else None,
                 rdma_accept=self._rdma_accept if self._rdma is not None else None,
+                on_failure=self._on_failure,
             )
             unix_name = f"mooncaked-xfer-{self._instance}" if self._registry else None
             await self._server.start(self.config.host, self.config.port, unix_name)
@@ -744,7 +754,9 @@ class TransferEngine:
                 "rdma unavailable with peer; using tcp", peer=peer.link.node_id, error=str(exc)
             )
             return
-        peer.rdma = RdmaPeer(self._rdma, qp, region_of, peer.link.node_id)
+        peer.rdma = RdmaPeer(
+            self._rdma, qp, region_of, peer.link.node_id, on_failure=self._on_failure
+        )
         peer.rdma.start()
 
     def _expire(self, batch: Batch, wait: float) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 
+from mooncaked.tasks import TaskSet
 from mooncaked.transfer.batch import OpKind, Slice
 
 log = structlog.get_logger(__name__)
@@ -288,8 +289,10 @@ class RdmaPeer:
         qp: Any,
         region_of: Callable[[str], RemoteRegion | None],
         node_id: str,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """``region_of`` maps a peer segment name to its region (from lookups)."""
+        """``region_of`` maps a peer segment name to its region (from lookups);
+        ``on_failure`` hears of a completion poller that died."""
         self._rdma = rdma
         self._qp = qp
         self._region_of = region_of
@@ -297,12 +300,10 @@ class RdmaPeer:
         self._pending: dict[int, tuple[Slice, int]] = {}
         self._next_tag = 1
         self._wakeup = asyncio.Event()
-        self._poller: asyncio.Task[None] | None = None
+        self._poller = TaskSet(f"rdma-poll-{node_id}", on_failure=on_failure)
 
     def start(self) -> None:
-        self._poller = asyncio.get_running_loop().create_task(
-            self._poll(), name=f"rdma-poll-{self.node_id}"
-        )
+        self._poller.spawn(self._poll(), name=f"rdma-poll-{self.node_id}")
 
     def post(self, slices: list[Slice]) -> None:
         from pyverbs.wr import SGE, SendWR
@@ -383,10 +384,8 @@ class RdmaPeer:
             await asyncio.sleep(0)
 
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+        self._poller.cancel()
+        await self._poller.wait()
         for s, _ in self._pending.values():
             s.batch.slice_failed(s, "rdma transport closed")
         self._pending.clear()

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 import structlog
 
+from mooncaked.tasks import TaskSet
 from mooncaked.transfer import protocol as p
 from mooncaked.transfer.batch import TransferMetrics
 from mooncaked.transfer.segment import Segment, SegmentTable
@@ -52,11 +53,14 @@ class TransferServer:
         shm_fds: Callable[[Segment], tuple[int, int, int] | None] | None = None,
         rdma_region: Callable[[Segment], tuple[int, int] | None] | None = None,
         rdma_accept: Callable[[str, Any], Any] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         """``info`` gives the handshake info; ``shm_fds`` maps a shared segment to
         (its fd, registry fd, registry slot), or None if it cannot be shared;
         ``rdma_region`` gives a segment's (addr, rkey); ``rdma_accept`` connects a
-        QP for a peer's RDMA_CONNECT body and returns the reply body."""
+        QP for a peer's RDMA_CONNECT body and returns the reply body;
+        ``on_failure`` hears of an accept loop that died (the node cannot serve
+        transfers any more)."""
         self._table = table
         self._secret = secret
         self._metrics = metrics
@@ -65,7 +69,7 @@ class TransferServer:
         self._rdma_region = rdma_region
         self._rdma_accept = rdma_accept
         self._listeners: list[socket.socket] = []
-        self._accept_tasks: list[asyncio.Task[None]] = []
+        self._accept_tasks = TaskSet("xfer-accept", on_failure=on_failure)
         self._threads = ThreadGroup("xfer-serve")
         self._conns: set[socket.socket] = set()
         self._closing = False
@@ -73,16 +77,13 @@ class TransferServer:
         self.unix_address = ""
 
     async def start(self, host: str, port: int, unix_name: str | None) -> None:
-        loop = asyncio.get_running_loop()
         try:
             tcp = socket.create_server((host, port), backlog=256, reuse_port=False)
             tcp.setblocking(False)
             self._listeners.append(tcp)
             bound_host, bound_port = tcp.getsockname()[:2]
             self.address = f"{bound_host}:{bound_port}"
-            self._accept_tasks.append(
-                loop.create_task(self._accept_loop(tcp, p.Channel.STREAM), name="xfer-accept-tcp")
-            )
+            self._accept_tasks.spawn(self._accept_loop(tcp, p.Channel.STREAM), "xfer-accept-tcp")
             if unix_name is not None:
                 unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 # Abstract namespace: no file to clean up, reachable only from
@@ -92,26 +93,15 @@ class TransferServer:
                 unix.setblocking(False)
                 self._listeners.append(unix)
                 self.unix_address = unix_name
-                self._accept_tasks.append(
-                    loop.create_task(
-                        self._accept_loop(unix, p.Channel.SHM), name="xfer-accept-unix"
-                    )
-                )
+                self._accept_tasks.spawn(self._accept_loop(unix, p.Channel.SHM), "xfer-accept-unix")
         except BaseException:
             await self.close()
             raise
 
     async def close(self) -> None:
         self._closing = True
-        for task in self._accept_tasks:
-            task.cancel()
-        for task in self._accept_tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                try:
-                    await task
-                except Exception:
-                    log.exception("transfer accept loop failed")
-        self._accept_tasks.clear()
+        self._accept_tasks.cancel()
+        await self._accept_tasks.wait()
         for listener in self._listeners:
             listener.close()
         self._listeners.clear()

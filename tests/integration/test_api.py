@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -14,6 +13,7 @@ import pytest
 
 from mooncaked.config import Config, with_overrides
 from mooncaked.daemon import Node
+from tests.conftest import wait_until
 
 MODEL = "builtin:tiny"
 # Tests that wait for the engine to notice something give up after this long.
@@ -55,14 +55,6 @@ def stream_text(events: list[dict[str, Any]], chat: bool = False) -> str:
         for c in e["choices"]:
             parts.append(c["delta"].get("content", "") if chat else c["text"])
     return "".join(parts)
-
-
-async def wait_until(cond: Callable[[], bool], what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + WAIT_S
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def engine_of(node: Node) -> Any:
