@@ -17,6 +17,7 @@ node's id; a disaggregated path fills in its prefill and decode nodes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -104,12 +105,10 @@ class RecentRequests:
         """Up to ``limit`` records (all when None), newest first, as JSON objects."""
         if limit is not None and limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
-        n = len(self._entries) if limit is None else min(limit, len(self._entries))
-        out = []
-        for i in range(1, n + 1):
-            entry = self._entries[-i]
-            out.append({"finished_at": entry.finished_at, **_request_json(entry.request)})
-        return out
+        return [
+            {"finished_at": e.finished_at, **_request_json(e.request)}
+            for e in itertools.islice(reversed(self._entries), limit)
+        ]
 
     def to_json(self, limit: int | None = None) -> dict[str, Any]:
         return {
