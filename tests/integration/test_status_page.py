@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from mooncaked.api.recent import FinishedRequest
 from mooncaked.daemon import Node
 from tests.conftest import DaemonProcess
 
@@ -110,6 +111,24 @@ async def test_recent_requests_record_what_the_api_answered(node: Node) -> None:
         assert r["prefill_node"] == r["decode_node"] == node.node_id
         assert 0 < r["ttft_s"] <= r["e2e_s"]
         assert r["finished_at"] > time.time() - 600
+
+
+async def test_a_failing_listener_costs_the_request_nothing(node: Node) -> None:
+    seen: list[str] = []
+
+    def broken(finished: FinishedRequest) -> None:
+        seen.append(finished.request_id)
+        raise RuntimeError("a listener with a bug")
+
+    node.openai.finished_listeners.insert(0, broken)
+    async with aiohttp.ClientSession(node.url) as s:
+        answer = await complete(s, "served whatever a listener does")
+        async with s.get("/admin/requests/recent") as resp:
+            recent = await resp.json()
+    assert answer["choices"][0]["finish_reason"] == "length"
+    # The broken listener ran first, and the ring after it still got the request.
+    assert seen == [answer["id"]]
+    assert [r["request_id"] for r in recent["requests"]] == [answer["id"]]
 
 
 def polled_paths() -> list[str]:
