@@ -65,6 +65,8 @@ from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
+from mooncaked.api.recent import RecentRequests
+from mooncaked.api.ui import ui_routes
 from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher
 from mooncaked.cache.service import KVCache
@@ -138,6 +140,10 @@ class Node:
         self.extra_routes: list[web.RouteDef] = []
         self._add_cache_endpoints()
         self._add_cluster_endpoints()
+        # The status page at /ui and the finished requests it lists.
+        self.recent_requests = RecentRequests(lambda: self.node_id)
+        self.openai.finished_listeners.append(self.recent_requests.add)
+        self.extra_routes.extend([*self.recent_requests.routes(), *ui_routes()])
 
     # ------------------------------------------------------------ accessors
 

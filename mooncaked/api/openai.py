@@ -28,6 +28,7 @@ import structlog
 from aiohttp import web
 
 from mooncaked.api.metrics import ApiMetrics
+from mooncaked.api.recent import FinishedRequest
 from mooncaked.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -316,6 +317,9 @@ class OpenAIAPI:
         self._metrics = metrics
         self._gate = gate
         self._clock = clock
+        # Called with each generation request once it ends (e.g. the node's
+        # recent-request ring); append before the server starts.
+        self.finished_listeners: list[Callable[[FinishedRequest], None]] = []
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -386,7 +390,15 @@ class OpenAIAPI:
                 # Aborts the request (frees its blocks) unless it finished:
                 # a client that left, a failed write, a cancelled handler.
                 await stream.aclose()
-                timer.done(reply)
+                self._report(timer.done(reply))
+
+    def _report(self, finished: FinishedRequest) -> None:
+        for listener in self.finished_listeners:
+            try:
+                listener(finished)
+            except Exception:
+                # A listener's bug must not turn a served request into an error.
+                log.exception("finished-request listener failed", request_id=finished.request_id)
 
     def _add_request(
         self, engine: EngineCore, parsed: Parsed, request_id: str, *, chat: bool
@@ -799,20 +811,22 @@ class _Reply:
 class _Timer:
     """Latency of one request: TTFT, gaps between outputs, end to end."""
 
-    __slots__ = ("_arrival", "_clock", "_last", "_metrics")
+    __slots__ = ("_arrival", "_clock", "_last", "_metrics", "ttft_s")
 
     def __init__(self, metrics: ApiMetrics, arrival: float, clock: Callable[[], float]) -> None:
         self._metrics = metrics
         self._arrival = arrival
         self._clock = clock
         self._last: float | None = None
+        self.ttft_s: float | None = None
 
     def on_output(self, out: RequestOutput) -> None:
         if not out.new_token_ids:
             return
         now = self._clock()
         if self._last is None:
-            self._metrics.ttft.observe(now - self._arrival)
+            self.ttft_s = now - self._arrival
+            self._metrics.ttft.observe(self.ttft_s)
         else:
             # One observation per token: an output that carries several
             # tokens (after a stall) spreads its gap over them.
@@ -822,7 +836,8 @@ class _Timer:
                 self._metrics.itl.observe(gap)
         self._last = now
 
-    def done(self, reply: _Reply) -> None:
+    def done(self, reply: _Reply) -> FinishedRequest:
+        e2e_s = self._clock() - self._arrival
         metrics = self._metrics
         metrics.prompt_tokens.inc(len(reply.parsed.prompt_token_ids))
         metrics.generation_tokens.inc(reply.num_output_tokens)
@@ -835,7 +850,17 @@ class _Timer:
             reason = reply.finish_reason.value
         metrics.requests_finished.labels(reason=reason).inc()
         if reply.finish_reason is not None and reply.error is None:
-            metrics.e2e.observe(self._clock() - self._arrival)
+            metrics.e2e.observe(e2e_s)
+        return FinishedRequest(
+            request_id=reply.request_id,
+            endpoint="chat" if reply.chat else "completions",
+            num_prompt_tokens=len(reply.parsed.prompt_token_ids),
+            num_cached_tokens=reply.num_cached_tokens,
+            num_output_tokens=reply.num_output_tokens,
+            ttft_s=self.ttft_s,
+            e2e_s=e2e_s,
+            finish_reason=reason,
+        )
 
 
 def api_middleware(metrics: ApiMetrics) -> Any:
