@@ -91,7 +91,8 @@ def test_sigterm_drains_in_flight_then_exits_0(daemon_factory: Callable[..., Any
         d.port,
         {
             "prompt": "drain me",
-            "max_tokens": 300,
+            # Long enough that the drain is still waiting for it when /ready is asked.
+            "max_tokens": 400,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
@@ -100,14 +101,14 @@ def test_sigterm_drains_in_flight_then_exits_0(daemon_factory: Callable[..., Any
     )
     first = next(events)
     d.signal(signal.SIGTERM)
-    if wait_draining(d.url):
-        # Refused for new work while the old one runs on (or already closed).
-        assert post_status(d.url + "/v1/completions", {"prompt": "late"}) in (503, None)
-        assert get_status(d.url + "/health") in (200, None)
+    assert wait_draining(d.url), "the 400-token request should still be running"
+    # Refused for new work while the old one runs on; still alive.
+    assert post_status(d.url + "/v1/completions", {"prompt": "late"}) == 503
+    assert get_status(d.url + "/health") == 200
     rest = list(events)
     conn.close()
     usage = rest[-1]["usage"]
-    assert usage["completion_tokens"] == 300
+    assert usage["completion_tokens"] == 400
     assert [e["choices"][0]["finish_reason"] for e in (first, *rest) if e["choices"]][
         -1
     ] == "length"
