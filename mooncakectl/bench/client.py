@@ -95,15 +95,15 @@ def synthetic_text(ids: Sequence[int]) -> str:
     return " ".join(_PIECES[t % n] + _PIECES[(t // n) % n] for t in ids)
 
 
-def tokenizer_text(path: str) -> Callable[[Sequence[int]], str]:
-    """Decoding with a tokenizer.json (the ``tokenizers`` package)."""
+def tokenizer_text(path: str) -> tuple[Callable[[Sequence[int]], str], int]:
+    """Decoding with a tokenizer.json (the ``tokenizers`` package), and its vocabulary size."""
     from tokenizers import Tokenizer
 
     try:
         tok = Tokenizer.from_file(path)
     except Exception as exc:  # tokenizers raises its own exception type
         raise ValueError(f"--tokenizer {path!r}: cannot load it ({exc})") from None
-    return lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+    return (lambda ids: tok.decode(list(ids), skip_special_tokens=False)), tok.get_vocab_size()
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,7 +76,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--vocab-size",
         type=int,
-        help=f"token ids are drawn below this (default: the server's, else {DEFAULT_VOCAB_SIZE})",
+        help=f"token ids are drawn below this (default: the server's or the tokenizer's, else {DEFAULT_VOCAB_SIZE})",
     )
     s.add_argument(
         "--max-model-len",
@@ -240,9 +240,10 @@ def _bench(args: argparse.Namespace, env: Env) -> int:
             args.trace_file,
             TraceSlice(args.trace_start, args.trace_count, args.trace_from_ms, args.trace_until_ms),
         )
-    text_of: Callable[[Sequence[int]], str] = (
-        tokenizer_text(args.tokenizer) if args.tokenizer else synthetic_text
-    )
+    text_of: Callable[[Sequence[int]], str] = synthetic_text
+    args.tokenizer_vocab = None
+    if args.tokenizer:
+        text_of, args.tokenizer_vocab = tokenizer_text(args.tokenizer)
     return asyncio.run(_run(args, env, plan, slo, percentiles, metric_names, text_of))
 
 
@@ -262,7 +263,7 @@ async def _run(
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
         info = await probe_server(session, base_url, args.model, args.timeout)
-        vocab = args.vocab_size or info.vocab_size or DEFAULT_VOCAB_SIZE
+        vocab = args.vocab_size or info.vocab_size or args.tokenizer_vocab or DEFAULT_VOCAB_SIZE
         requests = _workload(args, vocab)
         max_len = args.max_model_len or info.max_model_len
         if max_len:

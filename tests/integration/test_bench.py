@@ -7,6 +7,7 @@ per-request records of ``--result-json``.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import json
@@ -58,8 +59,10 @@ def check_metrics_against_records(result: dict[str, Any], percentiles: list[floa
         assert chunks == sorted(chunks) and chunks[0] >= r["start_s"]
         ttft.append((chunks[0] - r["start_s"]) * 1000)
         e2el.append((r["end_s"] - r["start_s"]) * 1000)
-        if r["output_tokens"] > 1:
-            tpot.append((e2el[-1] - ttft[-1]) / (r["output_tokens"] - 1))
+        # Without a usage report the output is counted in chunks.
+        n_out = r["output_tokens"] if r["output_tokens"] is not None else len(chunks)
+        if n_out > 1:
+            tpot.append((e2el[-1] - ttft[-1]) / (n_out - 1))
         itl += [(b - a) * 1000 for a, b in itertools.pairwise(chunks)]
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
         got = s["latency_ms"][name]
@@ -70,8 +73,12 @@ def check_metrics_against_records(result: dict[str, Any], percentiles: list[floa
         assert got["median"] == pytest.approx(percentile(values, 50))
     dur = s["duration_s"]
     assert dur >= max(r["end_s"] for r in done)
-    num_in = sum(r["prompt_tokens"] for r in done)
-    num_out = sum(r["output_tokens"] for r in done)
+    num_in = sum(
+        r["prompt_tokens"] if r["prompt_tokens"] is not None else r["prompt_len"] for r in done
+    )
+    num_out = sum(
+        r["output_tokens"] if r["output_tokens"] is not None else len(r["chunk_s"]) for r in done
+    )
     assert s["completed"] == len(done)
     assert s["request_throughput"] == pytest.approx(len(done) / dur)
     assert s["output_throughput"] == pytest.approx(num_out / dur)
@@ -271,3 +278,73 @@ def test_rejections_are_counted_apart_from_errors(daemon_factory: Any, tmp_path:
     assert s["completed"] == sum(1 for r in records if r["error_kind"] is None)
     assert s["completed"] + s["rejected"] + s["failed"] == 8
     assert "Rejected (429)" in printed
+
+
+async def test_a_plain_openai_server_gets_text_and_its_node_headers_are_read(
+    tmp_path: Path,
+) -> None:
+    """A server with none of our extensions: no token-id prompts, no usage, no
+    context length in /v1/models; it does send the node headers. A small
+    aiohttp app on loopback stands in for it (no other server runs here)."""
+    from aiohttp import web
+
+    from tests.hf_fixtures import VOCAB_SIZE, word_vocab, write_tokenizer
+
+    write_tokenizer(tmp_path)
+    prompts: list[str] = []
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "plain"}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not isinstance(body["prompt"], str):
+            return web.json_response({"error": {"message": "prompt must be text"}}, status=400)
+        prompts.append(body["prompt"])
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "x-mooncaked-prefill-node": "p-0",
+                "x-mooncaked-decode-node": f"d-{len(prompts) % 2}",
+            }
+        )
+        await resp.prepare(request)
+        for _ in range(body["max_tokens"]):
+            chunk = {"choices": [{"index": 0, "text": " x", "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        result, printed = await asyncio.to_thread(
+            bench,
+            f"http://127.0.0.1:{port}",
+            tmp_path,
+            "random",
+            "--num-prompts", "4",
+            "--random-input-len", "10",
+            "--random-output-len", "3",
+            "--tokenizer", str(tmp_path / "tokenizer.json"),
+        )  # fmt: skip
+    finally:
+        await runner.cleanup()
+    cfg, s = result["config"], result["summary"]
+    assert (cfg["prompt_format"], cfg["model"], cfg["vocab_size"]) == ("text", "plain", VOCAB_SIZE)
+    assert s["completed"] == 4 and s["cached_tokens"] is None
+    assert s["nodes"] == {"prefill": {"p-0": 4}, "decode": {"d-0": 2, "d-1": 2}}
+    assert "Prefill nodes" in printed and "Cached prompt tokens" not in printed
+    vocab = word_vocab()
+    by_len = sorted(r["prompt_len"] for r in timed(result))
+    # The tokenizer decoded each prompt to one known word per token id.
+    assert sorted(len(p.split()) for p in prompts) == by_len
+    assert all(w in vocab for p in prompts for w in p.split())
+    for r in timed(result):
+        assert r["output_tokens"] is None and len(r["chunk_s"]) == 3
+    check_metrics_against_records(result, [99])
