@@ -203,10 +203,9 @@ async def send_request(
             await _read_stream(resp, rec, clock, chat)
     except TimeoutError:
         rec.error_kind, rec.error = "timeout", f"no complete answer within {ep.timeout_s} s"
-        rec.end_s = None
     except aiohttp.ClientError as exc:
-        rec.error_kind, rec.error = "connection", (str(exc) or type(exc).__name__)[:300]
-        rec.end_s = None
+        rec.error_kind = "connection"
+        rec.error = (str(exc) or type(exc).__name__)[:_MAX_ERROR_CHARS]
 
 
 async def _read_stream(
@@ -232,7 +231,7 @@ async def _read_stream(
         if "error" in obj:
             rec.error_kind = "stream"
             err = obj["error"]
-            rec.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
+            rec.error = str(err.get("message") if isinstance(err, dict) else err)[:_MAX_ERROR_CHARS]
             return
         if _chunk_has_output(obj, chat):
             rec.chunk_s.append(now)

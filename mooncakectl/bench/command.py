@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -172,8 +173,6 @@ def _compare(args: argparse.Namespace, env: Env) -> int:
     labels = compare_mod.run_labels(args.results, results)
     if args.json:
         rows = compare_mod.compare_rows([r["summary"] for r in results])
-        import json
-
         env.stdout.write(json.dumps({"runs": labels, "rows": rows}, indent=1) + "\n")
         return ExitStatus.OK
     compare_mod.print_compare(env.stdout, results, labels, env.stdout_isatty)
@@ -259,8 +258,8 @@ async def _run(
     base_url = args.url.rstrip("/")
     if "://" not in base_url:
         base_url = "http://" + base_url
-    # One connection per request in flight, like a fleet of independent clients.
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    # No pool limit: aiohttp's default of 100 connections would cap the concurrency.
+    connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         info = await probe_server(session, base_url, args.model, args.timeout)
         vocab = args.vocab_size or info.vocab_size or args.tokenizer_vocab or DEFAULT_VOCAB_SIZE
@@ -348,8 +347,6 @@ async def _run(
 
         write_plots(result.records, result.duration_s, args.plot, label)
     if args.json:
-        import json
-
         env.stdout.write(json.dumps(data["summary"], indent=1) + "\n")
     else:
         title = f"mooncakectl bench: {label} ({info.model}, prompts as {fmt})"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -149,7 +150,8 @@ def write_plots(
     return written
 
 
-def _save(fig: object, path: Path, plt: object) -> Path:
-    fig.savefig(path, dpi=100)  # type: ignore[attr-defined]
-    plt.close(fig)  # type: ignore[attr-defined]
+def _save(fig: Any, path: Path, plt: Any) -> Path:
+    # Any: matplotlib is an optional extra, its types are not imported here.
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
     return path

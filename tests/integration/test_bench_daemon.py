@@ -348,3 +348,20 @@ async def test_a_plain_openai_server_gets_text_and_its_node_headers_are_read(
     for r in timed(result):
         assert r["output_tokens"] is None and len(r["chunk_s"]) == 3
     check_metrics_against_records(result, [99])
+
+
+def test_prompts_are_clipped_to_the_context(daemon: DaemonProcess, tmp_path: Path) -> None:
+    result, printed = bench(
+        daemon.url,
+        tmp_path,
+        "random",
+        "--num-prompts", "2",
+        "--random-input-len", "100",
+        "--random-output-len", "4",
+        "--max-model-len", "48",
+    )  # fmt: skip
+    s = result["summary"]
+    assert s["clipped"] == 2 and s["completed"] == 2
+    for r in timed(result):
+        assert r["clipped"] and r["prompt_tokens"] == 44 and r["output_tokens"] == 4
+    assert "Clipped to the context" in printed
