@@ -219,6 +219,8 @@ def _bench(args: argparse.Namespace, env: Env) -> int:
         raise ValueError(f"--vocab-size must be >= 2, got {args.vocab_size}")
     if not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if args.api == "chat" and args.prompt_format == "ids":
+        raise ValueError("--prompt-format ids needs --api completions: chat messages are text")
     trace_times = args.workload == "trace" and args.request_rate is None
     plan = LoadPlan(
         request_rate=math.inf if args.request_rate is None else args.request_rate,

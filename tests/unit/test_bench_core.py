@@ -426,3 +426,6 @@ def test_bad_option_values_name_the_option() -> None:
     env = make_env()
     assert run(["bench", "random", "--burstiness", "-1"], env) == ExitStatus.USAGE
     assert "--burstiness" in env.stderr.getvalue()  # type: ignore[attr-defined]
+    env = make_env()
+    assert run(["bench", "random", "--api", "chat", "--prompt-format", "ids"], env) == 2
+    assert "--prompt-format ids" in env.stderr.getvalue()  # type: ignore[attr-defined]
