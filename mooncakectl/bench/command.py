@@ -8,6 +8,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -36,7 +37,7 @@ from mooncakectl.bench.report import (
     result_json,
     write_result,
 )
-from mooncakectl.bench.trace import TraceSlice, read_trace
+from mooncakectl.bench.trace import TraceRecord, TraceSlice, read_trace
 from mooncakectl.bench.workloads import (
     DEFAULT_VOCAB_SIZE,
     BenchRequest,
@@ -184,7 +185,21 @@ def _stderr_tty(env: Env) -> bool:
     return bool(isatty and isatty())
 
 
-def _workload(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
+@dataclass(slots=True)
+class RunInputs:
+    """What the command line says, checked before the server is contacted."""
+
+    plan: LoadPlan
+    slo_ms: dict[str, float]
+    percentiles: list[float]
+    metric_names: list[str]
+    text_of: Callable[[Sequence[int]], str]
+    tokenizer_vocab: int | None = None
+    trace_records: list[TraceRecord] = field(default_factory=list)
+    trace_scale: TraceScale | None = None
+
+
+def _workload(args: argparse.Namespace, inp: RunInputs, vocab_size: int) -> list[BenchRequest]:
     if args.workload == "random":
         return random_requests(
             args.num_prompts,
@@ -205,9 +220,7 @@ def _workload(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
             vocab_size=vocab_size,
             seed=args.seed,
         )
-    return trace_requests(
-        args.trace_records, args.trace_scale, vocab_size=vocab_size, seed=args.seed
-    )
+    return trace_requests(inp.trace_records, inp.trace_scale, vocab_size=vocab_size, seed=args.seed)
 
 
 def _bench(args: argparse.Namespace, env: Env) -> int:
@@ -230,33 +243,25 @@ def _bench(args: argparse.Namespace, env: Env) -> int:
         duration_s=args.duration,
         seed=args.seed,
     )
+    inp = RunInputs(plan, slo, percentiles, metric_names, synthetic_text)
     if args.workload == "trace":
-        args.trace_scale = TraceScale(
+        inp.trace_scale = TraceScale(
             block_tokens=args.trace_block_tokens,
             input_scale=args.input_scale,
             output_scale=args.output_scale,
             time_scale=args.time_scale,
         )
-        args.trace_records = read_trace(
+        inp.trace_records = read_trace(
             args.trace_file,
             TraceSlice(args.trace_start, args.trace_count, args.trace_from_ms, args.trace_until_ms),
         )
-    text_of: Callable[[Sequence[int]], str] = synthetic_text
-    args.tokenizer_vocab = None
     if args.tokenizer:
-        text_of, args.tokenizer_vocab = tokenizer_text(args.tokenizer)
-    return asyncio.run(_run(args, env, plan, slo, percentiles, metric_names, text_of))
+        inp.text_of, inp.tokenizer_vocab = tokenizer_text(args.tokenizer)
+    return asyncio.run(_run(args, env, inp))
 
 
-async def _run(
-    args: argparse.Namespace,
-    env: Env,
-    plan: LoadPlan,
-    slo: dict[str, float],
-    percentiles: list[float],
-    metric_names: list[str],
-    text_of: Callable[[Sequence[int]], str],
-) -> int:
+async def _run(args: argparse.Namespace, env: Env, inp: RunInputs) -> int:
+    plan = inp.plan
     base_url = args.url.rstrip("/")
     if "://" not in base_url:
         base_url = "http://" + base_url
@@ -264,8 +269,8 @@ async def _run(
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         info = await probe_server(session, base_url, args.model, args.timeout)
-        vocab = args.vocab_size or info.vocab_size or args.tokenizer_vocab or DEFAULT_VOCAB_SIZE
-        requests = _workload(args, vocab)
+        vocab = args.vocab_size or info.vocab_size or inp.tokenizer_vocab or DEFAULT_VOCAB_SIZE
+        requests = _workload(args, inp, vocab)
         max_len = args.max_model_len or info.max_model_len
         if max_len:
             requests = fit_context(requests, max_len)
@@ -300,7 +305,7 @@ async def _run(
             async def send(
                 req: BenchRequest, rec: RequestRecord, clock: Callable[[], float]
             ) -> None:
-                await send_request(session, ep, req, rec, clock, text_of)
+                await send_request(session, ep, req, rec, clock, inp.text_of)
 
             result = await run_load(requests, plan, send, warmups=warmups, on_done=on_done)
 
@@ -308,9 +313,9 @@ async def _run(
         result.records,
         result.duration_s,
         not_sent=result.not_sent,
-        goodput_slo_ms=slo,
-        percentiles=percentiles,
-        metrics=metric_names,
+        goodput_slo_ms=inp.slo_ms,
+        percentiles=inp.percentiles,
+        metrics=inp.metric_names,
     )
     config: dict[str, Any] = {
         "label": label,
@@ -332,10 +337,10 @@ async def _run(
         "argv": sys.argv[1:],
     }
     if args.workload == "trace":
-        sc = args.trace_scale
+        sc = inp.trace_scale or TraceScale()
         config |= {
             "trace_file": args.trace_file,
-            "trace_lines": [args.trace_records[0].line, args.trace_records[-1].line],
+            "trace_lines": [inp.trace_records[0].line, inp.trace_records[-1].line],
             "trace_block_tokens": sc.block_tokens,
             "input_scale": sc.effective_input_scale,
             "output_scale": sc.output_scale,
