@@ -37,6 +37,14 @@ def _int_or_none(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
+def _error_text(raw: bytes) -> str:
+    try:
+        msg = str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        msg = raw.decode("utf-8", errors="replace").strip()
+    return msg[:_MAX_ERROR_CHARS]
+
+
 async def probe_server(
     session: aiohttp.ClientSession, base_url: str, model: str | None, timeout_s: float
 ) -> ServerInfo:
@@ -58,6 +66,9 @@ async def probe_server(
         except (ValueError, AttributeError):
             entries = []
     if model is None:
+        if status != 200:
+            # Not ready yet (503 while a model loads), or no such endpoint.
+            raise DaemonError(status, f"GET /v1/models: {_error_text(body)}; or pass --model")
         if not entries or not isinstance(entries[0].get("id"), str):
             raise DaemonError(status, f"{base_url}/v1/models lists no model; pass --model")
         model = str(entries[0]["id"])
@@ -158,14 +169,6 @@ def _read_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict) and isinstance(v := details.get("cached_tokens"), int):
         rec.cached_tokens = v
-
-
-def _error_text(raw: bytes) -> str:
-    try:
-        msg = str(json.loads(raw)["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        msg = raw.decode("utf-8", errors="replace").strip()
-    return msg[:_MAX_ERROR_CHARS]
 
 
 async def send_request(

@@ -429,3 +429,28 @@ def test_bad_option_values_name_the_option() -> None:
     env = make_env()
     assert run(["bench", "random", "--api", "chat", "--prompt-format", "ids"], env) == 2
     assert "--prompt-format ids" in env.stderr.getvalue()  # type: ignore[attr-defined]
+
+
+async def test_a_server_still_loading_is_named_with_its_answer() -> None:
+    from aiohttp import web
+
+    async def models(request: web.Request) -> web.Response:
+        body = {"error": {"message": "the model is still loading"}}
+        return web.json_response(body, status=503)
+
+    app = web.Application()
+    app.add_routes([web.get("/v1/models", models)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        env = make_env()
+        argv = ["bench", "random", "--url", f"http://127.0.0.1:{port}", "--num-prompts", "1"]
+        status = await asyncio.to_thread(run, argv, env)
+    finally:
+        await runner.cleanup()
+    assert status == ExitStatus.HTTP_ERROR
+    assert "503" in env.stderr.getvalue()  # type: ignore[attr-defined]
+    assert "still loading" in env.stderr.getvalue()  # type: ignore[attr-defined]
