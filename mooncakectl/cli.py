@@ -20,6 +20,7 @@ _COMMAND_MODULES = (
     "mooncakectl.cluster_cmds",
     "mooncakectl.cache_cmds",
     "mooncakectl.local",
+    "mooncakectl.bench.command",
 )
 
 EPILOG = """\

@@ -1,0 +1,14 @@
+"""``mooncakectl bench``: a load generator for OpenAI-compatible servers.
+
+Modules, imports running one way (top never imports from below):
+
+- ``trace``     Mooncake trace records: reading, validating, slicing (no I/O beyond the file)
+- ``workloads`` requests to send: random, prefix families, trace replay (token ids)
+- ``metrics``   per-request records -> the summary, as ``vllm bench serve`` defines it
+- ``client``    one streamed request over aiohttp; probing the server
+- ``load``      when to send: trace timestamps, Poisson with burstiness, concurrency cap
+- ``report``    summary table, progress bar, the result JSON
+- ``plot``      PNGs from a result (matplotlib, the ``plot`` extra)
+- ``compare``   several result JSONs side by side
+- ``command``   the ``bench`` subcommand wiring it together
+"""

@@ -1,0 +1,271 @@
+"""Per-request records and the summary, named and computed as ``vllm bench serve`` does.
+
+- TTFT: send -> first chunk carrying output text;
+- TPOT: (E2EL - TTFT) / (output tokens - 1), for requests with more than one token;
+- ITL: every gap between consecutive output chunks, pooled over requests;
+- E2EL: send -> last byte of the response;
+- throughputs over the run's duration (first send -> last request done);
+- goodput: completed requests per second that meet every ``--goodput`` SLO.
+
+What vLLM's bench lacks, added here: rejected requests (HTTP 429) apart from
+errors by kind, the SLO attainment over every request sent, the share of
+prompt tokens the server served from its cache, and the nodes that ran each
+phase when the server says so.
+
+Statistics of an empty sample are None (vLLM reports 0, which reads as a
+perfect latency when nothing completed).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+METRIC_NAMES = {
+    "ttft": "Time to first token",
+    "tpot": "Time per output token (excl. 1st)",
+    "itl": "Inter-token latency",
+    "e2el": "End-to-end latency",
+}
+REJECTED = "rejected"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request as the client saw it. Times are seconds on the run's clock
+    (0 = the run's start), so records of one run compare directly."""
+
+    index: int
+    group: str = ""
+    warmup: bool = False
+    prompt_len: int = 0
+    output_len: int = 0
+    clipped: bool = False
+    start_s: float = 0.0
+    end_s: float | None = None
+    # When each chunk with output text arrived; the first is the TTFT.
+    chunk_s: list[float] = field(default_factory=list)
+    status: int | None = None
+    # None on success; "rejected" (429), "http_<status>", "timeout", "connection", "stream".
+    error_kind: str | None = None
+    error: str | None = None
+    retry_after_s: float | None = None
+    # From the server's usage report, when it sends one.
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefill_node: str | None = None
+    decode_node: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_kind is None and self.end_s is not None
+
+    @property
+    def num_output_tokens(self) -> int:
+        # vLLM counts the usage report's tokens; without one, the chunks.
+        return self.output_tokens if self.output_tokens is not None else len(self.chunk_s)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_tokens if self.prompt_tokens is not None else self.prompt_len
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_s[0] - self.start_s if self.chunk_s else None
+
+    @property
+    def e2el(self) -> float | None:
+        return None if self.end_s is None else self.end_s - self.start_s
+
+    @property
+    def tpot(self) -> float | None:
+        ttft, e2el, n = self.ttft, self.e2el, self.num_output_tokens
+        if ttft is None or e2el is None or n <= 1:
+            return None
+        return (e2el - ttft) / (n - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(self.chunk_s)]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> RequestRecord:
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in obj.items() if k in names})
+
+
+def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
+    """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (ms)."""
+    out: dict[str, float] = {}
+    for spec in specs:
+        name, sep, value = spec.partition(":")
+        if not sep or name not in ("ttft", "tpot", "e2el"):
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {spec!r}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {spec!r}: {value!r} is not a number of ms") from None
+        if not ms > 0:
+            raise ValueError(f"--goodput {spec!r}: the SLO must be > 0 ms")
+        out[name] = ms
+    return out
+
+
+def parse_percentiles(text: str) -> list[float]:
+    out = []
+    for part in text.split(","):
+        try:
+            p = float(part)
+        except ValueError:
+            raise ValueError(f"--metric-percentiles: {part!r} is not a number") from None
+        if not 0.0 < p <= 100.0:
+            raise ValueError(f"--metric-percentiles: {part!r} is not in (0, 100]")
+        out.append(p)
+    return out
+
+
+def parse_metric_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if n not in METRICS:
+            raise ValueError(f"--percentile-metrics: unknown metric {n!r}; known: {list(METRICS)}")
+    return names
+
+
+def percentile_key(p: float) -> str:
+    return f"p{int(p) if float(p).is_integer() else p}"
+
+
+def meets_slo(rec: RequestRecord, slo_ms: Mapping[str, float]) -> bool:
+    """vLLM's rule: a request with one output token has TPOT 0."""
+    if not rec.ok:
+        return False
+    values = {
+        "ttft": rec.ttft,
+        "tpot": rec.tpot if rec.tpot is not None else 0.0,
+        "e2el": rec.e2el,
+    }
+    for name, limit in slo_ms.items():
+        v = values[name]
+        if v is None or v * 1000.0 > limit:
+            return False
+    return True
+
+
+def _stats(values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float | None]:
+    if not values_s:
+        return {"mean": None, "median": None, "std": None} | {
+            percentile_key(p): None for p in percentiles
+        }
+    a = np.asarray(values_s, dtype=np.float64) * 1000.0
+    out: dict[str, float | None] = {
+        "mean": float(a.mean()),
+        "median": float(np.median(a)),
+        "std": float(a.std()),
+    }
+    for p in percentiles:
+        out[percentile_key(p)] = float(np.percentile(a, p))
+    return out
+
+
+@dataclass(slots=True)
+class Summary:
+    duration_s: float
+    num_requests: int
+    completed: int
+    rejected: int
+    failed: int
+    errors: dict[str, int]
+    not_sent: int
+    clipped: int
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    request_goodput: float | None
+    slo_attainment: float | None
+    goodput_slo_ms: dict[str, float]
+    cached_tokens: int | None
+    cached_share: float | None
+    # metric -> {"mean"|"median"|"std"|"p99"...: ms}
+    latency_ms: dict[str, dict[str, float | None]]
+    # phase ("prefill", "decode") -> node -> requests; empty when no header was seen.
+    nodes: dict[str, dict[str, int]]
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        # vLLM's flat names too, so tools that read its JSON read ours.
+        for metric, stats in self.latency_ms.items():
+            for stat, value in stats.items():
+                out[f"{stat}_{metric}_ms"] = value
+        return out
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    *,
+    not_sent: int = 0,
+    goodput_slo_ms: Mapping[str, float] | None = None,
+    percentiles: Sequence[float] = (90.0, 99.0),
+    metrics: Sequence[str] = METRICS,
+) -> Summary:
+    """The summary of a run's timed requests (warm-up records are skipped)."""
+    timed = [r for r in records if not r.warmup]
+    done = [r for r in timed if r.ok]
+    errors = Counter(r.error_kind for r in timed if r.error_kind is not None)
+    rejected = errors.pop(REJECTED, 0)
+    failed = sum(errors.values())
+    dur = duration_s if duration_s > 0 else float("nan")
+
+    total_in = sum(r.num_prompt_tokens for r in done)
+    total_out = sum(r.num_output_tokens for r in done)
+    samples: dict[str, list[float]] = {
+        "ttft": [v for r in done if (v := r.ttft) is not None],
+        "tpot": [v for r in done if (v := r.tpot) is not None],
+        "itl": [v for r in done for v in r.itls],
+        "e2el": [v for r in done if (v := r.e2el) is not None],
+    }
+    slo = dict(goodput_slo_ms or {})
+    good = sum(1 for r in done if meets_slo(r, slo)) if slo else None
+    reported = [r for r in done if r.cached_tokens is not None]
+    cached = sum(r.cached_tokens or 0 for r in reported) if reported else None
+    reported_prompt = sum(r.num_prompt_tokens for r in reported)
+    nodes: dict[str, dict[str, int]] = {}
+    for phase in ("prefill", "decode"):
+        seen = Counter(n for r in timed if (n := getattr(r, f"{phase}_node")) is not None)
+        if seen:
+            nodes[phase] = dict(sorted(seen.items()))
+    return Summary(
+        duration_s=duration_s,
+        num_requests=len(timed),
+        completed=len(done),
+        rejected=rejected,
+        failed=failed,
+        errors=dict(sorted(errors.items())),
+        not_sent=not_sent,
+        clipped=sum(1 for r in timed if r.clipped),
+        total_input_tokens=total_in,
+        total_output_tokens=total_out,
+        request_throughput=len(done) / dur,
+        output_throughput=total_out / dur,
+        total_token_throughput=(total_in + total_out) / dur,
+        request_goodput=None if good is None else good / dur,
+        slo_attainment=None if good is None or not timed else good / len(timed),
+        goodput_slo_ms=slo,
+        cached_tokens=cached,
+        cached_share=(None if cached is None or reported_prompt == 0 else cached / reported_prompt),
+        latency_ms={m: _stats(samples[m], percentiles) for m in metrics},
+        nodes=nodes,
+    )

@@ -1,0 +1,128 @@
+"""Mooncake request traces: one JSON object a line.
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, ...]}
+
+``timestamp`` is the arrival in milliseconds, ``hash_ids`` are chained ids of
+the prompt's prefix blocks (512 tokens each in the released traces): equal
+ids at equal positions mean a shared prefix. This module only reads and
+slices records; turning them into tokens is ``workloads``' job, so the
+simulator can replay the same records without any HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Tokens per hash id in the traces Mooncake released.
+TRACE_BLOCK_TOKENS = 512
+
+
+class TraceError(ValueError):
+    """A trace line that cannot be used; the message names the file and line."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    # 1-based line number in the file, for messages and for the result JSON.
+    line: int
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def _field_int(obj: dict[str, Any], key: str, where: str, minimum: int) -> int:
+    if key not in obj:
+        raise TraceError(f"{where}: missing field {key!r}")
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise TraceError(f"{where}: {key!r} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def parse_line(text: str, line: int, source: str = "<trace>") -> TraceRecord:
+    where = f"{source}:{line}"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "timestamp" not in obj:
+        raise TraceError(f"{where}: missing field 'timestamp'")
+    ts = obj["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
+        raise TraceError(f"{where}: 'timestamp' must be a number of ms >= 0, got {ts!r}")
+    input_length = _field_int(obj, "input_length", where, 1)
+    output_length = _field_int(obj, "output_length", where, 0)
+    if "hash_ids" not in obj:
+        raise TraceError(f"{where}: missing field 'hash_ids'")
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) for h in ids
+    ):
+        raise TraceError(f"{where}: 'hash_ids' must be a list of integers, got {ids!r}")
+    return TraceRecord(line, float(ts), input_length, output_length, tuple(ids))
+
+
+def iter_trace(lines: Iterable[str], source: str = "<trace>") -> Iterator[TraceRecord]:
+    """Records in file order; blank lines are skipped, a bad line raises TraceError."""
+    for n, text in enumerate(lines, start=1):
+        if text.strip():
+            yield parse_line(text, n, source)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSlice:
+    """Which records to replay: skip ``start``, keep at most ``count``, and only
+    those whose timestamp falls in ``[window_start_ms, window_end_ms)``."""
+
+    start: int = 0
+    count: int | None = None
+    window_start_ms: float | None = None
+    window_end_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ValueError(f"--trace-start must be >= 0, got {self.start}")
+        if self.count is not None and self.count < 1:
+            raise ValueError(f"--trace-count must be >= 1, got {self.count}")
+        lo, hi = self.window_start_ms, self.window_end_ms
+        if lo is not None and hi is not None and hi <= lo:
+            raise ValueError(f"the trace time window [{lo}, {hi}) ms is empty")
+
+    def in_window(self, rec: TraceRecord) -> bool:
+        if self.window_start_ms is not None and rec.timestamp_ms < self.window_start_ms:
+            return False
+        return self.window_end_ms is None or rec.timestamp_ms < self.window_end_ms
+
+
+def read_trace(path: str | Path, sl: TraceSlice | None = None) -> list[TraceRecord]:
+    """The records of ``path`` selected by ``sl``. Only the lines up to the
+    last one kept are parsed (and validated): a slice of a huge trace is cheap."""
+    sl = sl or TraceSlice()
+    path = Path(path)
+    out: list[TraceRecord] = []
+    skipped = 0
+    try:
+        f = path.open(encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror}") from None
+    with f:
+        for rec in iter_trace(f, str(path)):
+            if not sl.in_window(rec):
+                continue
+            if skipped < sl.start:
+                skipped += 1
+                continue
+            out.append(rec)
+            if sl.count is not None and len(out) >= sl.count:
+                break
+    if not out:
+        raise TraceError(f"trace {str(path)!r}: no records in the selected slice")
+    return out
