@@ -64,7 +64,7 @@ if TYPE_CHECKING:
     from mooncaked.api.internal import InternalClient
     from mooncaked.cache.peer import LeaseDesk, PeerFetcher
     from mooncaked.cache.store import TieredStore
-    from mooncaked.cluster.gossip import ClusterService
+    from mooncaked.cluster.gossip.service import ClusterService
     from mooncaked.cluster.local import BlockEventBatcher, ClusterSnapshot
     from mooncaked.cluster.state import BlockEvent, ClusterView
     from mooncaked.engine.core import EngineCore, EngineStats
@@ -512,7 +512,7 @@ class Node:
         return None if snap is None else snap.status()
 
     async def _start_cluster(self) -> None:
-        from mooncaked.cluster.gossip import ClusterService
+        from mooncaked.cluster.gossip.service import ClusterService
         from mooncaked.cluster.local import LoadMeter
 
         engine = self._engine

@@ -53,7 +53,7 @@ from mooncaked.cluster.state import (
 if TYPE_CHECKING:
     from mooncaked.cache.hashing import BlockHash
     from mooncaked.cache.store import Tier as StoreTier
-    from mooncaked.cluster.gossip import ClusterService
+    from mooncaked.cluster.gossip.service import ClusterService
     from mooncaked.engine.core import EngineCore
     from mooncaked.engine.scheduler import Scheduler
 

@@ -1,6 +1,6 @@
 """What one node knows of the cluster: members, their state, and their cached blocks.
 
-Plain data, no I/O: the gossip layer (``gossip.py``) is the only writer; the
+Plain data, no I/O: the gossip package (``gossip/``) is the only writer; the
 Conductor, the admin API and the simulator read a ``ClusterView``.
 
 The cluster-wide block index is one replica per node, ``NodeBlocks``: a dict

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 
 from mooncaked.cluster import wire
-from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.gossip.service import ClusterService, DropPeers
 from mooncaked.cluster.state import BlockOp, LocalState, MemberStatus, NodeLoad, Tier
 from mooncaked.config import ClusterConfig
 
@@ -157,3 +158,49 @@ async def test_crashed_service_is_declared_dead_then_rejoins(
     st = s0.view.members["s2"].state
     assert st is not None and st.load.queued_prefill_tokens == 99
     assert s0.view.members["s2"].generation == again.core.generation
+
+
+async def test_a_packet_filter_partitions_one_node_until_it_is_removed(
+    trio: list[ClusterService],
+) -> None:
+    s0, s1, s2 = trio
+    # Everything s2 sends or receives from the others is lost, both ways, UDP and TCP.
+    s2.set_packet_filter(DropPeers(frozenset({"s0", "s1"})))
+    await wait_for(
+        lambda: (
+            s0.view.members["s2"].status is MemberStatus.DEAD
+            and s1.view.members["s2"].status is MemberStatus.DEAD
+            and s2.view.members["s0"].status is MemberStatus.DEAD
+            and s2.view.members["s1"].status is MemberStatus.DEAD
+        ),
+        FAST.probe_interval_s * 4 + FAST.suspect_timeout_s + 5,
+    )
+    assert s2.counters.dropped_blocked > 0
+    assert s0.counters.dropped_blocked == 0 and s1.counters.dropped_blocked == 0
+    s2.set_packet_filter(None)
+    await wait_for(lambda: all_alive(trio), 10)
+
+
+async def test_a_dead_protocol_loop_reaches_on_failure() -> None:
+    failures: list[BaseException] = []
+    failed = asyncio.Event()
+    broken = False
+
+    def clock() -> float:
+        if broken:
+            raise RuntimeError("clock source failed")
+        return time.monotonic()
+
+    def on_failure(exc: BaseException) -> None:
+        failures.append(exc)
+        failed.set()
+
+    service = ClusterService(FAST, "lone", SECRET, clock=clock, on_failure=on_failure)
+    await service.start()
+    try:
+        broken = True
+        # The loop reads the clock at its next deadline (a gossip interval away).
+        await asyncio.wait_for(failed.wait(), 10)
+    finally:
+        await service.close()
+    assert [str(e) for e in failures] == ["clock source failed"]
