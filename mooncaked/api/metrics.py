@@ -284,13 +284,14 @@ class _ClusterCollector(Collector):
         )
         dropped = CounterMetricFamily(
             "mooncaked_gossip_packets_dropped",
-            "Gossip packets dropped, by reason: forged (bad MAC), malformed, oversize, "
-            "blocked (a test partition).",
+            "Gossip packets dropped, by reason: forged (bad MAC), malformed, invalid "
+            "(a value out of bounds), oversize, blocked (a test partition).",
             labels=["reason"],
         )
         for reason, value in (
             ("forged", c.dropped_bad_mac),
             ("malformed", c.dropped_malformed),
+            ("invalid", c.dropped_invalid),
             ("oversize", c.dropped_oversize),
             ("blocked", c.dropped_blocked),
         ):

@@ -311,6 +311,7 @@ class ClusterSnapshot:
                 "received": c.packets_received,
                 "forged": c.dropped_bad_mac,
                 "garbage": c.dropped_malformed + c.dropped_oversize,
+                "invalid": c.dropped_invalid,
             },
         }
 

@@ -514,6 +514,8 @@ class ClusterCounters:
     dropped_oversize: int = 0
     dropped_bad_mac: int = 0
     dropped_malformed: int = 0
+    # Signed and well-formed, but a value out of bounds or a broken invariant.
+    dropped_invalid: int = 0
     dropped_blocked: int = 0
     dropped_broadcasts: int = 0
     handler_errors: int = 0

@@ -8,6 +8,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 
+import orjson
 import pytest
 
 from mooncaked.cluster import wire
@@ -204,3 +205,28 @@ async def test_a_dead_protocol_loop_reaches_on_failure() -> None:
     finally:
         await service.close()
     assert [str(e) for e in failures] == ["clock source failed"]
+
+
+async def test_one_signed_packet_at_the_top_incarnation_removes_no_one(
+    trio: list[ClusterService],
+) -> None:
+    s0, s1, s2 = trio
+    inc0 = s0.core.incarnation
+    insider = wire.Codec(SECRET, "s2")
+    attack = insider.seal(
+        [wire.msg_frame({"t": "suspect", "node": "s0", "inc": 2**64 - 1, "from": "s2"})]
+    )
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(attack, ("127.0.0.1", s1.gossip_port))
+        sock.sendto(attack, ("127.0.0.1", s0.gossip_port))
+    await wait_for(lambda: s0.counters.dropped_invalid == 1 and s1.counters.dropped_invalid == 1, 5)
+    # Accepted, the suspicion would show at once (s1 marks s0 suspect on receipt).
+    assert all_alive(trio) and s0.core.incarnation == inc0
+    assert s0.counters.handler_errors == 0 and s1.counters.handler_errors == 0
+    # What /admin/cluster serves still encodes, and the graceful leave still works.
+    for s in trio:
+        assert orjson.loads(orjson.dumps(s.view.to_json()))["self"] == s.node_id
+    await s0.leave()
+    await wait_for(
+        lambda: all(s.view.members["s0"].status is MemberStatus.LEFT for s in (s1, s2)), 5
+    )

@@ -163,14 +163,21 @@ class BlockReplication:
         self.check_lag(m)
         return result
 
-    def apply_pulled(self, node_id: str, pieces: Sequence[BlockDelta]) -> None:
-        """Applies the chunks of a pull reply from ``node_id``; raises WireError if they are not its."""
+    @staticmethod
+    def join_pulled(node_id: str, pieces: Sequence[BlockDelta]) -> BlockDelta | None:
+        """The one delta the chunks of a pull reply from ``node_id`` make up.
+
+        Raises WireError when they do not belong together or are not its.
+        """
         if not pieces:
-            return
-        delta = join_chunks(pieces)
+            return None
+        try:
+            delta = join_chunks(pieces)
+        except ValueError as exc:
+            raise wire.WireError(f"pull reply chunks: {exc}") from None
         if delta.node_id != node_id:
             raise wire.WireError("pull reply carries another node's blocks")
-        self.on_delta(delta)
+        return delta
 
     # ---------------------------------------------------------------- pulls
 

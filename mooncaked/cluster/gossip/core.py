@@ -25,8 +25,9 @@ itself carries what ties them together:
 
 from __future__ import annotations
 
+import contextlib
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,6 +335,9 @@ class GossipCore:
                 self.replication.on_delta(wire.decode_blocks(payload), payload)
             else:
                 raise wire.WireError(f"unknown frame kind {kind}")
+        except wire.BoundsError as exc:
+            self.counters.dropped_invalid += 1
+            log.debug("dropped invalid message", node=self.node_id, sender=sender, error=str(exc))
         except wire.WireError as exc:
             self.counters.dropped_malformed += 1
             log.debug("dropped malformed frame", node=self.node_id, sender=sender, error=str(exc))
@@ -355,21 +359,12 @@ class GossipCore:
         elif t == "preq":
             members.on_ping_req(sender, addr, msg)
         elif t == "alive":
-            members.on_alive(
-                wire.get_str(msg, "node"),
-                wire.get_int(msg, "inc"),
-                wire.get_int(msg, "gen"),
-                wire.get_addr(msg, "addr"),
-                wire.reframe(wire.FRAME_MSG, raw),
-            )
+            node_id, inc, gen, member_addr = wire.get_member(msg)
+            members.on_alive(node_id, inc, gen, member_addr, wire.reframe(wire.FRAME_MSG, raw))
         elif t == "suspect":
-            members.on_suspect(
-                wire.get_str(msg, "node"), wire.get_int(msg, "inc"), wire.get_str(msg, "from")
-            )
+            members.on_suspect(*_accusation(msg))
         elif t == "dead":
-            members.on_dead(
-                wire.get_str(msg, "node"), wire.get_int(msg, "inc"), wire.get_str(msg, "from")
-            )
+            members.on_dead(*_accusation(msg))
         elif t == "state":
             # Most state news arrives again and again: check before decoding it all.
             node_id = msg.get("node")
@@ -428,19 +423,29 @@ class GossipCore:
             raise wire.WireError(f"expected a {expect!r} message, got {msg['t']!r}")
         return sender, msg
 
+    @contextlib.contextmanager
+    def _invalid_counted(self) -> Iterator[None]:
+        try:
+            yield
+        except wire.BoundsError:
+            self.counters.dropped_invalid += 1
+            raise
+
     def handle_tcp_request(self, packet: bytes) -> list[bytes]:
         """Serves one TCP request (sync or pull); returns the reply packets.
 
-        Raises WireError for garbage or forgeries.
+        Raises WireError for garbage or forgeries (BoundsError, counted, for a
+        value out of bounds: nothing of such a request is applied).
         """
-        sender, msg = self.open_control(packet)
-        self._heard(sender)
-        if msg["t"] == "sync":
-            self.merge_sync(sender, msg)
-            self.counters.syncs_ok += 1
-            return [self.sync_packet("sync_reply")]
-        if msg["t"] == "pull":
-            return self.serve_pull(msg)
+        with self._invalid_counted():
+            sender, msg = self.open_control(packet)
+            self._heard(sender)
+            if msg["t"] == "sync":
+                self.merge_sync(sender, msg)
+                self.counters.syncs_ok += 1
+                return [self.sync_packet("sync_reply")]
+            if msg["t"] == "pull":
+                return self.serve_pull(msg)
         raise wire.WireError(f"unknown TCP request {msg['t']!r}")
 
     # --------------------------------------------------------------- pulls
@@ -453,17 +458,28 @@ class GossipCore:
         self.replication.pull_done(node_id, ok)
 
     def handle_pull_reply(self, node_id: str, packets: Sequence[bytes]) -> None:
-        """Applies the owner's answer to ``pull_request``; raises WireError if it is bad."""
+        """Applies the owner's answer to ``pull_request``; raises WireError if it is bad.
+
+        The whole reply is decoded before any of it is applied.
+        """
         if not packets:
             raise wire.WireError("empty pull reply")
-        _, msg = self.open_control(packets[0], node_id, expect="pulled")
-        st_obj = msg.get("state")
-        if not isinstance(st_obj, dict):
-            raise wire.WireError("pull reply without a state")
-        st = wire.state_from_json(st_obj)
-        if st.node_id != node_id:
-            raise wire.WireError("pull reply describes another node")
-        segments = wire.get_segments(msg, "seg")
+        with self._invalid_counted():
+            _, msg = self.open_control(packets[0], node_id, expect="pulled")
+            st_obj = msg.get("state")
+            if not isinstance(st_obj, dict):
+                raise wire.WireError("pull reply without a state")
+            st = wire.state_from_json(st_obj)
+            if st.node_id != node_id:
+                raise wire.WireError("pull reply describes another node")
+            segments = wire.get_segments(msg, "seg")
+            pieces: list[BlockDelta] = []
+            for packet in packets[1:]:
+                for kind, payload in self.open_tcp(packet, node_id)[1]:
+                    if kind != wire.FRAME_BLOCKS:
+                        raise wire.WireError("pull reply chunk is not a block delta")
+                    pieces.append(wire.decode_blocks(payload))
+            delta = self.replication.join_pulled(node_id, pieces)
         self._on_state(st)
         m = self.view.members.get(node_id)
         if (
@@ -473,13 +489,8 @@ class GossipCore:
         ):
             m.segments = segments
             m.segments_version = st.segments_version
-        pieces: list[BlockDelta] = []
-        for packet in packets[1:]:
-            for kind, payload in self.open_tcp(packet, node_id)[1]:
-                if kind != wire.FRAME_BLOCKS:
-                    raise wire.WireError("pull reply chunk is not a block delta")
-                pieces.append(wire.decode_blocks(payload))
-        self.replication.apply_pulled(node_id, pieces)
+        if delta is not None:
+            self.replication.on_delta(delta)
 
     def serve_pull(self, msg: Mapping[str, Any]) -> list[bytes]:
         """Answers a pull: our full state and segments, then block-index chunks."""
@@ -514,14 +525,18 @@ class GossipCore:
 
     def handle_sync_reply(self, packet: bytes, expect_sender: str | None) -> str:
         """Merges the reply of a sync we started; returns the peer's node id."""
-        sender, msg = self.open_control(packet, expect_sender, expect="sync_reply")
-        self._heard(sender)
-        self.merge_sync(sender, msg)
+        with self._invalid_counted():
+            sender, msg = self.open_control(packet, expect_sender, expect="sync_reply")
+            self._heard(sender)
+            self.merge_sync(sender, msg)
         self.counters.syncs_ok += 1
         return sender
 
     def merge_sync(self, sender: str, msg: Mapping[str, Any]) -> None:
         """Merges a remote member list; remote 'dead' is only taken as 'suspect'.
+
+        Every entry is decoded before any is applied: a list with one bad
+        entry is dropped whole (WireError), never half-merged.
 
         Alive and state news about third parties is applied but not passed on:
         the peer already spreads what it learned by gossip, and re-spreading a
@@ -529,57 +544,88 @@ class GossipCore:
         node. News about the peer itself (how a joiner becomes known) and
         every accusation (so the accused hears it and can refute) do spread.
         """
-        entries = msg.get("members")
-        if not isinstance(entries, list):
+        raw = msg.get("members")
+        if not isinstance(raw, list):
             raise wire.WireError("sync without a member list")
+        entries = [self._decode_sync_entry(e) for e in raw]
         members = self.members
         for e in entries:
-            if not isinstance(e, dict):
-                raise wire.WireError("sync member entry is not an object")
-            node_id = wire.get_str(e, "node")
-            inc = wire.get_int(e, "inc")
-            gen = wire.get_int(e, "gen")
-            addr = wire.get_addr(e, "addr")
-            status = e.get("status")
+            node_id = e.node_id
             spread = node_id == sender
-            if status == MemberStatus.ALIVE:
-                members.on_alive(node_id, inc, gen, addr, spread=spread)
-            elif status in (MemberStatus.SUSPECT, MemberStatus.DEAD):
-                members.on_suspect(node_id, inc, sender)
-            elif status == MemberStatus.LEFT:
-                members.on_dead(node_id, inc, node_id)
+            if e.status is MemberStatus.ALIVE:
+                members.on_alive(node_id, e.inc, e.gen, e.addr, spread=spread)
+            elif e.status is MemberStatus.LEFT:
+                members.on_dead(node_id, e.inc, node_id)
             else:
-                raise wire.WireError(f"unknown member status {status!r}")
-            st_obj = e.get("state")
-            if st_obj is None:
+                members.on_suspect(node_id, e.inc, sender)
+            if e.state is None:
                 continue
-            if not isinstance(st_obj, dict):
-                raise wire.WireError("sync member state is not an object")
-            m = self.view.members.get(node_id)
-            sver = wire.get_int(e, "sver")
-            if m is not None and _is_known_state(m, st_obj) and sver <= m.segments_version:
-                continue  # nothing new: skip decoding it
-            st = wire.state_from_json(st_obj)
-            if st.node_id != node_id:
-                raise wire.WireError("sync member state names another node")
-            self._on_state(st, spread=spread)
+            self._on_state(e.state, spread=spread)
             m = self.view.members.get(node_id)
             # The sender's copy of the segments, at the version it holds.
             if (
                 m is not None
                 and node_id != self.node_id
-                and m.generation == st.generation
-                and m.segments_version < sver
+                and m.generation == e.state.generation
+                and m.segments_version < e.sver
             ):
-                m.segments = wire.get_segments(e, "seg")
-                m.segments_version = sver
+                m.segments = e.segments
+                m.segments_version = e.sver
                 self.replication.check_lag(m)
+
+    def _decode_sync_entry(self, e: object) -> _SyncEntry:
+        if not isinstance(e, dict):
+            raise wire.WireError("sync member entry is not an object")
+        try:
+            status = MemberStatus(e.get("status"))
+        except ValueError:
+            raise wire.WireError(f"unknown member status {e.get('status')!r}") from None
+        node_id, inc, gen, addr = wire.get_member(e, accusation=status is not MemberStatus.ALIVE)
+        entry = _SyncEntry(node_id, inc, gen, addr, status)
+        st_obj = e.get("state")
+        if st_obj is None:
+            return entry
+        if not isinstance(st_obj, dict):
+            raise wire.WireError("sync member state is not an object")
+        entry.sver = wire.get_int(e, "sver")
+        m = self.view.members.get(node_id)
+        if m is not None and _is_known_state(m, st_obj) and entry.sver <= m.segments_version:
+            return entry  # nothing new: skip decoding it
+        entry.state = wire.state_from_json(st_obj)
+        if entry.state.node_id != node_id:
+            raise wire.WireError("sync member state names another node")
+        entry.segments = wire.get_segments(e, "seg")
+        return entry
 
     # ------------------------------------------------------------------ leave
 
     def leave(self) -> None:
         """Announces a graceful departure to every live member at once."""
         self.members.leave()
+
+
+@dataclass(slots=True)
+class _SyncEntry:
+    """One decoded member of a sync's list."""
+
+    node_id: str
+    inc: int
+    gen: int
+    addr: Addr
+    status: MemberStatus
+    # None when absent or no newer than ours (then it is not decoded).
+    state: NodeState | None = None
+    sver: int = 0
+    segments: tuple[dict[str, Any], ...] = ()
+
+
+def _accusation(msg: Mapping[str, Any]) -> tuple[str, int, str]:
+    """(accused node, its incarnation, accuser) of a suspect or dead message."""
+    return (
+        wire.get_str(msg, "node"),
+        wire.get_incarnation(msg, accusation=True),
+        wire.get_str(msg, "from"),
+    )
 
 
 def state_frame(st: NodeState) -> bytes:

@@ -304,6 +304,12 @@ class Membership:
         seq = wire.get_int(msg, "seq")
         target = wire.get_str(msg, "target")
         target_addr = wire.get_addr(msg, "addr")
+        m = self.view.members.get(target)
+        if m is None or target == self.node_id or m.addr != target_addr:
+            # Otherwise one signed packet would make this node ping any host:port.
+            raise wire.BoundsError(
+                f"ping-req for {target!r} at {target_addr[0]}:{target_addr[1]}: not a member there"
+            )
         self._seq += 1
         self._relays[self._seq] = (addr, seq, sender, self._clock() + self.config.probe_interval_s)
         self._send(
@@ -329,7 +335,13 @@ class Membership:
             self._members_changed()
 
     def _refute(self, inc: int) -> None:
-        self.incarnation = max(self.incarnation, inc) + 1
+        new = max(self.incarnation, inc) + 1
+        if new > wire.MAX_INCARNATION:
+            # Only an alive claim at the very top gets here (decoding keeps
+            # accusations below it): nobody would accept an answer.
+            log.warning("cannot outrank incarnation", node=self.node_id, incarnation=inc)
+            return
+        self.incarnation = new
         self.me.incarnation = self.incarnation
         self.counters.refutations += 1
         log.info("refuting suspicion", node=self.node_id, incarnation=self.incarnation)

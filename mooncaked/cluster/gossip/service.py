@@ -409,7 +409,7 @@ class ClusterService:
                 try:
                     head = await self._read_reply(reader, addr)
                     _, msg = self.core.open_control(head, node_id, expect="pulled")
-                    num_chunks = wire.get_int(msg, "chunks")
+                    num_chunks = wire.get_int(msg, "chunks", wire.MAX_PULL_CHUNKS)
                     packets = [head]
                     for _ in range(num_chunks):
                         packets.append(await self._read_reply(reader, addr))
@@ -446,7 +446,8 @@ class ClusterService:
                     return
                 await _write_packets(writer, replies)
         except wire.WireError as exc:
-            if not isinstance(exc, wire.AuthError):
+            # Forgeries and out-of-bounds values were counted by the core.
+            if not isinstance(exc, (wire.AuthError, wire.BoundsError)):
                 self.counters.dropped_malformed += 1
             log.debug("rejected TCP request", node=self.node_id, error=str(exc))
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
