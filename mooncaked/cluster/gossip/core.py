@@ -102,7 +102,7 @@ class GossipCore:
             queue=self._queue,
             datagram_budget=self._datagram_budget,
         )
-        self.members = Membership(
+        self.membership = Membership(
             config,
             self.view,
             clock=clock,
@@ -127,11 +127,11 @@ class GossipCore:
 
     @property
     def incarnation(self) -> int:
-        return self.members.incarnation
+        return self.membership.incarnation
 
     @property
     def leaving(self) -> bool:
-        return self.members.leaving
+        return self.membership.leaving
 
     @property
     def blocks(self) -> BlockLog:
@@ -165,9 +165,9 @@ class GossipCore:
 
     def bind(self, addr: Addr) -> None:
         """Sets the address peers reach this node at; call before any traffic."""
-        self.members.me.addr = addr
+        self.membership.me.addr = addr
         self._bump_state()
-        self.members.announce()
+        self.membership.announce()
 
     # ----------------------------------------------------------- local changes
 
@@ -192,7 +192,7 @@ class GossipCore:
         return True
 
     def set_segments(self, descriptors: Sequence[Mapping[str, Any]]) -> None:
-        me = self.members.me
+        me = self.membership.me
         self._segments = tuple(descriptors)
         self._segments_version += 1
         me.segments = self._segments
@@ -204,7 +204,7 @@ class GossipCore:
 
     def _self_state(self) -> NodeState:
         local = self._local
-        addr = self.members.me.addr
+        addr = self.membership.me.addr
         log_ = self.replication.log
         return NodeState(
             node_id=self.node_id,
@@ -224,18 +224,18 @@ class GossipCore:
     def _bump_state(self) -> None:
         self._state_version += 1
         st = self._self_state()
-        self.members.me.state = st
+        self.membership.me.state = st
         self._queue.put(("s", self.node_id, 0), state_frame(st))
 
     # ---------------------------------------------------------------- timers
 
     def next_deadline(self) -> float:
-        return min(self.members.next_deadline(), self._next_gossip, self._next_sync)
+        return min(self.membership.next_deadline(), self._next_gossip, self._next_sync)
 
     def on_timer(self) -> None:
         """Runs whatever is due at ``clock()``."""
         now = self._clock()
-        self.members.on_timer(now)
+        self.membership.on_timer(now)
         # Every timer that next_deadline() reports moves on here, leaving or
         # not: a deadline left in the past would spin the host's loop.
         if now >= self._next_gossip:
@@ -254,27 +254,27 @@ class GossipCore:
             self.replication.schedule_pulls(now)
         if not len(self._queue):
             return
-        peers = self.members.peers_up()
+        peers = self.membership.peers_up()
         k = min(self.config.gossip_fanout, len(peers))
         for m in self._rng.sample(peers, k):
             self._send(m.addr, [wire.msg_frame({"t": "g"})], m.node_id, require_news=True)
 
     def _sync_tick(self, now: float) -> None:
         members = self.view.members
-        up = self.members.peers_up()
+        up = self.membership.peers_up()
         if up:
             m = self._rng.choice(up)
             self.sync_requests.append(SyncTarget(m.addr, m.node_id))
         elif self.seeds:
             # Alone: keep knocking on the seeds (they may start after us).
             for addr in self.seeds:
-                if addr != self.members.me.addr:
+                if addr != self.membership.me.addr:
                     self.sync_requests.append(SyncTarget(addr, None, join=True))
         dead = [m for m in members.values() if m.status is MemberStatus.DEAD]
         if dead:
             m = self._rng.choice(dead)
             self.sync_requests.append(SyncTarget(m.addr, m.node_id))
-        self.members.reap(now)
+        self.membership.reap(now)
 
     # ------------------------------------------------------------------ send
 
@@ -294,7 +294,7 @@ class GossipCore:
                 frame = suspect_frame(to_node, m.incarnation, self.node_id)
                 frames = [*frames, frame]
                 budget -= len(frame)
-        news = self._queue.take(budget, self.members.retransmit_limit())
+        news = self._queue.take(budget, self.membership.retransmit_limit())
         if require_news and not news:
             return
         packet = self.codec.seal([*frames, *news])
@@ -349,22 +349,22 @@ class GossipCore:
 
     def _handle_msg(self, sender: str, addr: Addr, msg: dict[str, Any], raw: memoryview) -> None:
         t = msg["t"]
-        members = self.members
+        swim = self.membership
         if t == "g":
             return
         if t == "ping":
-            members.on_ping(sender, addr, msg)
+            swim.on_ping(sender, addr, msg)
         elif t == "ack":
-            members.on_ack(msg)
+            swim.on_ack(msg)
         elif t == "preq":
-            members.on_ping_req(sender, addr, msg)
+            swim.on_ping_req(sender, addr, msg)
         elif t == "alive":
             node_id, inc, gen, member_addr = wire.get_member(msg)
-            members.on_alive(node_id, inc, gen, member_addr, wire.reframe(wire.FRAME_MSG, raw))
+            swim.on_alive(node_id, inc, gen, member_addr, wire.reframe(wire.FRAME_MSG, raw))
         elif t == "suspect":
-            members.on_suspect(*_accusation(msg))
+            swim.on_suspect(*_accusation(msg))
         elif t == "dead":
-            members.on_dead(*_accusation(msg))
+            swim.on_dead(*_accusation(msg))
         elif t == "state":
             # Most state news arrives again and again: check before decoding it all.
             node_id = msg.get("node")
@@ -497,7 +497,7 @@ class GossipCore:
         chunks = self.replication.chunks_since(wire.get_int(msg, "gen"), wire.get_int(msg, "since"))
         head = {
             "t": "pulled",
-            "state": wire.state_to_json(self.members.me.state or self._self_state()),
+            "state": wire.state_to_json(self.membership.me.state or self._self_state()),
             "seg": list(self._segments),
             "chunks": len(chunks),
         }
@@ -548,16 +548,16 @@ class GossipCore:
         if not isinstance(raw, list):
             raise wire.WireError("sync without a member list")
         entries = [self._decode_sync_entry(e) for e in raw]
-        members = self.members
+        swim = self.membership
         for e in entries:
             node_id = e.node_id
             spread = node_id == sender
             if e.status is MemberStatus.ALIVE:
-                members.on_alive(node_id, e.inc, e.gen, e.addr, spread=spread)
+                swim.on_alive(node_id, e.inc, e.gen, e.addr, spread=spread)
             elif e.status is MemberStatus.LEFT:
-                members.on_dead(node_id, e.inc, node_id)
+                swim.on_dead(node_id, e.inc, node_id)
             else:
-                members.on_suspect(node_id, e.inc, sender)
+                swim.on_suspect(node_id, e.inc, sender)
             if e.state is None:
                 continue
             self._on_state(e.state, spread=spread)
@@ -601,7 +601,7 @@ class GossipCore:
 
     def leave(self) -> None:
         """Announces a graceful departure to every live member at once."""
-        self.members.leave()
+        self.membership.leave()
 
 
 @dataclass(slots=True)
