@@ -350,10 +350,10 @@ class ClusterService:
             raise
         return reader, writer
 
-    async def _read_reply(self, reader: asyncio.StreamReader, addr: Addr) -> bytes:
+    async def _read_filtered(self, reader: asyncio.StreamReader, addr: Addr) -> bytes:
         packet = await _read_packet(reader, self.config.max_sync_bytes)
         if not self._passes(Direction.IN, wire.peek_sender(packet), addr, packet):
-            raise _Dropped(f"packet filter dropped the reply from {addr}")
+            raise _Dropped(f"packet filter dropped a message from {addr}")
         return packet
 
     async def _sync_task(self, target: SyncTarget) -> None:
@@ -371,7 +371,7 @@ class ClusterService:
                 request = self.core.sync_packet("sync", target.join)
                 reader, writer = await self._exchange(target.addr, peer, request)
                 try:
-                    reply = await self._read_reply(reader, target.addr)
+                    reply = await self._read_filtered(reader, target.addr)
                     self.core.handle_sync_reply(reply, target.node_id)
                 finally:
                     writer.close()
@@ -407,12 +407,12 @@ class ClusterService:
                     addr, node_id, self.core.pull_request(node_id)
                 )
                 try:
-                    head = await self._read_reply(reader, addr)
+                    head = await self._read_filtered(reader, addr)
                     _, msg = self.core.open_control(head, node_id, expect="pulled")
                     num_chunks = wire.get_int(msg, "chunks", wire.MAX_PULL_CHUNKS)
                     packets = [head]
                     for _ in range(num_chunks):
-                        packets.append(await self._read_reply(reader, addr))
+                        packets.append(await self._read_filtered(reader, addr))
                 finally:
                     writer.close()
             self.core.handle_pull_reply(node_id, packets)
@@ -438,7 +438,7 @@ class ClusterService:
             async with asyncio.timeout(self.config.sync_timeout_s * 4):
                 peername = writer.get_extra_info("peername")
                 addr: Addr = (peername[0], peername[1]) if peername else ("", 0)
-                packet = await self._read_reply(reader, addr)
+                packet = await self._read_filtered(reader, addr)
                 replies = self.core.handle_tcp_request(packet)
                 if replies and not self._passes(
                     Direction.OUT, wire.peek_sender(packet), addr, replies[0]
