@@ -71,7 +71,7 @@ from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher
 from mooncaked.cache.service import KVCache
 from mooncaked.cache.store import TieredStore
-from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.holders import ClusterHolders
 from mooncaked.cluster.load import LoadMeter
 from mooncaked.cluster.member import ClusterMember
@@ -491,6 +491,7 @@ class Node:
             pool=engine.pool,
             store=self.store,
             segments=segments,
+            on_failure=self.fail,
         )
         async with member:
             self._member = member

@@ -40,7 +40,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from mooncaked.cluster import wire
-from mooncaked.cluster.gossip import ClusterService, GossipCore
+from mooncaked.cluster.gossip.core import GossipCore
+from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.state import (
     BlockLog,
     BlockOp,

@@ -304,12 +304,13 @@ CLUSTER_METRICS: tuple[Spec, ...] = (
     Spec(
         "mooncaked_gossip_packets_dropped",
         "Gossip packets dropped, by reason: forged (bad MAC), malformed, oversize, "
-        "blocked (a test partition).",
+        "blocked (a test partition), invalid (a field out of bounds).",
         lambda snap: {
             "forged": snap.counters.dropped_bad_mac,
             "malformed": snap.counters.dropped_malformed,
             "oversize": snap.counters.dropped_oversize,
             "blocked": snap.counters.dropped_blocked,
+            "invalid": snap.counters.dropped_invalid,
         },
         counter=True,
         label="reason",

@@ -29,7 +29,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.routes import cluster_routes
 from mooncaked.cluster.state import LocalState
 from mooncaked.config import Config, ConfigError, apply_flags, load_config

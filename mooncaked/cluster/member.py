@@ -12,12 +12,12 @@ suspecting it for seconds), close the sockets.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from mooncaked.cluster.events import BlockEventBatcher
-from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.load import LoadMeter
 from mooncaked.cluster.state import BlockEvent, BlockOp, ClusterView
 from mooncaked.cluster.status import ClusterSnapshot, cluster_snapshot
@@ -39,8 +39,12 @@ class ClusterMember:
         pool: BlockPool,
         store: TieredStore | None = None,
         segments: Sequence[Mapping[str, Any]] = (),
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
-        self.service = ClusterService(config, node_id, secret, local_state=meter)
+        """``on_failure`` hears of a gossip loop that died."""
+        self.service = ClusterService(
+            config, node_id, secret, local_state=meter, on_failure=on_failure
+        )
         self._pool = pool
         self._store = store
         self._segments = list(segments)

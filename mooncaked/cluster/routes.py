@@ -28,7 +28,7 @@ import orjson
 from aiohttp import web
 
 from mooncaked.cache.hashing import parse_hex_hashes
-from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.gossip.service import ClusterService, DropPeers
 from mooncaked.cluster.state import ALL_TIERS_MASK, BlockOp, tier_mask
 
 _MAX_HASHES = 1 << 20
@@ -135,7 +135,7 @@ def cluster_routes(service: ServiceRef, *, test_hooks: bool = False) -> list[web
         peers = data.get("peers")
         if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
             return _bad("'peers' must be a list of node ids")
-        svc.set_blocked_peers(peers)
+        svc.set_packet_filter(DropPeers(frozenset(peers)) if peers else None)
         return _json({"blocked": sorted(peers)})
 
     routes = [

@@ -1,6 +1,6 @@
 """What one node knows of the cluster: members, their state, and their cached blocks.
 
-Plain data, no I/O: the gossip layer (``gossip.py``) is the only writer; the
+Plain data, no I/O: the gossip package (``gossip/``) is the only writer; the
 Conductor, the admin API and the simulator read a ``ClusterView``.
 
 The cluster-wide block index is one replica per node, ``NodeBlocks``: a dict
@@ -507,6 +507,8 @@ class ClusterCounters:
     dropped_oversize: int = 0
     dropped_bad_mac: int = 0
     dropped_malformed: int = 0
+    # Signed and well-formed, but a value out of bounds or a broken invariant.
+    dropped_invalid: int = 0
     dropped_blocked: int = 0
     dropped_broadcasts: int = 0
     handler_errors: int = 0

@@ -10,7 +10,7 @@ from mooncaked.cluster.events import BlockEventBatcher
 from mooncaked.cluster.state import ClusterCounters, MemberStatus
 
 if TYPE_CHECKING:
-    from mooncaked.cluster.gossip import ClusterService
+    from mooncaked.cluster.gossip.service import ClusterService
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +46,7 @@ class ClusterSnapshot:
                 "received": c.packets_received,
                 "forged": c.dropped_bad_mac,
                 "garbage": c.dropped_malformed + c.dropped_oversize,
+                "invalid": c.dropped_invalid,
             },
         }
 

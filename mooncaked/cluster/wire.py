@@ -13,8 +13,11 @@ the traffic and must decode at millions of entries per second.
 
 Every decoder validates types and lengths and raises ``WireError`` (a
 ValueError) on anything else: the caller counts and drops, it never crashes.
-Replays are not detected; they are harmless because every accepted update is
-ordered by incarnation or version.
+Every number is bounded too (``BoundsError``, a WireError the caller counts
+apart from garbage): a signed peer must not be able to plant a value that
+breaks an invariant later, such as an incarnation whose refutation (one
+more) no longer encodes. Replays are not detected; they are harmless because
+every accepted update is ordered by incarnation or version.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 import orjson
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES
-from mooncaked.cluster.state import BlockDelta, NodeLoad, NodeState
+from mooncaked.cluster.state import ALL_TIERS_MASK, BlockDelta, NodeLoad, NodeState
 
 MAC_BYTES = 16
 MAGIC = b"MG"
@@ -43,6 +46,19 @@ _DELTA_HEAD = struct.Struct("<QQQIIB")
 # A TCP message is prefixed with its length.
 TCP_LEN = struct.Struct("<I")
 
+# The largest integer any field may carry: every JSON reader holds it exactly,
+# and counting up from it (a version, a sequence number) still encodes.
+MAX_COUNT = 2**53 - 1
+# Incarnations and generations (a process starts both at its start time in
+# milliseconds, ~2^41). An accusation (suspect, dead) may name at most
+# MAX_INCARNATION - 1, so that the accused's refutation, one more, is itself
+# a valid incarnation everywhere.
+MAX_INCARNATION = MAX_COUNT
+# Chunks one pull reply may announce (each up to ``max_sync_bytes``).
+MAX_PULL_CHUNKS = 1 << 16
+# Bytes whose value is a valid tier mask.
+_VALID_MASKS = bytes(range(ALL_TIERS_MASK + 1))
+
 
 class WireError(ValueError):
     """A packet or frame that is malformed, oversized or not authentic."""
@@ -50,6 +66,10 @@ class WireError(ValueError):
 
 class AuthError(WireError):
     """The MAC did not match: a forgery, a corruption, or another cluster's secret."""
+
+
+class BoundsError(WireError):
+    """A well-formed message with a value out of bounds, or one that breaks an invariant."""
 
 
 def derive_key(secret: bytes) -> bytes:
@@ -92,16 +112,7 @@ class Codec:
         mac = hashlib.blake2b(body, key=self._key, digest_size=MAC_BYTES).digest()
         if not hmac.compare_digest(mac, view[:MAC_BYTES]):
             raise AuthError("bad MAC")
-        if body[:2] != MAGIC or body[2] != WIRE_VERSION:
-            raise WireError("unknown magic or wire version")
-        id_len = body[3]
-        pos = 4 + id_len
-        if id_len == 0 or pos > len(body):
-            raise WireError("bad sender id")
-        try:
-            sender = bytes(body[4:pos]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise WireError("sender id is not UTF-8") from None
+        sender, pos = _read_header(body)
         frames: list[tuple[int, memoryview]] = []
         end = len(body)
         while pos < end:
@@ -116,9 +127,42 @@ class Codec:
         return sender, frames
 
 
+def _read_header(body: memoryview) -> tuple[str, int]:
+    """The sender id of a packet body (after the MAC), and where its frames start."""
+    if body[:2] != MAGIC or body[2] != WIRE_VERSION:
+        raise WireError("unknown magic or wire version")
+    id_len = body[3]
+    pos = 4 + id_len
+    if id_len == 0 or pos > len(body):
+        raise WireError("bad sender id")
+    try:
+        sender = bytes(body[4:pos]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise WireError("sender id is not UTF-8") from None
+    return sender, pos
+
+
+def peek_sender(packet: bytes) -> str | None:
+    """The sender id a packet claims, NOT verified (None if it names none).
+
+    For packet filters that stage partitions in tests; trust only ``Codec.open``.
+    """
+    if len(packet) < MAC_BYTES + 4:
+        return None
+    try:
+        return _read_header(memoryview(packet)[MAC_BYTES:])[0]
+    except WireError:
+        return None
+
+
 def msg_frame(obj: Mapping[str, Any]) -> bytes:
     payload = orjson.dumps(obj)
     return FRAME_HEAD.pack(FRAME_MSG, len(payload)) + payload
+
+
+def reframe(kind: int, payload: memoryview) -> bytes:
+    """A received frame as bytes again, to pass it on unchanged."""
+    return FRAME_HEAD.pack(kind, len(payload)) + bytes(payload)
 
 
 def blocks_frame(delta: BlockDelta) -> bytes:
@@ -176,15 +220,20 @@ def decode_blocks(payload: memoryview) -> BlockDelta:
     if len(payload) - pos != n * (BLOCK_HASH_BYTES + 1):
         raise WireError("block frame length does not match its entry count")
     if n_up > n or from_v > to_v or flags > 1:
-        raise WireError("inconsistent block frame header")
+        raise BoundsError("inconsistent block frame header")
+    if not 0 < generation <= MAX_INCARNATION or to_v > MAX_COUNT:
+        raise BoundsError(f"block frame generation {generation} or version {to_v} out of bounds")
     split = pos + n * BLOCK_HASH_BYTES
+    masks = bytes(payload[split:])
+    if masks.translate(None, _VALID_MASKS):
+        raise BoundsError("block frame carries a tier mask beyond the known tiers")
     return BlockDelta(
         node_id,
         generation,
         from_v,
         to_v,
         bytes(payload[pos:split]),
-        bytes(payload[split:]),
+        masks,
         n_up,
         is_snapshot=bool(flags),
     )
@@ -200,17 +249,45 @@ def get_str(obj: Mapping[str, Any], key: str) -> str:
     return v
 
 
-def get_int(obj: Mapping[str, Any], key: str) -> int:
+def get_int(obj: Mapping[str, Any], key: str, maximum: int = MAX_COUNT, minimum: int = 0) -> int:
     v = obj.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise WireError(f"field {key!r} must be a non-negative integer")
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise WireError(f"field {key!r} must be an integer")
+    if not minimum <= v <= maximum:
+        raise BoundsError(f"field {key!r} = {v} is outside {minimum}..{maximum}")
     return v
 
 
-def get_float(obj: Mapping[str, Any], key: str) -> float:
+def get_incarnation(obj: Mapping[str, Any], key: str = "inc", *, accusation: bool = False) -> int:
+    """An incarnation; one in an accusation stays below the top so its refutation is valid."""
+    return get_int(obj, key, MAX_INCARNATION - 1 if accusation else MAX_INCARNATION)
+
+
+def get_generation(obj: Mapping[str, Any], key: str = "gen") -> int:
+    return get_int(obj, key, MAX_INCARNATION, minimum=1)
+
+
+def get_member(
+    obj: Mapping[str, Any], *, accusation: bool = False
+) -> tuple[str, int, int, tuple[str, int]]:
+    """(node id, incarnation, generation, address) of an alive message or a sync entry."""
+    node_id = get_str(obj, "node")
+    inc = get_incarnation(obj, accusation=accusation)
+    gen = get_generation(obj)
+    if inc < gen:
+        # A process starts its incarnation at its generation and only raises it.
+        raise BoundsError(f"incarnation {inc} of {node_id!r} is below its generation {gen}")
+    return node_id, inc, gen, get_addr(obj, "addr")
+
+
+def get_float(
+    obj: Mapping[str, Any], key: str, minimum: float = 0.0, maximum: float = float(MAX_COUNT)
+) -> float:
     v = obj.get(key)
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise WireError(f"field {key!r} must be a number")
+    if not minimum <= v <= maximum:
+        raise BoundsError(f"field {key!r} = {v} is outside {minimum}..{maximum}")
     return float(v)
 
 
@@ -220,10 +297,13 @@ def get_addr(obj: Mapping[str, Any], key: str) -> tuple[str, int]:
         not isinstance(v, list)
         or len(v) != 2
         or not isinstance(v[0], str)
+        or not v[0]
         or not isinstance(v[1], int)
-        or not 0 < v[1] < 65536
+        or isinstance(v[1], bool)
     ):
         raise WireError(f"field {key!r} must be [host, port]")
+    if not 0 < v[1] < 65536:
+        raise BoundsError(f"field {key!r}: port {v[1]} is outside 1..65535")
     return (v[0], v[1])
 
 
@@ -270,7 +350,7 @@ def state_from_json(obj: Mapping[str, Any]) -> NodeState:
     load_obj = {"a": load[0], "b": load[1], "c": load[2], "d": load[3]}
     return NodeState(
         node_id=get_str(obj, "node"),
-        generation=get_int(obj, "gen"),
+        generation=get_generation(obj),
         version=get_int(obj, "ver"),
         gossip_addr=get_str(obj, "gaddr"),
         role=role,
@@ -280,7 +360,8 @@ def state_from_json(obj: Mapping[str, Any]) -> NodeState:
         load=NodeLoad(
             get_int(load_obj, "a"),
             get_int(load_obj, "b"),
-            get_float(load_obj, "c"),
+            # KV usage is a fraction of the pool; the queue forecast is seconds.
+            get_float(load_obj, "c", maximum=1.0),
             get_float(load_obj, "d"),
         ),
         block_version=get_int(obj, "bver"),

@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 
 from mooncaked.cluster import wire
-from mooncaked.cluster.gossip import GossipCore
-from mooncaked.cluster.state import BlockOp, LocalState, MemberStatus, NodeLoad, Tier
+from mooncaked.cluster.gossip.core import GossipCore
+from mooncaked.cluster.state import BlockDelta, BlockOp, LocalState, MemberStatus, NodeLoad, Tier
 from mooncaked.config import ClusterConfig
 
 SECRET = b"test-cluster-secret"
@@ -36,6 +36,8 @@ class SimNet:
         self.clock = FakeClock()
         self.cores: dict[Addr, GossipCore] = {}
         self.down: set[str] = set()
+        # Pairs of nodes that cannot reach each other (a partition).
+        self.cut: set[frozenset[str]] = set()
         self.paused: dict[str, list[tuple[bytes, Addr]]] = {}
         self.loads: dict[str, LocalState] = {}
         # Status history per (observer, target): what each node believed, in order.
@@ -82,6 +84,8 @@ class SimNet:
         dst = self.cores.get(addr)
         if dst is None or dst.node_id in self.down or not self.up(src):
             return None
+        if frozenset((src.node_id, dst.node_id)) in self.cut:
+            return None
         return dst
 
     def deliver(self) -> None:
@@ -116,12 +120,8 @@ class SimNet:
         if dst is None or dst.node_id in self.paused:
             src.counters.syncs_failed += 1
             return False
-        try:
-            replies = dst.handle_tcp_request(src.sync_packet("sync", join))
-            src.handle_sync_reply(replies[0], node_id)
-        except PermissionError:
-            src.counters.syncs_failed += 1
-            return False
+        replies = dst.handle_tcp_request(src.sync_packet("sync", join))
+        src.handle_sync_reply(replies[0], node_id)
         return True
 
     def _pull(self, src: GossipCore, node_id: str) -> None:
@@ -130,12 +130,8 @@ class SimNet:
         if dst is None or dst.node_id in self.paused:
             src.pull_done(node_id, False)
             return
-        try:
-            replies = dst.handle_tcp_request(src.pull_request(node_id))
-            src.handle_pull_reply(node_id, replies)
-        except PermissionError:
-            src.pull_done(node_id, False)
-            return
+        replies = dst.handle_tcp_request(src.pull_request(node_id))
+        src.handle_pull_reply(node_id, replies)
         src.pull_done(node_id, True)
 
     def _record(self) -> None:
@@ -404,10 +400,7 @@ def test_burst_too_big_for_datagrams_is_pulled() -> None:
 def test_partition_heals_after_it_ends() -> None:
     net = make_cluster(5, replace(CONFIG, sync_interval_s=1.0))
     a, b = ["n0", "n1", "n2"], ["n3", "n4"]
-    for n in a:
-        net.core(n).blocked = frozenset(b)
-    for n in b:
-        net.core(n).blocked = frozenset(a)
+    net.cut = {frozenset((x, y)) for x in a for y in b}
     net.run_until(
         lambda: (
             all(net.status(x, y) is MemberStatus.DEAD for x in a for y in b)
@@ -415,8 +408,7 @@ def test_partition_heals_after_it_ends() -> None:
         ),
         15,
     )
-    for core in net.cores.values():
-        core.blocked = frozenset()
+    net.cut.clear()
     net.run_until(lambda: all(net.all_see(f"n{i}", MemberStatus.ALIVE) for i in range(5)), 15)
 
 
@@ -511,7 +503,7 @@ def test_a_late_timer_judges_no_one() -> None:
 
 
 def test_broadcast_queue_order_replacement_limit_and_bound() -> None:
-    from mooncaked.cluster.gossip import BroadcastQueue
+    from mooncaked.cluster.gossip.queue import BroadcastQueue
     from mooncaked.cluster.state import ClusterCounters
 
     counters = ClusterCounters()
@@ -532,3 +524,180 @@ def test_broadcast_queue_order_replacement_limit_and_bound() -> None:
     for i in range(5):
         q.put(("s", f"n{i}", 0), f"S{i}".encode())
     assert len(q) == 3 and counters.dropped_broadcasts == 2
+
+
+# -- hostile messages that carry a valid signature ------------------------------------------
+
+TOP = 2**64 - 1  # the largest integer the JSON codec still writes
+
+
+def signed(net: SimNet, sender: str, *messages: dict[str, object]) -> bytes:
+    return net.core(sender).codec.seal([wire.msg_frame(m) for m in messages])
+
+
+def digest(core: GossipCore) -> dict[str, object]:
+    """What a message may change in a view (last_heard aside: any packet refreshes it)."""
+    return {
+        "members": {
+            n: (m.status, m.incarnation, m.generation, m.addr, m.state, m.segments_version)
+            for n, m in core.view.members.items()
+        },
+        "blocks": {n: (b.generation, b.version, len(b)) for n, b in core.view.blocks.items()},
+        "incarnation": core.incarnation,
+    }
+
+
+def test_a_suspicion_at_the_top_incarnation_is_dropped_not_fatal() -> None:
+    # The attack: the target could never refute (inc + 1 does not encode), so
+    # every node would declare it dead and its status and leave would fail.
+    net = make_cluster(3)
+    n0, n1 = net.core("n0"), net.core("n1")
+    inc0 = n0.incarnation
+    attack = signed(net, "n2", {"t": "suspect", "node": "n0", "inc": TOP, "from": "n2"})
+    n1.on_datagram(attack, net.addr_of("n2"))  # a third party, which would spread it
+    n0.on_datagram(attack, net.addr_of("n2"))  # and the target itself
+    assert n1.counters.dropped_invalid == 1 and n0.counters.dropped_invalid == 1
+    assert n0.incarnation == inc0
+    assert n1.view.members["n0"].incarnation == inc0
+    net.run_for(2 * CONFIG.suspect_timeout_s)
+    assert net.all_see("n0", MemberStatus.ALIVE)
+    n0.leave()
+    net.deliver()
+    assert net.all_see("n0", MemberStatus.LEFT)
+
+
+def test_the_highest_accepted_accusation_can_still_be_refuted() -> None:
+    net = make_cluster(3)
+    n0, n1 = net.core("n0"), net.core("n1")
+    top = wire.MAX_INCARNATION - 1
+    n1.on_datagram(
+        signed(net, "n2", {"t": "suspect", "node": "n0", "inc": top, "from": "n2"}),
+        net.addr_of("n2"),
+    )
+    assert n1.view.members["n0"].status is MemberStatus.SUSPECT
+    net.run_until(lambda: net.all_see("n0", MemberStatus.ALIVE), 2 * CONFIG.suspect_timeout_s)
+    assert n0.incarnation == wire.MAX_INCARNATION
+    assert n1.view.members["n0"].incarnation == wire.MAX_INCARNATION
+
+
+def _state_of(net: SimNet, node_id: str, **changes: object) -> dict[str, object]:
+    st = net.core(node_id).view.members[node_id].state
+    assert st is not None
+    return {"t": "state", **wire.state_to_json(st), **changes}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda net: {"t": "alive", "node": "n9", "inc": TOP, "gen": 5, "addr": ["127.0.0.1", 1]},
+        lambda net: {"t": "alive", "node": "n9", "inc": 5, "gen": TOP, "addr": ["127.0.0.1", 1]},
+        # An incarnation starts at its generation and only grows.
+        lambda net: {"t": "alive", "node": "n9", "inc": 4, "gen": 5, "addr": ["127.0.0.1", 1]},
+        lambda net: {"t": "alive", "node": "n9", "inc": 5, "gen": 5, "addr": ["127.0.0.1", 0]},
+        lambda net: {"t": "dead", "node": "n1", "inc": TOP, "from": "n2"},
+        lambda net: {"t": "dead", "node": "n0", "inc": wire.MAX_INCARNATION, "from": "n2"},
+        lambda net: {"t": "ping", "seq": TOP, "target": "n0"},
+        lambda net: {"t": "ack", "seq": TOP},
+        lambda net: _state_of(net, "n1", ver=TOP),
+        lambda net: _state_of(net, "n1", ver=10**6, bver=TOP),
+        lambda net: _state_of(net, "n1", ver=10**6, nblk=TOP),
+        lambda net: _state_of(net, "n1", ver=10**6, sver=TOP),
+        lambda net: _state_of(net, "n1", ver=10**6, load=[TOP, 0, 0.5, 0.0]),
+        lambda net: _state_of(net, "n1", ver=10**6, load=[0, 0, 7.5, 0.0]),
+        lambda net: _state_of(net, "n1", ver=10**6, load=[0, 0, 0.5, -1.0]),
+    ],
+)
+def test_out_of_range_fields_are_dropped_counted_and_never_applied(make) -> None:
+    net = make_cluster(3)
+    n0 = net.core("n0")
+    n0.take_outbox()
+    before = digest(n0)
+    n0.on_datagram(signed(net, "n2", make(net)), net.addr_of("n2"))
+    assert n0.counters.dropped_invalid == 1
+    assert n0.counters.dropped_malformed == 0
+    assert digest(n0) == before
+    assert n0.take_outbox() == []  # no ack, no refutation, no ping
+
+
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        {"to_version": TOP},
+        {"generation": TOP},
+        {"masks": b"\x09"},  # a tier mask with bits beyond the three tiers
+    ],
+)
+def test_a_block_delta_out_of_range_is_dropped_and_counted(bounds: dict[str, object]) -> None:
+    net = make_cluster(2)
+    n0, n1 = net.core("n0"), net.core("n1")
+    index = n0.view.blocks["n1"]
+    fields: dict[str, object] = {
+        "node_id": "n1",
+        "generation": n1.generation,
+        "from_version": index.version,
+        "to_version": index.version + 1,
+        "hashes": os.urandom(16),
+        "masks": b"\x02",
+        "num_upserts": 1,
+        **bounds,
+    }
+    delta = BlockDelta(**fields)  # type: ignore[arg-type]
+    before = digest(n0)
+    n0.on_datagram(n1.codec.seal([wire.blocks_frame(delta)]), net.addr_of("n1"))
+    assert n0.counters.dropped_invalid == 1
+    assert digest(n0) == before
+
+
+def test_a_sync_with_one_bad_entry_applies_nothing() -> None:
+    net = make_cluster(2)
+    n0 = net.core("n0")
+    good = {
+        "node": "n7",
+        "inc": 9000,
+        "gen": 9000,
+        "status": "alive",
+        "addr": ["127.0.0.1", 7007],
+        "state": None,
+        "seg": [],
+        "sver": 0,
+    }
+    bad = {**good, "node": "n8", "inc": TOP}
+    before = digest(n0)
+    with pytest.raises(wire.WireError):
+        n0.handle_tcp_request(
+            signed(net, "n1", {"t": "sync", "join": False, "members": [good, bad]})
+        )
+    assert digest(n0) == before
+    assert n0.counters.dropped_invalid == 1
+
+
+def test_a_pull_reply_with_a_bad_chunk_applies_nothing() -> None:
+    net = make_cluster(2)
+    n0, n1 = net.core("n0"), net.core("n1")
+    n1.set_segments([{"name": "dram", "port": 1}])  # a newer state n0 has not heard of
+    head = n1.handle_tcp_request(n0.pull_request("n1"))[0]
+    before = digest(n0)
+    with pytest.raises(wire.WireError):
+        n0.handle_pull_reply("n1", [head, signed(net, "n1", {"t": "g"})])
+    assert digest(n0) == before
+
+
+def test_a_ping_req_probes_only_members_at_their_known_address() -> None:
+    net = make_cluster(3)
+    n0 = net.core("n0")
+    n0.take_outbox()
+    elsewhere = ["10.1.2.3", 9]
+    for msg in (
+        {"t": "preq", "seq": 1, "target": "n9", "addr": elsewhere},  # no member
+        {"t": "preq", "seq": 2, "target": "n2", "addr": elsewhere},  # a member, not there
+        {"t": "preq", "seq": 3, "target": "n0", "addr": list(net.addr_of("n0"))},  # itself
+    ):
+        n0.on_datagram(signed(net, "n1", msg), net.addr_of("n1"))
+    assert n0.take_outbox() == []
+    assert n0.counters.dropped_invalid == 3
+    # A real indirect probe still goes out, to where the member is.
+    n0.on_datagram(
+        signed(net, "n1", {"t": "preq", "seq": 4, "target": "n2", "addr": list(net.addr_of("n2"))}),
+        net.addr_of("n1"),
+    )
+    assert [addr for addr, _ in n0.take_outbox()] == [net.addr_of("n2")]

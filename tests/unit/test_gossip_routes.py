@@ -14,7 +14,7 @@ from aiohttp import web
 
 from mooncakectl.cli import run as ctl_run
 from mooncakectl.registry import Env
-from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.gossip.service import ClusterService, DropPeers
 from mooncaked.cluster.routes import cluster_routes
 from mooncaked.cluster.state import LocalState, NodeLoad
 from mooncaked.config import ClusterConfig
@@ -90,7 +90,9 @@ async def test_hooks_blocks_prefix_and_errors(served: tuple[ClusterService, str,
         r = await http.post(url + "/admin/test/drop_peers", json={"peers": "x"})
         assert r.status == 400
         r = await http.post(url + "/admin/test/drop_peers", json={"peers": ["a", "b"]})
-        assert r.status == 200 and service.core.blocked == frozenset({"a", "b"})
+        assert r.status == 200 and service.packet_filter == DropPeers(frozenset({"a", "b"}))
+        r = await http.post(url + "/admin/test/drop_peers", json={"peers": []})
+        assert r.status == 200 and service.packet_filter is None
         # Without the flag, the hooks do not exist.
         r = await http.post(plain_url + "/admin/test/blocks", json={"stored": hashes})
         assert r.status in (404, 405)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 
+import orjson
 import pytest
 
 from mooncaked.cluster import wire
-from mooncaked.cluster.gossip import ClusterService
+from mooncaked.cluster.gossip.service import ClusterService, DropPeers
 from mooncaked.cluster.state import BlockOp, LocalState, MemberStatus, NodeLoad, Tier
 from mooncaked.config import ClusterConfig
 
@@ -157,3 +159,74 @@ async def test_crashed_service_is_declared_dead_then_rejoins(
     st = s0.view.members["s2"].state
     assert st is not None and st.load.queued_prefill_tokens == 99
     assert s0.view.members["s2"].generation == again.core.generation
+
+
+async def test_a_packet_filter_partitions_one_node_until_it_is_removed(
+    trio: list[ClusterService],
+) -> None:
+    s0, s1, s2 = trio
+    # Everything s2 sends or receives from the others is lost, both ways, UDP and TCP.
+    s2.set_packet_filter(DropPeers(frozenset({"s0", "s1"})))
+    await wait_for(
+        lambda: (
+            s0.view.members["s2"].status is MemberStatus.DEAD
+            and s1.view.members["s2"].status is MemberStatus.DEAD
+            and s2.view.members["s0"].status is MemberStatus.DEAD
+            and s2.view.members["s1"].status is MemberStatus.DEAD
+        ),
+        FAST.probe_interval_s * 4 + FAST.suspect_timeout_s + 5,
+    )
+    assert s2.counters.dropped_blocked > 0
+    assert s0.counters.dropped_blocked == 0 and s1.counters.dropped_blocked == 0
+    s2.set_packet_filter(None)
+    await wait_for(lambda: all_alive(trio), 10)
+
+
+async def test_a_dead_protocol_loop_reaches_on_failure() -> None:
+    failures: list[BaseException] = []
+    failed = asyncio.Event()
+    broken = False
+
+    def clock() -> float:
+        if broken:
+            raise RuntimeError("clock source failed")
+        return time.monotonic()
+
+    def on_failure(exc: BaseException) -> None:
+        failures.append(exc)
+        failed.set()
+
+    service = ClusterService(FAST, "lone", SECRET, clock=clock, on_failure=on_failure)
+    await service.start()
+    try:
+        broken = True
+        # The loop reads the clock at its next deadline (a gossip interval away).
+        await asyncio.wait_for(failed.wait(), 10)
+    finally:
+        await service.close()
+    assert [str(e) for e in failures] == ["clock source failed"]
+
+
+async def test_one_signed_packet_at_the_top_incarnation_removes_no_one(
+    trio: list[ClusterService],
+) -> None:
+    s0, s1, s2 = trio
+    inc0 = s0.core.incarnation
+    insider = wire.Codec(SECRET, "s2")
+    attack = insider.seal(
+        [wire.msg_frame({"t": "suspect", "node": "s0", "inc": 2**64 - 1, "from": "s2"})]
+    )
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.sendto(attack, ("127.0.0.1", s1.gossip_port))
+        sock.sendto(attack, ("127.0.0.1", s0.gossip_port))
+    await wait_for(lambda: s0.counters.dropped_invalid == 1 and s1.counters.dropped_invalid == 1, 5)
+    # Accepted, the suspicion would show at once (s1 marks s0 suspect on receipt).
+    assert all_alive(trio) and s0.core.incarnation == inc0
+    assert s0.counters.handler_errors == 0 and s1.counters.handler_errors == 0
+    # What /admin/cluster serves still encodes, and the graceful leave still works.
+    for s in trio:
+        assert orjson.loads(orjson.dumps(s.view.to_json()))["self"] == s.node_id
+    await s0.leave()
+    await wait_for(
+        lambda: all(s.view.members["s0"].status is MemberStatus.LEFT for s in (s1, s2)), 5
+    )
