@@ -32,6 +32,7 @@ benchmark, 1,000-event batches); the dict insertions themselves dominate.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 from collections import deque
@@ -85,12 +86,22 @@ def tier_mask(*tiers: Tier | int | str) -> int:
 
 @dataclass(frozen=True, slots=True)
 class NodeLoad:
+    """A node's load as gossip spreads it. The wire and JSON forms are derived
+    from these fields (``to_list`` / ``from_list`` / ``to_json``): a new field
+    is added here only; ``max`` in a field's metadata bounds it on decode."""
+
     queued_prefill_tokens: int = 0
     running_decode_batch: int = 0
     # Fraction of the device KV pool in use, 0..1.
-    kv_usage: float = 0.0
+    kv_usage: float = field(default=0.0, metadata={"max": 1.0})
     # The node's own forecast of how long a new prefill waits before it starts.
     predicted_queue_s: float = 0.0
+
+    def to_list(self) -> list[int | float]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def to_json(self) -> dict[str, int | float]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -677,12 +688,7 @@ def _state_json(st: NodeState) -> dict[str, Any]:
         "model_id": st.model_id,
         "api_addr": st.api_addr,
         "draining": st.draining,
-        "load": {
-            "queued_prefill_tokens": st.load.queued_prefill_tokens,
-            "running_decode_batch": st.load.running_decode_batch,
-            "kv_usage": st.load.kv_usage,
-            "predicted_queue_s": st.load.predicted_queue_s,
-        },
+        "load": st.load.to_json(),
         "block_version": st.block_version,
         "num_blocks": st.num_blocks,
         "segments_version": st.segments_version,

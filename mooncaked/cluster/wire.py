@@ -22,6 +22,7 @@ every accepted update is ordered by incarnation or version.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import struct
@@ -314,6 +315,24 @@ def parse_addr(text: str) -> tuple[str, int]:
     return (host, int(port))
 
 
+# NodeLoad's fields in wire order, each bounded on decode like every number.
+_LOAD_FIELDS = dataclasses.fields(NodeLoad)
+
+
+def _load_from_list(values: list[Any]) -> NodeLoad:
+    obj = dict(zip((f.name for f in _LOAD_FIELDS), values, strict=True))
+    return NodeLoad(
+        **{
+            f.name: (
+                get_int(obj, f.name)
+                if f.type in (int, "int")
+                else get_float(obj, f.name, maximum=f.metadata.get("max", float(MAX_COUNT)))
+            )
+            for f in _LOAD_FIELDS
+        }
+    )
+
+
 def state_to_json(st: NodeState) -> dict[str, Any]:
     load = st.load
     return {
@@ -325,12 +344,7 @@ def state_to_json(st: NodeState) -> dict[str, Any]:
         "model": st.model_id,
         "api": st.api_addr,
         "drain": st.draining,
-        "load": [
-            load.queued_prefill_tokens,
-            load.running_decode_batch,
-            load.kv_usage,
-            load.predicted_queue_s,
-        ],
+        "load": load.to_list(),
         "bver": st.block_version,
         "nblk": st.num_blocks,
         "sver": st.segments_version,
@@ -339,15 +353,14 @@ def state_to_json(st: NodeState) -> dict[str, Any]:
 
 def state_from_json(obj: Mapping[str, Any]) -> NodeState:
     load = obj.get("load")
-    if not isinstance(load, list) or len(load) != 4:
-        raise WireError("field 'load' must be a list of 4 numbers")
+    if not isinstance(load, list) or len(load) != len(_LOAD_FIELDS):
+        raise WireError(f"field 'load' must be a list of {len(_LOAD_FIELDS)} numbers")
     drain = obj.get("drain")
     if not isinstance(drain, bool):
         raise WireError("field 'drain' must be a boolean")
     role, model, api = obj.get("role"), obj.get("model"), obj.get("api")
     if not isinstance(role, str) or not isinstance(model, str) or not isinstance(api, str):
         raise WireError("fields 'role', 'model', 'api' must be strings")
-    load_obj = {"a": load[0], "b": load[1], "c": load[2], "d": load[3]}
     return NodeState(
         node_id=get_str(obj, "node"),
         generation=get_generation(obj),
@@ -357,13 +370,7 @@ def state_from_json(obj: Mapping[str, Any]) -> NodeState:
         model_id=model,
         api_addr=api,
         draining=drain,
-        load=NodeLoad(
-            get_int(load_obj, "a"),
-            get_int(load_obj, "b"),
-            # KV usage is a fraction of the pool; the queue forecast is seconds.
-            get_float(load_obj, "c", maximum=1.0),
-            get_float(load_obj, "d"),
-        ),
+        load=_load_from_list(load),
         block_version=get_int(obj, "bver"),
         num_blocks=get_int(obj, "nblk"),
         segments_version=get_int(obj, "sver"),
