@@ -294,6 +294,21 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation: the KV handoff between nodes."""
+
+    # How long a prefill node may write the decode node's granted blocks; a
+    # prefill that takes longer fails over (and its blocks stay held that long).
+    grant_ttl_s: float = 30.0
+    # Send each layer's KV as soon as its forward ends (overlapping compute);
+    # false sends after the whole step (the baseline bench_disagg compares with).
+    layerwise: bool = True
+
+    def __post_init__(self) -> None:
+        _check(0.0 < self.grant_ttl_s <= 3600.0, "grant_ttl_s", "must be in (0, 3600]")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -304,6 +319,7 @@ class Config:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
     # Where the config came from, for messages; not a TOML key.
     source: str = field(default="<defaults>", compare=False)
 

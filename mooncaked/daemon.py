@@ -59,9 +59,11 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import structlog
+import torch
 from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
+from mooncaked.api.disagg import DisaggAPI, PrefillClient
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
@@ -79,8 +81,11 @@ from mooncaked.cluster.routes import cluster_routes
 from mooncaked.cluster.state import ClusterView
 from mooncaked.cluster.status import ClusterSnapshot
 from mooncaked.config import Config
+from mooncaked.engine.connector import KVConnector, MultiConnector
 from mooncaked.engine.core import EngineCore, EngineStats
+from mooncaked.engine.handoff import KVReceiver, KVSender
 from mooncaked.engine.store_connector import TieredStoreConnector
+from mooncaked.router import Router
 from mooncaked.transfer import TransferEngine
 
 EngineFactory = Callable[[Config], EngineCore]
@@ -96,6 +101,9 @@ _HTTP_SHUTDOWN_GRACE_S = 2.0
 _MAX_BODY_BYTES = 64 * 1024 * 1024
 # The transfer segment the DRAM tier's slots live in; peers read it.
 DRAM_SEGMENT = "kv.dram"
+# The transfer segment the device KV cache lives in (CPU) or is reached
+# through (CUDA); prefill nodes write prompts' KV into its granted blocks.
+KV_SEGMENT = "kv.device"
 # The engine waits this much longer for a peer fetch than the fetcher's own
 # bound, so the fetcher gives up (and counts it) first.
 _PREFETCH_GRACE_S = 0.5
@@ -112,7 +120,8 @@ class Node:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
-        self._engine_factory: EngineFactory = engine_factory or EngineCore
+        # None: the engine is built with its KV cache in a transfer segment.
+        self._engine_factory = engine_factory
         self._clock = clock
         self._started_at = clock()
         self._engine: EngineCore | None = None
@@ -131,9 +140,25 @@ class Node:
         self._stop_lock = asyncio.Lock()
         self._log = structlog.get_logger(__name__).bind(node=self.node_id)
 
+        self._sender: KVSender | None = None
+        self._receiver: KVReceiver | None = None
+        self._stop_requested = asyncio.Event()
+        self._running = False
+        self._drain_task: asyncio.Future[None] | None = None
+
         self.gate = Gate()
         self.metrics = ApiMetrics(self._engine_stats)
-        self.openai = OpenAIAPI(lambda: self._engine, self.metrics, self.gate, clock)
+        secret = config.node.cluster_secret.encode()
+        self.router = Router(
+            node_id=lambda: self.node_id,
+            secret=secret,
+            engine=lambda: self._engine,
+            view=self._cluster_view,
+            clock=clock,
+        )
+        self.openai = OpenAIAPI(
+            lambda: self._engine, self.metrics, self.gate, clock, router=self.router
+        )
         self.admin = AdminAPI(self)
         # Routes of subsystems added later (/admin/cluster, /admin/cache/...);
         # append before start().
@@ -144,6 +169,16 @@ class Node:
         self.recent_requests = RecentRequests(lambda: self.node_id)
         self.openai.finished_listeners.append(self.recent_requests.add)
         self.extra_routes.extend([*self.recent_requests.routes(), *ui_routes()])
+        # Disaggregated serving: the decode node's and the prefill node's calls.
+        self.disagg = DisaggAPI(
+            secret=secret,
+            node_id=lambda: self.node_id,
+            role=config.node.role,
+            engine=lambda: self._engine,
+            sender=lambda: self._sender,
+            draining=lambda: self.draining,
+        )
+        self.extra_routes.extend(self.disagg.routes())
 
     # ------------------------------------------------------------ accessors
 
@@ -245,6 +280,7 @@ class Node:
         try:
             # HTTP first: /health and /ready answer while the model loads.
             await stack.enter_async_context(self._http())
+            stack.push_async_callback(self.router.close)
             transfer = await stack.enter_async_context(
                 TransferEngine(
                     self._config.transfer,
@@ -255,11 +291,11 @@ class Node:
             )
             self._transfer = transfer
             stack.callback(self._forget, "_transfer")
-            engine = await self._build_engine()
+            engine = await self._build_engine(transfer)
             # A built engine is closed even if it never starts (its executor).
             stack.push_async_callback(engine.close)
             await stack.enter_async_context(self._kv_cache(engine, transfer))
-            await stack.enter_async_context(self._engine_serving(engine))
+            await stack.enter_async_context(self._engine_serving(engine, transfer))
             await stack.enter_async_context(self._cluster_member(engine, transfer))
             await stack.enter_async_context(self._serving())
         except BaseException:
@@ -303,6 +339,29 @@ class Node:
     def failure(self) -> BaseException | None:
         return self._failure
 
+    def requests_in_flight(self) -> list[dict[str, Any]]:
+        """This node's requests: as entry (``role`` "entry", nodes named) and as
+        the engine running them (``role`` "engine", with its phase here)."""
+        out: list[dict[str, Any]] = [
+            {**r, "role": "entry"} for r in self.router.requests_in_flight()
+        ]
+        engine = self._engine
+        if engine is not None:
+            me = self.node_id
+            for r in engine.requests_in_flight():
+                out.append({**r, "role": "engine", "decode_node": me})
+        return out
+
+    def request_drain(self) -> bool:
+        """Start the drain and stop of this node (as SIGTERM); False if it had begun."""
+        if self._stop_requested.is_set() or self._stopping:
+            return False
+        self._stop_requested.set()
+        if not self._running:
+            # Not under run(): stop in the background, as run() would.
+            self._drain_task = asyncio.ensure_future(self.stop())
+        return True
+
     def _engine_name(self) -> str | None:
         return self._engine.model_name if self._engine is not None else None
 
@@ -336,39 +395,95 @@ class Node:
             self._runner = None
             await runner.cleanup()
 
-    async def _build_engine(self) -> EngineCore:
+    async def _build_engine(self, transfer: TransferEngine) -> EngineCore:
         self._log.info("loading model", path=self._config.model.path)
         t0 = self._clock()
+        factory = self._engine_factory
+        if factory is None:
+
+            def factory(config: Config) -> EngineCore:
+                return EngineCore(config, kv_allocator=kv_allocator)
+
+            def kv_allocator(nbytes: int, device: torch.device) -> torch.Tensor:
+                if device.type != "cpu":
+                    # Device memory: registered after the build, reached
+                    # through a pinned bounce buffer (or RDMA).
+                    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+                # The KV cache in shared memory the transfer engine exposes:
+                # prefill nodes write a prompt's KV straight into its blocks
+                # (over shm on this host, tcp or rdma elsewhere).
+                return torch.frombuffer(
+                    transfer.allocate(KV_SEGMENT, nbytes).view.cast("B"), dtype=torch.uint8
+                )
+
         # Loading reads weights and builds tensors for seconds or minutes:
         # off the loop, so /health keeps answering meanwhile.
-        engine = await asyncio.to_thread(self._engine_factory, self._config)
+        engine = await asyncio.to_thread(factory, self._config)
+        if transfer.segment(KV_SEGMENT) is None:
+            # Device memory, or an engine built by a custom factory: reachable
+            # over tcp (through a bounce buffer for device memory).
+            transfer.register(KV_SEGMENT, engine.runner.kv_buffer.view(-1).view(torch.uint8))
         self._log.info("model loaded", load_s=round(self._clock() - t0, 3))
         return engine
 
     @contextlib.asynccontextmanager
-    async def _engine_serving(self, engine: EngineCore) -> AsyncIterator[None]:
-        if self._cache is not None:
-            cache = self._cache
-            # A request waits for a prefetch only when the fetcher would ask
-            # someone (a holder in the index, or configured peers).
-            engine.set_connector(
-                TieredStoreConnector(
-                    cache.store,
-                    prefetch=cache.fetcher.fetch,
-                    prefetch_timeout_s=self._config.store.peer_fetch_timeout_s + _PREFETCH_GRACE_S,
-                    prefetch_wanted=cache.fetcher.would_ask,
+    async def _engine_serving(
+        self, engine: EngineCore, transfer: TransferEngine
+    ) -> AsyncIterator[None]:
+        cfg = self._config
+        secret = cfg.node.cluster_secret.encode()
+        async with contextlib.AsyncExitStack() as stack:
+            prefill_client = await stack.enter_async_context(
+                PrefillClient(secret=secret, timeout_s=cfg.disagg.grant_ttl_s)
+            )
+            layout = engine.runner.kv_layout
+            receiver = KVReceiver(
+                node_id=self.node_id,
+                transfer_address=transfer.address,
+                segment=KV_SEGMENT,
+                layout=layout,
+                prefill=prefill_client.prefill,
+                grant_ttl_s=cfg.disagg.grant_ttl_s,
+            )
+            sender = KVSender(
+                transfer,
+                segment=KV_SEGMENT,
+                layout=layout,
+                loop=asyncio.get_running_loop(),
+                layerwise=cfg.disagg.layerwise,
+            )
+            # The handoff first: a request whose KV comes from a prefill node
+            # takes all of it from there, not part from the host tiers.
+            connectors: list[KVConnector] = [receiver]
+            if self._cache is not None:
+                cache = self._cache
+                # A request waits for a prefetch only when the fetcher would
+                # ask someone (a holder in the index, or configured peers).
+                connectors.append(
+                    TieredStoreConnector(
+                        cache.store,
+                        prefetch=cache.fetcher.fetch,
+                        prefetch_timeout_s=cfg.store.peer_fetch_timeout_s + _PREFETCH_GRACE_S,
+                        prefetch_wanted=cache.fetcher.would_ask,
+                    )
                 )
-            )
-        async with engine.serving(on_fatal=self.fail):
-            self._engine = engine
-            self._log.info(
-                "engine started", model=engine.model_name, max_model_len=engine.max_model_len
-            )
-            try:
-                yield
-            finally:
-                # Aborts what the drain left running; their streams end now.
-                self._engine = None
+            connectors.append(sender)
+            engine.set_connector(MultiConnector(connectors))
+            self._receiver, self._sender = receiver, sender
+            async with engine.serving(on_fatal=self.fail):
+                self._engine = engine
+                self._log.info(
+                    "engine started",
+                    model=engine.model_name,
+                    max_model_len=engine.max_model_len,
+                    role=cfg.node.role,
+                )
+                try:
+                    yield
+                finally:
+                    # Aborts what the drain left running; their streams end now.
+                    self._engine = None
+                    self._receiver = self._sender = None
 
     # ------------------------------------------------------------- KV cache
 
@@ -551,7 +666,8 @@ class Node:
         signal exits the process at once with ``EXIT_FORCED``.
         """
         loop = asyncio.get_running_loop()
-        stop_requested = asyncio.Event()
+        stop_requested = self._stop_requested
+        self._running = True
 
         def on_signal(signum: int) -> None:
             name = signal.Signals(signum).name

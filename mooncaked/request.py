@@ -86,6 +86,16 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # Disaggregation (plain data the KV connectors read, None otherwise): on a
+    # decode node, where the prompt's KV comes from (the prefill nodes to ask);
+    # on a prefill node, where its KV goes (the decode node's grant).
+    kv_source: object | None = None
+    kv_sink: object | None = None
+    # Sampled tokens this request continues from (a resumed stream): seeded
+    # sampling picks up at this output index.
+    output_offset: int = 0
+    # The node whose forward pass computed the prompt, once known.
+    prefill_node: str | None = None
     # Chained hashes of every full block of the request's tokens so far: the
     # prompt's computed once at entry, extended by the scheduler as output
     # fills blocks. 16-byte ``cache.hashing.BlockHash`` values.
@@ -138,3 +148,107 @@ class RequestOutput:
     num_output_tokens: int = 0
     # Set on the last output when the engine failed the request.
     error: str | None = None
+    # The node that computed the prompt (on the first output that knows it).
+    prefill_node: str | None = None
+
+
+# -- plain JSON forms, for node-to-node calls ------------------------------------
+
+
+def sampling_to_dict(sp: SamplingParams) -> dict[str, object]:
+    return {
+        "max_tokens": sp.max_tokens,
+        "temperature": sp.temperature,
+        "top_k": sp.top_k,
+        "top_p": sp.top_p,
+        "seed": sp.seed,
+        "stop": list(sp.stop),
+        "stop_token_ids": list(sp.stop_token_ids),
+        "ignore_eos": sp.ignore_eos,
+        "logprobs": sp.logprobs,
+    }
+
+
+def sampling_from_dict(d: object) -> SamplingParams:
+    """ValueError naming the field when ``d`` is not a valid sampling object."""
+    if not isinstance(d, dict):
+        raise ValueError("'sampling' must be an object")
+    unknown = set(d) - set(SamplingParams.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"'sampling' has unknown fields {sorted(unknown)}")
+
+    def typed(key: str, kinds: tuple[type, ...], default: object) -> object:
+        v = d.get(key, default)
+        if v is not None and (
+            (isinstance(v, bool) and bool not in kinds) or not isinstance(v, kinds)
+        ):
+            raise ValueError(f"'sampling.{key}' has the wrong type")
+        return v
+
+    stop = typed("stop", (list,), [])
+    stop_ids = typed("stop_token_ids", (list,), [])
+    if not all(isinstance(s, str) for s in stop):  # type: ignore[union-attr]
+        raise ValueError("'sampling.stop' must be a list of strings")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):  # type: ignore[union-attr]
+        raise ValueError("'sampling.stop_token_ids' must be a list of integers")
+    return SamplingParams(
+        max_tokens=typed("max_tokens", (int,), 16),  # type: ignore[arg-type]
+        temperature=float(typed("temperature", (int, float), 1.0)),  # type: ignore[arg-type]
+        top_k=typed("top_k", (int,), 0),  # type: ignore[arg-type]
+        top_p=float(typed("top_p", (int, float), 1.0)),  # type: ignore[arg-type]
+        seed=typed("seed", (int,), None),  # type: ignore[arg-type]
+        stop=tuple(stop),  # type: ignore[arg-type]
+        stop_token_ids=tuple(stop_ids),  # type: ignore[arg-type]
+        ignore_eos=bool(typed("ignore_eos", (bool,), False)),
+        logprobs=typed("logprobs", (int,), None),  # type: ignore[arg-type]
+    )
+
+
+def logprob_to_list(lp: TokenLogprob) -> list[object]:
+    return [lp.token_id, lp.logprob, [[t, v] for t, v in lp.top]]
+
+
+def logprob_from_list(raw: object) -> TokenLogprob:
+    if not isinstance(raw, list) or len(raw) != 3 or not isinstance(raw[2], list):
+        raise ValueError("a logprob must be [token_id, logprob, [[token_id, logprob], ...]]")
+    token_id, logprob, top = raw
+    return TokenLogprob(int(token_id), float(logprob), [(int(t), float(v)) for t, v in top])
+
+
+def output_to_dict(out: RequestOutput) -> dict[str, object]:
+    return {
+        "request_id": out.request_id,
+        "new_token_ids": out.new_token_ids,
+        "text": out.text,
+        "finished": out.finished,
+        "finish_reason": out.finish_reason.value if out.finish_reason else None,
+        "logprobs": [logprob_to_list(lp) for lp in out.logprobs],
+        "num_prompt_tokens": out.num_prompt_tokens,
+        "num_cached_tokens": out.num_cached_tokens,
+        "num_output_tokens": out.num_output_tokens,
+        "error": out.error,
+        "prefill_node": out.prefill_node,
+    }
+
+
+def output_from_dict(d: object) -> RequestOutput:
+    """ValueError when ``d`` is not an output a node sent."""
+    if not isinstance(d, dict):
+        raise ValueError("an output must be an object")
+    try:
+        reason = d.get("finish_reason")
+        return RequestOutput(
+            request_id=str(d["request_id"]),
+            new_token_ids=[int(t) for t in d["new_token_ids"]],
+            text=str(d["text"]),
+            finished=bool(d["finished"]),
+            finish_reason=FinishReason(reason) if reason is not None else None,
+            logprobs=[logprob_from_list(x) for x in d.get("logprobs") or []],
+            num_prompt_tokens=int(d.get("num_prompt_tokens", 0)),
+            num_cached_tokens=int(d.get("num_cached_tokens", 0)),
+            num_output_tokens=int(d.get("num_output_tokens", 0)),
+            error=None if d.get("error") is None else str(d["error"]),
+            prefill_node=None if d.get("prefill_node") is None else str(d["prefill_node"]),
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"malformed output: {exc!r}") from None

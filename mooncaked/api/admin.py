@@ -50,6 +50,8 @@ class AdminNode(Protocol):
     def ready(self) -> bool: ...
     @property
     def failure(self) -> BaseException | None: ...
+    def requests_in_flight(self) -> list[dict[str, Any]]: ...
+    def request_drain(self) -> bool: ...
     @property
     def draining(self) -> bool: ...
     @property
@@ -92,6 +94,8 @@ class AdminAPI:
             web.get("/ready", self.ready),
             web.get("/metrics", self.metrics),
             web.get("/admin/status", self.status),
+            web.get("/admin/requests", self.requests),
+            web.post("/admin/drain", self.drain),
         ]
 
     async def health(self, request: web.Request) -> web.Response:
@@ -116,6 +120,19 @@ class AdminAPI:
         return web.Response(
             body=self._node.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
+
+    async def requests(self, request: web.Request) -> web.Response:
+        """Requests in flight on this node: those it is the entry of (with the
+        nodes running them) and those its engine runs for other entries."""
+        return json_response(
+            {"node_id": self._node.node_id, "requests": self._node.requests_in_flight()}
+        )
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """Drain and stop this node, as SIGTERM does: new requests go elsewhere,
+        those in flight finish (up to ``server.drain_timeout_s``)."""
+        started = self._node.request_drain()
+        return json_response({"node_id": self._node.node_id, "draining": True, "started": started})
 
     async def status(self, request: web.Request) -> web.Response:
         return json_response(self.status_dict())

@@ -26,8 +26,6 @@ slots through the transfer engine in one batch.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,28 +37,15 @@ from aiohttp import web
 
 from mooncaked.cache.hashing import BlockHash, parse_hex_hashes
 from mooncaked.cache.peer import LeaseDesk, Offer, PeerError
+from mooncaked.rpc import SIGNATURE_HEADER, derive_key, sign, verify
 from mooncaked.transfer import OpStatus, TransferEngine, TransferOp
 
 log = structlog.get_logger(__name__)
 
-SIGNATURE_HEADER = "X-Mooncaked-Signature"
 LOOKUP_PATH = "/internal/cache/lookup"
 RELEASE_PATH = "/internal/cache/release"
 # Most hashes one lookup may name (a 1M-token prompt in 16-token blocks).
 MAX_LOOKUP_HASHES = 65536
-
-
-def derive_key(secret: bytes) -> bytes:
-    if len(secret) < 8:
-        raise ValueError("the cluster secret must be at least 8 bytes")
-    return hashlib.blake2b(secret, digest_size=32, person=b"mooncaked.rpc").digest()
-
-
-def sign(key: bytes, method: str, path: str, body: bytes) -> str:
-    h = hashlib.blake2b(key=key, digest_size=32)
-    h.update(f"{method.upper()} {path}\n".encode())
-    h.update(body)
-    return h.hexdigest()
 
 
 class _Rejected(Exception):
@@ -120,8 +105,7 @@ class InternalAPI:
         """The request's JSON object once its signature checks; raises a response."""
         raw = await request.read()
         got = request.headers.get(SIGNATURE_HEADER, "")
-        want = sign(self._key, request.method, request.path, raw)
-        if not hmac.compare_digest(got.encode(), want.encode()):
+        if not verify(self._key, request.method, request.path, raw, got):
             self.num_unauthorized += 1
             log.warning("internal.unauthorized", path=request.path, remote=request.remote)
             raise _Rejected(

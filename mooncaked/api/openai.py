@@ -29,10 +29,12 @@ from aiohttp import web
 
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.recent import FinishedRequest
+from mooncaked.cache.hashing import block_hashes
 from mooncaked.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from mooncaked.router import RouteError, Router, Submission
 
 if TYPE_CHECKING:
-    from mooncaked.engine.core import EngineCore, RequestStream
+    from mooncaked.engine.core import EngineCore
 
 log = structlog.get_logger(__name__)
 
@@ -297,6 +299,74 @@ def _check_token_ids(ids: list[Any], param: str, vocab_size: int | None) -> list
 
 # ------------------------------------------------------------------- the API
 
+# Response headers naming the nodes that ran each phase of a request.
+PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
+DECODE_NODE_HEADER = "x-mooncaked-decode-node"
+
+
+@contextmanager
+def _mapped_errors(chat: bool) -> Iterator[None]:
+    """The engine's and the router's refusals as OpenAI-shaped answers."""
+    from mooncaked.engine.core import (
+        EngineClosedError,
+        EngineFailedError,
+        PromptTooLongError,
+        QueueFullError,
+    )
+
+    try:
+        yield
+    except EngineFailedError:
+        raise ApiError(
+            503,
+            "this mooncaked node failed and is restarting; retry on another node",
+            type="service_unavailable",
+            code="engine_failed",
+        ) from None
+    except EngineClosedError:
+        raise ApiError(
+            503,
+            "mooncaked is shutting down and accepts no new requests; retry on another node",
+            type="service_unavailable",
+            code="draining",
+        ) from None
+    except QueueFullError as exc:
+        retry = max(1, math.ceil(exc.retry_after_s))
+        raise ApiError(
+            429,
+            f"mooncaked is overloaded: {exc}; retry after {retry} s",
+            type="rate_limit_exceeded",
+            code="queue_full",
+            headers={"Retry-After": str(retry)},
+        ) from None
+    except PromptTooLongError as exc:
+        raise ApiError(
+            400,
+            str(exc),
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        ) from None
+    except RouteError as exc:
+        if exc.status == 429:
+            retry = max(1, math.ceil(exc.retry_after_s or 1.0))
+            raise ApiError(
+                429,
+                f"mooncaked is overloaded: {exc.message}; retry after {retry} s",
+                type="rate_limit_exceeded",
+                code="queue_full",
+                headers={"Retry-After": str(retry)},
+            ) from None
+        if exc.status == 400:
+            raise ApiError(400, exc.message, param="messages" if chat else "prompt") from None
+        raise ApiError(
+            503 if exc.status >= 500 else exc.status,
+            exc.message,
+            type="service_unavailable",
+            code="no_capacity",
+        ) from None
+    except ValueError as exc:  # the engine's own checks of the prompt
+        raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
+
 
 class OpenAIAPI:
     """Handlers of the /v1 routes over one engine.
@@ -312,7 +382,12 @@ class OpenAIAPI:
         metrics: ApiMetrics,
         gate: Gate,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        router: Router,
     ) -> None:
+        """``router`` runs each request where the cluster's placement says
+        (this node's engine, or another node's)."""
+        self._router = router
         self._engine = engine
         self._metrics = metrics
         self._gate = gate
@@ -372,7 +447,9 @@ class OpenAIAPI:
             parsed = self._parse(engine, body, chat=chat)
             prefix = "chatcmpl" if chat else "cmpl"
             request_id = f"{prefix}-{uuid.uuid4().hex}"
-            stream = self._add_request(engine, parsed, request_id, chat=chat)
+            hashes = block_hashes(parsed.prompt_token_ids, engine.block_size, engine.model_id)
+            sub = self._router.submit(parsed.prompt_token_ids, parsed.sampling, request_id, hashes)
+            self._router.track(sub)
             reply = _Reply(
                 request_id=request_id,
                 model=engine.model_name,
@@ -383,13 +460,23 @@ class OpenAIAPI:
             )
             timer = _Timer(self._metrics, arrival, self._clock)
             try:
+                with _mapped_errors(chat):
+                    # Placed and taken by its decode node's engine (refusals
+                    # are still answers with a status of their own).
+                    await sub.start()
+                headers = {
+                    PREFILL_NODE_HEADER: sub.prefill_node or "",
+                    DECODE_NODE_HEADER: sub.decode_node or "",
+                }
                 if parsed.stream:
-                    return await self._stream(request, stream, reply, timer)
-                return await self._collect(stream, reply, timer)
+                    return await self._stream(request, sub, reply, timer, headers)
+                return await self._collect(sub, reply, timer, headers)
             finally:
-                # Aborts the request (frees its blocks) unless it finished:
-                # a client that left, a failed write, a cancelled handler.
-                await stream.aclose()
+                # Cancels the request on every node (frees its blocks) unless
+                # it finished: a client that left, a failed write, a cancelled
+                # handler.
+                await sub.aclose()
+                self._router.untrack(sub)
                 self._report(timer.done(reply))
 
     def _report(self, finished: FinishedRequest) -> None:
@@ -400,55 +487,13 @@ class OpenAIAPI:
                 # A listener's bug must not turn a served request into an error.
                 log.exception("finished-request listener failed", request_id=finished.request_id)
 
-    def _add_request(
-        self, engine: EngineCore, parsed: Parsed, request_id: str, *, chat: bool
-    ) -> RequestStream:
-        from mooncaked.engine.core import (
-            EngineClosedError,
-            EngineFailedError,
-            PromptTooLongError,
-            QueueFullError,
-        )
-
-        try:
-            return engine.add_request(parsed.prompt_token_ids, parsed.sampling, request_id)
-        except EngineFailedError:
-            raise ApiError(
-                503,
-                "this mooncaked node failed and is restarting; retry on another node",
-                type="service_unavailable",
-                code="engine_failed",
-            ) from None
-        except EngineClosedError:
-            raise ApiError(
-                503,
-                "mooncaked is shutting down and accepts no new requests; retry on another node",
-                type="service_unavailable",
-                code="draining",
-            ) from None
-        except QueueFullError as exc:
-            retry = max(1, math.ceil(exc.retry_after_s))
-            raise ApiError(
-                429,
-                f"mooncaked is overloaded: {exc}; retry after {retry} s",
-                type="rate_limit_exceeded",
-                code="queue_full",
-                headers={"Retry-After": str(retry)},
-            ) from None
-        except PromptTooLongError as exc:
-            raise ApiError(
-                400,
-                str(exc),
-                param="messages" if chat else "prompt",
-                code="context_length_exceeded",
-            ) from None
-        except ValueError as exc:  # the engine's own checks of the prompt
-            raise ApiError(400, str(exc), param="messages" if chat else "prompt") from None
-
-    async def _collect(self, stream: RequestStream, reply: _Reply, timer: _Timer) -> web.Response:
-        async for out in stream:
-            timer.on_output(out)
-            reply.add(out)
+    async def _collect(
+        self, stream: Submission, reply: _Reply, timer: _Timer, headers: dict[str, str]
+    ) -> web.Response:
+        with _mapped_errors(reply.chat):
+            async for out in stream:
+                timer.on_output(out)
+                reply.add(out)
         if reply.error is not None:
             raise ApiError(500, f"generation failed: {reply.error}", type="server_error")
         if reply.finish_reason is FinishReason.ABORT:
@@ -458,31 +503,48 @@ class OpenAIAPI:
                 type="service_unavailable",
                 code="aborted",
             )
-        return json_response(reply.final())
+        # Known by now: the nodes that actually ran it (a failover changes them).
+        headers = {
+            PREFILL_NODE_HEADER: stream.prefill_node or "",
+            DECODE_NODE_HEADER: stream.decode_node or "",
+        }
+        return json_response(reply.final(), headers=headers)
 
     async def _stream(
-        self, request: web.Request, stream: RequestStream, reply: _Reply, timer: _Timer
+        self,
+        request: web.Request,
+        stream: Submission,
+        reply: _Reply,
+        timer: _Timer,
+        headers: dict[str, str],
     ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Request-Id": reply.request_id,
+                **headers,
             }
         )
         await resp.prepare(request)
         try:
             if reply.chat:
                 await _send(resp, reply.chunk(role=True))
-            async for out in stream:
-                timer.on_output(out)
-                reply.add(out)
-                if out.error is not None:
-                    err = ApiError(500, f"generation failed: {out.error}", type="server_error")
-                    await _send(resp, err.body())
-                    break
-                if out.text or out.finished or out.logprobs:
-                    await _send(resp, reply.chunk(out))
+            try:
+                async for out in stream:
+                    timer.on_output(out)
+                    reply.add(out)
+                    if out.error is not None:
+                        err = ApiError(500, f"generation failed: {out.error}", type="server_error")
+                        await _send(resp, err.body())
+                        break
+                    if out.text or out.finished or out.logprobs:
+                        await _send(resp, reply.chunk(out))
+            except RouteError as exc:
+                # Headers are out: the failure goes in the stream itself.
+                reply.error = exc.message
+                err = ApiError(503, exc.message, type="service_unavailable", code="no_capacity")
+                await _send(resp, err.body())
             if reply.parsed.include_usage and reply.error is None:
                 await _send(resp, reply.usage_chunk())
             await resp.write(b"data: [DONE]\n\n")

@@ -62,6 +62,12 @@ class LoadResult:
 
     num_tokens: int
     sampled: SampledToken | None = None
+    # Set when another node ran the prompt's forward pass: the prompt tokens
+    # it served from a cache, which is what the request reports as cached
+    # (None: the loaded tokens were all cached, as from a host tier).
+    num_cached_tokens: int | None = None
+    # The node that ran the forward pass, when it was another one.
+    prefill_node: str | None = None
 
 
 class KVConnector:
@@ -89,6 +95,11 @@ class KVConnector:
     async def load(self, req: Request, job: LoadJob) -> LoadResult:
         """Fill ``job.block_ids`` with what ``lookup`` offered; may deliver less."""
         return LoadResult(0)
+
+    def load_cancellable(self, req: Request) -> bool:
+        """Whether ``req``'s load may be cancelled (an abort) without leaving
+        anything still writing into its blocks once ``load`` returns."""
+        return False
 
     def after_step(self) -> None:
         """A step's outputs are applied: start saving what it produced."""
@@ -149,10 +160,17 @@ class MultiConnector(KVConnector):
         return 0
 
     async def load(self, req: Request, job: LoadJob) -> LoadResult:
-        c = self._chosen.pop(req.request_id, None)
+        c = self._chosen.get(req.request_id)
         if c is None:
             return LoadResult(0)
-        return await c.load(req, job)
+        try:
+            return await c.load(req, job)
+        finally:
+            self._chosen.pop(req.request_id, None)
+
+    def load_cancellable(self, req: Request) -> bool:
+        c = self._chosen.get(req.request_id)
+        return c is not None and c.load_cancellable(req)
 
     def after_step(self) -> None:
         for c in self.connectors:

@@ -37,7 +37,7 @@ from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.loader import LoadedModel, load_model
 from mooncaked.engine.output import OutputProcessor, RequestStream
 from mooncaked.engine.plan import LoadJob, SampledToken, StepPlan
-from mooncaked.engine.runner import ModelRunner, num_blocks_for_bytes
+from mooncaked.engine.runner import KVAllocator, ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
 from mooncaked.request import FinishReason, Request, RequestState, SamplingParams
 from mooncaked.tasks import TaskSet
@@ -105,7 +105,14 @@ class EngineLoad:
 
 
 class EngineCore:
-    def __init__(self, config: Config, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        loaded: LoadedModel | None = None,
+        *,
+        kv_allocator: KVAllocator | None = None,
+    ) -> None:
+        """``kv_allocator``: where the KV cache lives (see ``ModelRunner``)."""
         self.config = config
         self.loaded = loaded if loaded is not None else load_model(config.model)
         self.tokenizer = self.loaded.tokenizer
@@ -121,7 +128,11 @@ class EngineCore:
             raise ValueError("the KV memory budget is too small for one KV block (see [kv])")
         self.pool = BlockPool(num_blocks, enable_prefix_caching=kv.enable_prefix_caching)
         self.runner = ModelRunner(
-            self.loaded, num_blocks, kv.block_size, backend=config.model.attention_backend
+            self.loaded,
+            num_blocks,
+            kv.block_size,
+            backend=config.model.attention_backend,
+            kv_allocator=kv_allocator,
         )
         self.connector: KVConnector = KVConnector()
         self.scheduler = Scheduler(
@@ -145,6 +156,8 @@ class EngineCore:
         self._tasks = TaskSet("engine", on_failure=self._loop_failed)
         self._loop_task: asyncio.Task[None] | None = None
         self._load_tasks = TaskSet("engine-loads")
+        # Loads in flight, by request: an abort cancels one that may be cancelled.
+        self._loads: dict[str, asyncio.Task[None]] = {}
         self._on_fatal: FatalHandler | None = None
         self.failure: BaseException | None = None
         self._closing = False
@@ -254,16 +267,31 @@ class EngineCore:
         request_id: str | None = None,
         *,
         prompt_hashes: Sequence[BlockHash] | None = None,
+        kv_source: object | None = None,
+        kv_sink: object | None = None,
+        output_offset: int = 0,
     ) -> RequestStream:
         """Queue a request; ``prompt_hashes`` are its full blocks' hashes if the
-        caller computed them already (the entry node does, to place it)."""
+        caller computed them already (the entry node does, to place it).
+
+        ``kv_source`` / ``kv_sink``: where its prompt's KV comes from or goes
+        to (disaggregation; read by the KV connector); ``output_offset``: the
+        tokens a resumed stream had sampled before (seeded sampling goes on
+        from there)."""
         if self.failure is not None:
             raise EngineFailedError(f"the engine failed: {self.failure!r}")
         if self._closing or self._loop_task is None:
             raise EngineClosedError("the engine is not running")
         self._check_prompt(prompt_token_ids, sampling)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
-        req = Request(rid, list(prompt_token_ids), sampling)
+        req = Request(
+            rid,
+            list(prompt_token_ids),
+            sampling,
+            kv_source=kv_source,
+            kv_sink=kv_sink,
+            output_offset=output_offset,
+        )
         num_full = len(prompt_token_ids) // self.block_size
         if prompt_hashes is not None and len(prompt_hashes) >= num_full:
             req.block_hashes = list(prompt_hashes[:num_full])
@@ -327,7 +355,9 @@ class EngineCore:
             return None
         plan = self.scheduler.schedule()
         for job in plan.loads:
-            self._load_tasks.spawn(self._load(job), name=f"load-{job.request_id}")
+            self._loads[job.request_id] = self._load_tasks.spawn(
+                self._load(job), name=f"load-{job.request_id}"
+            )
         if not plan.is_empty:
             plan.connector_meta = self.connector.build_meta(plan)
         self.publish_load()
@@ -379,6 +409,7 @@ class EngineCore:
             # A failed load costs a recompute, nothing more.
             log.exception("KV load failed", request_id=job.request_id)
         finally:
+            self._loads.pop(job.request_id, None)
             self.num_loads_total += 1
             if self.scheduler.finish_load(req, result):
                 self._emit([req])
@@ -404,8 +435,12 @@ class EngineCore:
             if req is None:
                 continue
             if req.state is RequestState.LOADING:
-                # Its blocks are being written: abort once the load ends.
+                # Its blocks are being written: abort once the load ends,
+                # cutting the load short where that is safe.
                 self._pending_aborts.add(rid)
+                task = self._loads.get(rid)
+                if task is not None and self.connector.load_cancellable(req):
+                    task.cancel()
                 continue
             self.scheduler.finish(req, FinishReason.ABORT)
             self.outputs.finish(rid, FinishReason.ABORT)
@@ -419,6 +454,35 @@ class EngineCore:
             self.outputs.finish(rid, FinishReason.ABORT, error=message)
 
     # -- introspection ---------------------------------------------------
+
+    def requests_in_flight(self, now: float | None = None) -> list[dict[str, object]]:
+        """Every unfinished request with its phase: queued, transferring (its KV
+        comes from a prefill node), loading (from the host tiers), prefilling,
+        decoding; oldest first."""
+        now = time.monotonic() if now is None else now
+        out: list[dict[str, object]] = []
+        for rid in self.outputs.request_ids():
+            req = self.outputs.request(rid)
+            if req is None:
+                continue
+            if req.state is RequestState.LOADING:
+                phase = "transferring" if req.kv_source is not None else "loading"
+            elif req.state is RequestState.RUNNING:
+                phase = "decoding" if req.output_token_ids else "prefilling"
+            else:
+                phase = "queued"
+            out.append(
+                {
+                    "id": rid,
+                    "phase": phase,
+                    "prompt_tokens": req.num_prompt_tokens,
+                    "output_tokens": req.output_offset + req.num_output_tokens,
+                    "prefill_node": req.prefill_node,
+                    "age_s": round(now - req.arrival_time, 3),
+                }
+            )
+        out.sort(key=lambda r: -float(r["age_s"]))  # type: ignore[arg-type]
+        return out
 
     def stats(self) -> EngineStats:
         s = self.scheduler

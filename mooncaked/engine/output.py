@@ -193,6 +193,7 @@ class OutputProcessor:
                 num_cached_tokens=req.num_cached_tokens,
                 num_output_tokens=req.num_output_tokens,
                 error=error,
+                prefill_node=req.prefill_node,
             )
         )
         if finished:

@@ -14,6 +14,7 @@ after each layer's forward, ``wait_for_save`` before the results return.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,38 @@ from mooncaked.engine.plan import SampledToken, StepPlan
 from mooncaked.engine.sampler import Sampler
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+# (nbytes, device) -> zeroed uint8 tensor of that many bytes on that device.
+KVAllocator = Callable[[int, torch.device], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Where the KV of (layer, K|V, block, row) sits in a runner's KV buffer.
+
+    Plain numbers, so a peer that writes into this cache can compute every
+    byte offset from a grant without seeing the tensors.
+    """
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    # Bytes of one token's K (or V) in one layer: kv_heads * head_dim * itemsize.
+    row_bytes: int
+
+    @property
+    def block_bytes(self) -> int:
+        """One block of one layer's K (or V)."""
+        return self.block_size * self.row_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_layers * 2 * self.num_blocks * self.block_bytes
+
+    def offset(self, layer: int, kv: int, block: int, row: int = 0) -> int:
+        """Byte offset of ``row`` of ``block`` in layer ``layer``'s K (kv=0) or V (kv=1)."""
+        return (
+            (layer * 2 + kv) * self.num_blocks + block
+        ) * self.block_bytes + row * self.row_bytes
 
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -45,7 +78,11 @@ class ModelRunner:
         block_size: int,
         backend: str = "auto",
         sampler: Sampler | None = None,
+        kv_allocator: KVAllocator | None = None,
     ) -> None:
+        """``kv_allocator(nbytes, device)`` gives the zeroed memory of the whole KV cache as
+        a uint8 tensor on the model's device (shared memory a transfer engine
+        exposes, so peers can write KV into it); default: a plain allocation."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         if block_size <= 0:
@@ -68,13 +105,30 @@ class ModelRunner:
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
         )
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        # One buffer [layers, K|V, blocks, block_size, kv_heads, head_dim]: per
+        # layer, K and V are contiguous views in flash-attn's paged layout,
+        # and the whole cache is one region a peer can address.
+        self.kv_layout = KVLayout(
+            num_layers=arch.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            row_bytes=arch.num_kv_heads
+            * arch.head_dim
+            * torch.empty((), dtype=self.dtype).element_size(),
+        )
+        shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        if kv_allocator is None:
+            self.kv_buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        else:
+            raw = kv_allocator(self.kv_layout.total_bytes, self.device)
+            if raw.dtype != torch.uint8 or raw.numel() != self.kv_layout.total_bytes:
+                raise ValueError(
+                    f"kv_allocator gave {raw.dtype} x {raw.numel()}, "
+                    f"need uint8 x {self.kv_layout.total_bytes}"
+                )
+            self.kv_buffer = raw.view(self.dtype).view(shape)
         self.kv_caches: list[KVCache] = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(arch.num_layers)
+            (self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(arch.num_layers)
         ]
         self.sampler = sampler if sampler is not None else Sampler()
 

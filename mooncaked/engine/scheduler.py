@@ -275,9 +275,15 @@ class Scheduler:
             # One token must be left to compute, to sample from.
             num_tokens = room - 1
         req.num_computed_tokens += num_tokens
+        if result.prefill_node is not None:
+            req.prefill_node = result.prefill_node
         if req.num_preemptions == 0:
-            req.num_cached_tokens += num_tokens
-            self.prefix_hit_tokens += num_tokens
+            if result.num_cached_tokens is not None:
+                # Computed elsewhere: what counts is what that node reused.
+                req.num_cached_tokens = max(0, min(result.num_cached_tokens, req.num_prompt_tokens))
+            else:
+                req.num_cached_tokens += num_tokens
+                self.prefix_hit_tokens += num_tokens
         # Blocks past the loaded ones stay allocated: the tail is computed
         # into them like any prefill chunk, so the request simply runs.
         req.state = RequestState.RUNNING

@@ -1,0 +1,314 @@
+"""Node-to-node calls of disaggregated serving (signed like every internal call).
+
+- ``POST /internal/generate`` (entry node -> decode node):
+  ``{"request_id", "prompt_token_ids", "sampling", "prefill": [{"node_id", "url"}],
+  "output_offset"}`` -> the request's outputs as JSON lines, as the engine
+  produces them. The decode node asks the listed prefill nodes in order for
+  the prompt's KV (an empty list: it computes the prompt itself). Closing the
+  connection aborts the request. 429 / 400 / 503 as the public API answers.
+- ``POST /internal/prefill`` (decode node -> prefill node):
+  ``{"request_id", "prompt_token_ids", "sampling", "grant"}`` -> once the
+  prompt's KV is written into the granted blocks, ``{"node_id", "token":
+  [id, logprob, top], "num_cached_tokens", "bytes"}``. 502 when the KV could
+  not be written; 409 from a node that does not prefill. Closing the
+  connection aborts the prefill.
+
+``PrefillClient`` is the decode node's side of ``/internal/prefill`` (the
+``KVReceiver``'s ``prefill`` call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+import structlog
+from aiohttp import web
+
+from mooncaked.engine.core import (
+    EngineClosedError,
+    EngineCore,
+    EngineFailedError,
+    PromptTooLongError,
+    QueueFullError,
+)
+from mooncaked.engine.handoff import (
+    KVGrant,
+    KVSender,
+    PrefillError,
+    PrefillReply,
+    PrefillSource,
+    PrefillTarget,
+)
+from mooncaked.engine.plan import SampledToken
+from mooncaked.request import (
+    Request,
+    logprob_from_list,
+    logprob_to_list,
+    output_to_dict,
+    sampling_from_dict,
+    sampling_to_dict,
+)
+from mooncaked.rpc import SIGNATURE_HEADER, derive_key, sign, verify
+
+log = structlog.get_logger(__name__)
+
+GENERATE_PATH = "/internal/generate"
+PREFILL_PATH = "/internal/prefill"
+# Largest prompt a node-to-node call carries (token ids).
+MAX_PROMPT_TOKENS = 1 << 20
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=orjson.dumps({"error": {"message": message, "type": "internal_rpc_error"}}),
+        status=status,
+        headers=headers,
+        content_type="application/json",
+    )
+
+
+class _Bad(Exception):
+    def __init__(self, response: web.Response) -> None:
+        super().__init__(response.status)
+        self.response = response
+
+
+def _token_ids(raw: Any) -> list[int]:
+    if not isinstance(raw, list) or not 0 < len(raw) <= MAX_PROMPT_TOKENS:
+        raise ValueError(f"'prompt_token_ids' must list 1..{MAX_PROMPT_TOKENS} token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        raise ValueError("'prompt_token_ids' must be integers")
+    return raw
+
+
+def _request_id(raw: Any) -> str:
+    if not isinstance(raw, str) or not 0 < len(raw) <= 256:
+        raise ValueError("'request_id' must be a string of 1..256 characters")
+    return raw
+
+
+class DisaggAPI:
+    """The server side of both calls, over this node's engine and KV sender."""
+
+    def __init__(
+        self,
+        *,
+        secret: bytes,
+        node_id: Callable[[], str],
+        role: str,
+        engine: Callable[[], EngineCore | None],
+        sender: Callable[[], KVSender | None],
+        draining: Callable[[], bool],
+    ) -> None:
+        self._key = derive_key(secret)
+        self._node_id = node_id
+        self._role = role
+        self._engine = engine
+        self._sender = sender
+        self._draining = draining
+        self.num_unauthorized = 0
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post(GENERATE_PATH, self.generate), web.post(PREFILL_PATH, self.prefill)]
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        got = request.headers.get(SIGNATURE_HEADER, "")
+        if not got:
+            raise _Bad(_error(401, "missing signature (is the cluster secret the same?)"))
+        raw = await request.read()
+        if not verify(self._key, request.method, request.path, raw, got):
+            self.num_unauthorized += 1
+            log.warning("internal.unauthorized", path=request.path, remote=request.remote)
+            raise _Bad(_error(401, "bad signature (is the cluster secret the same?)"))
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise _Bad(_error(400, "body is not JSON")) from None
+        if not isinstance(data, dict):
+            raise _Bad(_error(400, "body must be a JSON object"))
+        return data
+
+    def _ready_engine(self) -> EngineCore:
+        engine = self._engine()
+        if engine is None or self._draining():
+            raise _Bad(_error(503, "this node is not serving (starting, draining or stopping)"))
+        return engine
+
+    # -- decode node -------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            data = await self._body(request)
+            if self._role == "prefill":
+                raise _Bad(_error(409, "this node only prefills; it does not decode"))
+            engine = self._ready_engine()
+            try:
+                rid = _request_id(data.get("request_id"))
+                prompt = _token_ids(data.get("prompt_token_ids"))
+                sampling = sampling_from_dict(data.get("sampling"))
+                offset = data.get("output_offset", 0)
+                if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                    raise ValueError("'output_offset' must be an integer >= 0")
+                targets = tuple(
+                    PrefillTarget(str(t["node_id"]), str(t["url"]))
+                    for t in data.get("prefill") or []
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                raise _Bad(_error(400, str(exc))) from None
+            try:
+                stream = engine.add_request(
+                    prompt,
+                    sampling,
+                    rid,
+                    kv_source=PrefillSource(targets) if targets else None,
+                    output_offset=offset,
+                )
+            except QueueFullError as exc:
+                raise _Bad(
+                    _error(429, str(exc), {"Retry-After": str(max(1, int(exc.retry_after_s)))})
+                ) from None
+            except EngineClosedError as exc:
+                raise _Bad(_error(503, str(exc))) from None
+            except ValueError as exc:  # PromptTooLongError included
+                raise _Bad(_error(400, str(exc))) from None
+        except _Bad as bad:
+            return bad.response
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        try:
+            await resp.prepare(request)
+            async for out in stream:
+                await resp.write(orjson.dumps(output_to_dict(out)) + b"\n")
+            await resp.write_eof()
+        finally:
+            # The entry node went away (or we are done): abort unless finished.
+            await stream.aclose()
+        return resp
+
+    # -- prefill node ------------------------------------------------------------
+
+    async def prefill(self, request: web.Request) -> web.Response:
+        try:
+            data = await self._body(request)
+            if self._role == "decode":
+                raise _Bad(_error(409, "this node only decodes; it does not prefill"))
+            engine = self._ready_engine()
+            sender = self._sender()
+            if sender is None:
+                raise _Bad(_error(503, "this node cannot send KV (no transfer engine)"))
+            try:
+                rid = _request_id(data.get("request_id"))
+                prompt = _token_ids(data.get("prompt_token_ids"))
+                sampling = sampling_from_dict(data.get("sampling"))
+                grant = KVGrant.from_dict(data.get("grant"))
+            except (ValueError, TypeError) as exc:
+                raise _Bad(_error(400, str(exc))) from None
+            # One token: the first of the completion, sampled exactly as the
+            # decode node would; stop conditions are the decode node's to check.
+            first = dataclasses.replace(sampling, max_tokens=1, stop=(), stop_token_ids=())
+            local_id = f"{rid}@prefill"
+            try:
+                stream = engine.add_request(prompt, first, local_id, kv_sink=grant)
+            except QueueFullError as exc:
+                raise _Bad(_error(503, str(exc))) from None
+            except (EngineClosedError, EngineFailedError) as exc:
+                raise _Bad(_error(503, str(exc))) from None
+            except (PromptTooLongError, ValueError) as exc:
+                raise _Bad(_error(400, str(exc))) from None
+        except _Bad as bad:
+            return bad.response
+        last = None
+        try:
+            async for out in stream:
+                last = out
+        finally:
+            await stream.aclose()
+        outcome = sender.take_outcome(local_id)
+        if last is None or last.error is not None or not last.new_token_ids:
+            why = last.error if last is not None and last.error else "the prefill was aborted"
+            return _error(502, why)
+        failed, nbytes = outcome if outcome is not None else ("no handoff state", 0)
+        if failed is not None:
+            return _error(502, failed)
+        token = last.new_token_ids[-1]
+        logprob = last.logprobs[-1] if last.logprobs else None
+        return web.Response(
+            body=orjson.dumps(
+                {
+                    "node_id": self._node_id(),
+                    "token": [token, logprob_to_list(logprob) if logprob else None],
+                    "num_cached_tokens": last.num_cached_tokens,
+                    "bytes": nbytes,
+                }
+            ),
+            content_type="application/json",
+        )
+
+
+class PrefillClient:
+    """The decode node's side of ``/internal/prefill``."""
+
+    def __init__(self, *, secret: bytes, timeout_s: float) -> None:
+        self._key = derive_key(secret)
+        self._timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> PrefillClient:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit_per_host=64, keepalive_timeout=15.0)
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def prefill(self, target: PrefillTarget, req: Request, grant: KVGrant) -> PrefillReply:
+        session = self._session
+        if session is None:
+            raise PrefillError("the prefill client is not started")
+        body = orjson.dumps(
+            {
+                "request_id": req.request_id,
+                "prompt_token_ids": req.prompt_token_ids,
+                "sampling": sampling_to_dict(req.sampling),
+                "grant": grant.to_dict(),
+            }
+        )
+        headers = {
+            "Content-Type": "application/json",
+            SIGNATURE_HEADER: sign(self._key, "POST", PREFILL_PATH, body),
+        }
+        url = target.url.rstrip("/") + PREFILL_PATH
+        try:
+            async with session.post(
+                url,
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=min(self._timeout_s, grant.ttl_s)),
+            ) as resp:
+                payload = await resp.read()
+                if resp.status != 200:
+                    raise PrefillError(
+                        f"{target.node_id} answered {resp.status}: "
+                        f"{payload[:300].decode(errors='replace')}"
+                    )
+        except (aiohttp.ClientError, OSError) as exc:
+            raise PrefillError(f"{target.node_id}: {exc!r}") from exc
+        except TimeoutError:
+            raise PrefillError(f"{target.node_id}: no answer within the grant's time") from None
+        try:
+            data = orjson.loads(payload)
+            token_id, lp = data["token"]
+            return PrefillReply(
+                node_id=str(data["node_id"]),
+                token=SampledToken(int(token_id), logprob_from_list(lp) if lp else None),
+                num_cached_tokens=int(data["num_cached_tokens"]),
+                bytes_sent=int(data.get("bytes", 0)),
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise PrefillError(f"{target.node_id}: malformed answer ({exc!r})") from None

@@ -1,0 +1,555 @@
+"""Prefill/decode disaggregation as the engine's second KV connector.
+
+The decode node's side, ``KVReceiver``: a request that arrives with a
+``PrefillSource`` (the prefill nodes the entry node picked) offers every
+prompt token past the device prefix hit as coming from outside. The
+scheduler allocates blocks for them; ``load`` grants those blocks to one
+prefill node (a ``KVGrant``: where the blocks are in this node's KV segment,
+for how long) and asks it to prefill. The prefill node writes the prompt's KV
+straight into the granted blocks and answers with the first sampled token;
+the request then joins the decode batch. A prefill node that fails, times
+out or is draining is replaced by the next candidate; when none is left the
+load delivers nothing and this node computes the prompt itself.
+
+Blocks a prefill node was granted stay held (a reference on each) until it
+can no longer write them: at once when it answered, else until the grant has
+expired; a request whose prefill failed computes into fresh blocks instead.
+
+The prefill node's side, ``KVSender``: a request that carries a ``KVGrant``
+is computed as usual (reusing this node's caches), and after each layer's
+forward the K and V rows that layer wrote for the granted blocks go out as
+one batch of WRITEs through the transfer engine, while the next layers
+compute. ``wait_for_save`` waits for the step's batches before its results
+return, so when the first token is out, the KV is in place on the decode node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from mooncaked.engine.connector import KVConnector, LoadResult
+from mooncaked.engine.plan import LoadJob, SampledToken, StepPlan
+from mooncaked.engine.runner import KVLayout
+from mooncaked.request import Request
+from mooncaked.transfer import TransferEngine, TransferOp
+
+log = structlog.get_logger(__name__)
+
+__all__ = [
+    "HandoffStats",
+    "KVGrant",
+    "KVReceiver",
+    "KVSender",
+    "PrefillError",
+    "PrefillReply",
+    "PrefillSource",
+    "PrefillTarget",
+]
+
+# A prefill node's late writes land by the grant's deadline; this much more
+# covers the time the grant spent in flight to it.
+_GRANT_GRACE_S = 2.0
+# Most blocks one grant may name (a 1M-token prompt in 16-token blocks).
+MAX_GRANT_BLOCKS = 1 << 16
+
+
+class PrefillError(Exception):
+    """A prefill node could not do the prefill (down, refused, failed, timed out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVGrant:
+    """Blocks of a decode node's KV cache one prefill node may write, for one request.
+
+    ``block_ids[i]`` holds the request's logical block ``first_block + i``;
+    every byte offset follows from ``layout`` (``KVLayout.offset``).
+    """
+
+    request_id: str
+    node_id: str
+    transfer_address: str
+    segment: str
+    layout: KVLayout
+    first_block: int
+    block_ids: tuple[int, ...]
+    ttl_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        return {
+            "request_id": self.request_id,
+            "node_id": self.node_id,
+            "transfer_address": self.transfer_address,
+            "segment": self.segment,
+            "layout": [lay.num_layers, lay.num_blocks, lay.block_size, lay.row_bytes],
+            "first_block": self.first_block,
+            "block_ids": list(self.block_ids),
+            "ttl_s": self.ttl_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> KVGrant:
+        """Parse and check a grant from JSON; ValueError naming what is wrong."""
+        if not isinstance(d, dict):
+            raise ValueError("'grant' must be an object")
+
+        def num(key: str, value: Any, lo: int, hi: int) -> int:
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ValueError(f"grant {key!r} must be an integer in {lo}..{hi}")
+            return value
+
+        def text(key: str) -> str:
+            v = d.get(key)
+            if not isinstance(v, str) or not v or len(v) > 256:
+                raise ValueError(f"grant {key!r} must be a non-empty string")
+            return v
+
+        raw = d.get("layout")
+        if not isinstance(raw, list) or len(raw) != 4:
+            raise ValueError("grant 'layout' must be [layers, blocks, block_size, row_bytes]")
+        layout = KVLayout(
+            num_layers=num("layers", raw[0], 1, 1 << 12),
+            num_blocks=num("blocks", raw[1], 1, 1 << 30),
+            block_size=num("block_size", raw[2], 1, 1 << 16),
+            row_bytes=num("row_bytes", raw[3], 1, 1 << 24),
+        )
+        ids = d.get("block_ids")
+        if not isinstance(ids, list) or not 0 < len(ids) <= MAX_GRANT_BLOCKS:
+            raise ValueError(f"grant 'block_ids' must list 1..{MAX_GRANT_BLOCKS} blocks")
+        block_ids = tuple(num("block_ids", b, 0, layout.num_blocks - 1) for b in ids)
+        ttl = d.get("ttl_s")
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 3600:
+            raise ValueError("grant 'ttl_s' must be a number in (0, 3600]")
+        return cls(
+            request_id=text("request_id"),
+            node_id=text("node_id"),
+            transfer_address=text("transfer_address"),
+            segment=text("segment"),
+            layout=layout,
+            first_block=num("first_block", d.get("first_block"), 0, 1 << 30),
+            block_ids=block_ids,
+            ttl_s=float(ttl),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTarget:
+    node_id: str
+    # The prefill node's API, e.g. "http://10.0.0.5:8000".
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSource:
+    """A decode-side request's ``kv_source``: the prefill nodes to ask, in order."""
+
+    targets: tuple[PrefillTarget, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillReply:
+    """What a prefill node answers once the prompt's KV is written."""
+
+    node_id: str
+    token: SampledToken
+    num_cached_tokens: int
+    bytes_sent: int = 0
+
+
+# (target, request, grant) -> the reply; raises PrefillError.
+PrefillCall = Callable[[PrefillTarget, Request, KVGrant], Awaitable[PrefillReply]]
+
+
+@dataclass(slots=True)
+class HandoffStats:
+    """Counters of the handoff, by side."""
+
+    # Decode side: handoffs by outcome.
+    ok: int = 0
+    retried: int = 0
+    fell_back: int = 0
+    cancelled: int = 0
+    # Prefill side.
+    sent_requests: int = 0
+    sent_bytes: int = 0
+    send_failures: int = 0
+    send_seconds: float = 0.0
+    # Time from a step's last layer finishing to its writes being complete.
+    exposed_seconds: float = 0.0
+    num_steps_sent: int = 0
+
+
+# -- decode side -----------------------------------------------------------------
+
+
+class KVReceiver(KVConnector):
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        transfer_address: str,
+        segment: str,
+        layout: KVLayout,
+        prefill: PrefillCall,
+        grant_ttl_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self.transfer_address = transfer_address
+        self.segment = segment
+        self.layout = layout
+        self._prefill = prefill
+        self.grant_ttl_s = grant_ttl_s
+        self._clock = clock
+        # Requests whose handoff ran already (a failed one is computed here).
+        self._tried: set[str] = set()
+        # Blocks a prefill node may still write: key -> block ids.
+        self._holds: dict[int, list[int]] = {}
+        self._hold_timers: dict[int, asyncio.TimerHandle] = {}
+        self._next_hold = 0
+        self.stats = HandoffStats()
+
+    def lookup(self, req: Request, num_computed_tokens: int) -> int | None:
+        if not isinstance(req.kv_source, PrefillSource) or req.request_id in self._tried:
+            return 0
+        if req.num_output_tokens:
+            return 0  # a preempted request recomputes here
+        return req.num_tokens - num_computed_tokens
+
+    async def load(self, req: Request, job: LoadJob) -> LoadResult:
+        self._tried.add(req.request_id)
+        source = req.kv_source
+        if not isinstance(source, PrefillSource):
+            return LoadResult(0)
+        grant = KVGrant(
+            request_id=req.request_id,
+            node_id=self.node_id,
+            transfer_address=self.transfer_address,
+            segment=self.segment,
+            layout=self.layout,
+            first_block=job.first_block,
+            block_ids=tuple(job.block_ids),
+            ttl_s=self.grant_ttl_s,
+        )
+        # Held for as long as a prefill node may write them.
+        hold = self._hold(job.block_ids)
+        for i, target in enumerate(source.targets):
+            try:
+                reply = await self._prefill(target, req, grant)
+            except PrefillError as exc:
+                log.warning(
+                    "prefill failed; trying the next node"
+                    if i + 1 < len(source.targets)
+                    else "prefill failed; computing it here",
+                    request_id=req.request_id,
+                    prefill_node=target.node_id,
+                    error=str(exc),
+                )
+                self.stats.retried += i + 1 < len(source.targets)
+                continue
+            except asyncio.CancelledError:
+                self.stats.cancelled += 1
+                self._release_later(hold)
+                raise
+            self._release(hold)
+            self.stats.ok += 1
+            return LoadResult(
+                num_tokens=job.num_tokens,
+                sampled=reply.token,
+                num_cached_tokens=reply.num_cached_tokens,
+                prefill_node=reply.node_id,
+            )
+        self.stats.fell_back += 1
+        # A failed prefill node may still write the granted blocks until the
+        # grant expires: compute into fresh blocks and keep those held.
+        self._swap_blocks(req, job, hold)
+        return LoadResult(0, prefill_node=self.node_id)
+
+    def _swap_blocks(self, req: Request, job: LoadJob, hold: int) -> None:
+        pool = self.ctx.pool
+        fresh = pool.allocate(len(job.block_ids))
+        if fresh is None:
+            # Short of blocks: keep the granted ones, once nobody can write them.
+            log.warning("no blocks to swap a failed handoff's for", request_id=req.request_id)
+            self._release_later(hold)
+            return
+        first = job.first_block
+        granted = req.block_ids[first : first + len(fresh)]
+        req.block_ids[first : first + len(fresh)] = fresh
+        # The request's references on the granted blocks move to the hold.
+        self._holds[hold] = self._holds[hold] + granted
+        self._release_later(hold)
+
+    def _hold(self, block_ids: Sequence[int]) -> int:
+        key = self._next_hold
+        self._next_hold += 1
+        self.ctx.pool.touch(block_ids)
+        self._holds[key] = list(block_ids)
+        return key
+
+    def _release(self, key: int) -> None:
+        timer = self._hold_timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        block_ids = self._holds.pop(key, None)
+        if block_ids:
+            self.ctx.pool.free(block_ids)
+            self.ctx.wakeup()
+
+    def _release_later(self, key: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._hold_timers[key] = loop.call_later(
+            self.grant_ttl_s + _GRANT_GRACE_S, self._release, key
+        )
+
+    def load_cancellable(self, req: Request) -> bool:
+        # Cancelling a handoff holds its granted blocks until the grant expires.
+        return True
+
+    def request_finished(self, req: Request) -> None:
+        self._tried.discard(req.request_id)
+
+    def held_blocks(self) -> list[list[int]]:
+        return list(self._holds.values())
+
+    async def close(self) -> None:
+        for key in list(self._holds):
+            self._release(key)
+
+
+# -- prefill side ----------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Sink:
+    grant: KVGrant
+    deadline: float
+    failed: str | None = None
+    bytes_sent: int = 0
+    # Prompt positions before this one are sent (or were not the decode
+    # node's to receive): a chunk that starts later, after a prefix this node
+    # had cached, sends that prefix's rows too.
+    sent_upto: int = 0
+
+
+@dataclass(slots=True)
+class _Send:
+    """One request's writes in one step: runs of rows, each (src block, dst block,
+    first row, rows), contiguous on both sides."""
+
+    sink: _Sink
+    runs: list[tuple[int, int, int, int]]
+
+
+@dataclass(slots=True)
+class _StepSends:
+    sends: list[_Send]
+    timeout_s: float
+    # Set in the step thread: per layer, the future of its submitted batch.
+    futures: list[tuple[list[_Send], Future[tuple[bool, str]]]] = field(default_factory=list)
+    t_first: float = 0.0
+    t_last_layer: float = 0.0
+
+
+class KVSender(KVConnector):
+    """Streams a granted request's KV to its decode node, layer by layer.
+
+    ``layerwise=False`` sends everything after the whole step instead (the
+    baseline the handoff benchmark compares with).
+    """
+
+    def __init__(
+        self,
+        transfer: TransferEngine,
+        *,
+        segment: str,
+        layout: KVLayout,
+        loop: asyncio.AbstractEventLoop,
+        layerwise: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._transfer = transfer
+        self._segment = segment
+        self._layout = layout
+        self._loop = loop
+        self.layerwise = layerwise
+        self._clock = clock
+        self._sinks: dict[str, _Sink] = {}
+        # Outcomes of finished requests, until the prefill handler takes them.
+        self._outcomes: dict[str, _Sink] = {}
+        self.stats = HandoffStats()
+
+    def request_added(self, req: Request) -> None:
+        grant = req.kv_sink
+        if not isinstance(grant, KVGrant):
+            return
+        sink = _Sink(
+            grant,
+            self._clock() + grant.ttl_s,
+            sent_upto=grant.first_block * grant.layout.block_size,
+        )
+        lay, mine = grant.layout, self._layout
+        if (lay.num_layers, lay.block_size, lay.row_bytes) != (
+            mine.num_layers,
+            mine.block_size,
+            mine.row_bytes,
+        ):
+            sink.failed = f"the decode node's KV layout {lay} does not match this node's {mine}"
+        else:
+            try:
+                self._transfer.add_peer(grant.node_id, grant.transfer_address)
+            except ValueError as exc:
+                sink.failed = f"bad transfer address: {exc}"
+        self._sinks[req.request_id] = sink
+
+    def request_finished(self, req: Request) -> None:
+        sink = self._sinks.pop(req.request_id, None)
+        if sink is not None:
+            self._outcomes[req.request_id] = sink
+
+    def take_outcome(self, request_id: str) -> tuple[str | None, int] | None:
+        """(why the handoff failed or None, bytes sent) of a finished request."""
+        sink = self._outcomes.pop(request_id, None)
+        if sink is None:
+            return None
+        return sink.failed, sink.bytes_sent
+
+    def build_meta(self, plan: StepPlan) -> Any:
+        if not self._sinks:
+            return None
+        now = self._clock()
+        sends: list[_Send] = []
+        timeout = math.inf
+        for chunk in plan.chunks:
+            sink = self._sinks.get(chunk.request_id)
+            if sink is None or sink.failed is not None:
+                continue
+            if now >= sink.deadline:
+                sink.failed = "the grant expired before its KV was sent"
+                continue
+            start = min(sink.sent_upto, chunk.start_pos)
+            runs = self._runs(sink.grant, chunk.block_ids, start, chunk.end_pos)
+            if runs is None:
+                sink.failed = "the grant does not cover the prompt"
+                continue
+            sink.sent_upto = max(sink.sent_upto, chunk.end_pos)
+            if runs:
+                sends.append(_Send(sink, runs))
+                timeout = min(timeout, sink.deadline - now)
+        if not sends:
+            return None
+        return _StepSends(sends, timeout)
+
+    def _runs(
+        self, grant: KVGrant, block_ids: list[int], start: int, end: int
+    ) -> list[tuple[int, int, int, int]] | None:
+        """Rows [start, end) of the granted blocks as runs contiguous on both sides."""
+        bs = self._layout.block_size
+        runs: list[tuple[int, int, int, int]] = []
+        for i in range(start // bs, (end - 1) // bs + 1):
+            if i < grant.first_block:
+                continue  # the decode node has this block already
+            j = i - grant.first_block
+            if j >= len(grant.block_ids):
+                return None
+            r0 = max(start, i * bs) - i * bs
+            r1 = min(end, (i + 1) * bs) - i * bs
+            src, dst = block_ids[i], grant.block_ids[j]
+            if runs:
+                ps, pd, pr, pn = runs[-1]
+                # Extends the last run when it ended at a block end and both
+                # sides continue in the next block.
+                if r0 == 0 and (pr + pn) % bs == 0:
+                    nb = (pr + pn) // bs
+                    if src == ps + nb and dst == pd + nb:
+                        runs[-1] = (ps, pd, pr, pn + (r1 - r0))
+                        continue
+            runs.append((src, dst, r0, r1 - r0))
+        return runs
+
+    def _ops(self, layers: range, sends: list[_Send]) -> list[TransferOp]:
+        mine = self._layout
+        row = mine.row_bytes
+        ops: list[TransferOp] = []
+        for s in sends:
+            g = s.sink.grant
+            for layer in layers:
+                for kv in (0, 1):
+                    for src, dst, r0, n in s.runs:
+                        ops.append(
+                            TransferOp.write(
+                                self._segment,
+                                mine.offset(layer, kv, src, r0),
+                                g.node_id,
+                                g.segment,
+                                g.layout.offset(layer, kv, dst, r0),
+                                n * row,
+                            )
+                        )
+        return ops
+
+    async def _submit(self, ops: list[TransferOp], timeout_s: float) -> tuple[bool, str]:
+        try:
+            batch = await self._transfer.submit(ops, op_timeout_s=timeout_s)
+            if await batch.wait():
+                return True, ""
+            failures = batch.failures()
+            return False, failures[0][1] if failures else "transfer failed"
+        except Exception as exc:  # the transfer engine refused the batch
+            return False, repr(exc)
+
+    def _send_layers(self, meta: _StepSends, layers: range) -> None:
+        ops = self._ops(layers, meta.sends)
+        if not ops:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._submit(ops, meta.timeout_s), self._loop)
+        meta.futures.append((meta.sends, fut))
+        row = self._layout.row_bytes
+        per_layer = 2 * len(layers) * row
+        for s in meta.sends:
+            s.sink.bytes_sent += per_layer * sum(n for *_, n in s.runs)
+        self.stats.sent_bytes += sum(op.length for op in ops)
+
+    def save_layer(self, layer: int, meta: Any) -> None:
+        if not isinstance(meta, _StepSends):
+            return
+        now = self._clock()
+        if meta.t_first == 0.0:
+            meta.t_first = now
+        meta.t_last_layer = now
+        if self.layerwise:
+            self._send_layers(meta, range(layer, layer + 1))
+
+    def wait_for_save(self, meta: Any) -> None:
+        if not isinstance(meta, _StepSends):
+            return
+        if not self.layerwise:
+            meta.t_last_layer = self._clock()
+            self._send_layers(meta, range(self._layout.num_layers))
+        for sends, fut in meta.futures:
+            try:
+                # The batch's own deadline ends it; the margin only guards a lost loop.
+                ok, reason = fut.result(timeout=meta.timeout_s + 5.0)
+            except Exception as exc:
+                ok, reason = False, repr(exc)
+            if not ok:
+                self.stats.send_failures += 1
+                for s in sends:
+                    if s.sink.failed is None:
+                        s.sink.failed = f"a KV write to {s.sink.grant.node_id} failed: {reason}"
+        done = self._clock()
+        self.stats.num_steps_sent += 1
+        self.stats.exposed_seconds += done - meta.t_last_layer
+        self.stats.send_seconds += done - (meta.t_first or meta.t_last_layer)
+
+    async def close(self) -> None:
+        self._sinks.clear()
+        self._outcomes.clear()
