@@ -865,7 +865,9 @@ class SsdTier:
     async def _run_compaction(self, *, only_flush: bool = False) -> None:
         """Have the log task compact the log (or fsync it) and wait until done."""
         task = self._log_task
-        if task is None or task.done():
+        # While closing, close() serves the request: its last compaction syncs
+        # everything (running one here could swap the log under it).
+        if not self._closing and (task is None or task.done()):
             if only_flush:
                 await self._run_io(self._sync_files)
             else:

@@ -372,3 +372,15 @@ async def test_listeners_never_see_a_block_a_restart_would_not_bring_back(
     ]
     assert files.peek_index() == {h(2): tier.slot_of(h(2))}
     await tier.close()
+
+
+async def test_a_sync_racing_close_is_served_by_the_last_compaction(tmp_path: Path) -> None:
+    tier = await open_tier(tmp_path)
+    await tier.put(h(1), content(h(1)))
+    closing = asyncio.create_task(tier.close())
+    await asyncio.sleep(0)  # close() has begun
+    await asyncio.wait_for(tier.sync(), 10)
+    await closing
+    tier = await open_tier(tmp_path)
+    assert await read(tier, h(1)) == content(h(1))
+    await tier.close()
