@@ -219,6 +219,7 @@ def test_puts_acknowledged_during_a_compaction_survive_sigkill(tmp_path: Path) -
     stalled = False
     try:
         assert proc.stdout is not None
+        # Read to the end: what the writer said before it died is still in the pipe.
         for line in proc.stdout:
             word, _, arg = line.strip().partition(" ")
             if word == "stalled":
@@ -226,22 +227,15 @@ def test_puts_acknowledged_during_a_compaction_survive_sigkill(tmp_path: Path) -
             elif word == "put":
                 acked.add(int(arg))
                 acked_in_compaction += stalled
-                if acked_in_compaction >= 40:
-                    break
+                if acked_in_compaction == 40:
+                    proc.send_signal(signal.SIGKILL)
             elif word == "remove":
                 removed.add(int(arg))
             else:
                 pytest.fail(f"the writer said {line!r}: no eviction was meant to happen")
     finally:
         proc.send_signal(signal.SIGKILL)
-        # What the writer said before it died is still in the pipe.
-        rest, _ = proc.communicate(timeout=30)
-    for line in rest.splitlines():
-        word, _, arg = line.strip().partition(" ")
-        if word == "put":
-            acked.add(int(arg))
-        elif word == "remove":
-            removed.add(int(arg))
+        proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     assert acked_in_compaction >= 40
 
@@ -251,7 +245,9 @@ def test_puts_acknowledged_during_a_compaction_survive_sigkill(tmp_path: Path) -
         assert not missing, f"{len(missing)} acknowledged puts lost, first {missing[:5]}"
         served, dropped = await serve_all(tier)
         assert not dropped
-        assert sorted(served) == sorted(block_hash_of(i) for i in acked - removed)
+        # More may be served: a put done but not yet reported, a block reported
+        # removed just before the kill.
+        assert {block_hash_of(i) for i in acked - removed} <= set(served)
         assert not (path / (LOG_NAME + ".tmp")).exists()
         tier.check_integrity()
         await tier.close()
