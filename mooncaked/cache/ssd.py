@@ -7,6 +7,8 @@ Files in the tier's directory:
 - ``oplog.bin``: a header (format version, block size, layout tag) then
   fixed-size records, ``PUT(hash, slot, data_crc)`` and ``REMOVE(hash, slot)``,
   each closed by a CRC over the record itself.
+- ``oplog.bin.tmp``: the next log, only while a compaction writes it. It is
+  never read: recovery deletes one it finds.
 
 ``data_crc`` is a CRC-32 over ``hash || block bytes``, so it binds the bytes to
 the hash: whatever happened to a slot (a torn write, a slot reused for another
@@ -18,32 +20,64 @@ is skipped (records have a fixed size, so the next one is still found) and a
 partial record at the tail (a torn append) is cut off. Skipping is safe: a
 lost PUT only loses a block, a lost REMOVE leaves an entry whose slot may hold
 other bytes, which the data CRC catches on the first read (or at once with
-``verify_on_open``). The log is then compacted: rewritten as one PUT per live
-block in LRU order, fsynced, and renamed over the old one. While running, the
-log is compacted again whenever it exceeds ``compact_ratio`` times the size of
-its live records, so it never grows without bound.
+``verify_on_open``). The log is then compacted. While running, the log is
+compacted again whenever it exceeds ``compact_ratio`` times the size of its
+live records, so it never grows without bound.
 
-Durability (fsync policy):
+Why an acknowledged put survives SIGKILL at any instant
+-------------------------------------------------------
 
-- A put writes its slot with ``pwrite`` and then appends its PUT record; both
-  reach the page cache, which outlives a crash of the process (SIGKILL) but not
-  of the machine. Nothing is fsynced per put.
-- ``sync()`` fdatasyncs the slab and then the log. A compaction writes,
-  fsyncs and renames the new log and fsyncs the directory, so the log is never
-  lost to a half-done rename; the slab is not synced then, for speed (a PUT
-  whose bytes were lost fails its CRC). ``close()`` ends with a compaction
-  that syncs the slab first, so after a clean close every block in the index
-  is on disk, in LRU order (reads are not logged: a restart sees the order of
-  the last compaction).
+A killed process leaves the page cache behind: once ``pwrite`` of a record
+into ``oplog.bin`` has returned, the record outlives SIGKILL, with no fsync.
+The protocol keeps one invariant: **a record is in the file named
+``oplog.bin`` before the change it logs is visible**, and that file, replayed,
+gives the index as of its last record. No record ever waits in memory.
+
+- Records are written on the event loop's thread, synchronously, in index
+  order (a record is 40 bytes into the page cache; there is no buffer).
+- A put writes its slot in the I/O pool; back on the loop it writes its PUT
+  record, and only then indexes the block and returns True. A kill before the
+  record lands loses a put nobody was told of; the slot it wrote was free
+  (the previous owner's REMOVE was written before the slot write began, in
+  the same step on the loop that took the slot), so no entry names it.
+- A compaction is the only time the file is replaced:
+
+  1. on the loop, in one step, take the snapshot (one PUT per live block)
+     and from then on copy each record into a *tail* as well; records still
+     go into the live ``oplog.bin``, which so stays complete;
+  2. in the log thread, write the snapshot into ``oplog.bin.tmp``, fsync it;
+  3. back on the loop, in one step (no record can come between): write the
+     tail after the snapshot, rename the tmp file over ``oplog.bin``, and
+     write later records into it;
+  4. in the log thread, fsync the directory (for the rename; see below).
+
+  Killed before the rename, the old ``oplog.bin`` holds every record (the
+  stale tmp file is deleted at the next start); killed after it, the new one
+  holds snapshot + tail, which replays to the same index. ``rename`` is
+  atomic: there is no third state. A failed step leaves the old log in use.
+- Listeners hear of a removal just before its REMOVE is written and of a
+  store just after its PUT is: what a listener believes stored is always a
+  part of what recovery brings back.
+
+Durability against power loss (fsync policy):
+
+- Nothing is fsynced per put: the slot and the record reach the page cache,
+  which a crash of the machine loses.
+- ``sync()`` fdatasyncs the slab and then the log (after any compaction in
+  progress, so the log synced is the live one). A compaction fsyncs the new
+  log's snapshot and then the directory, so the log is never lost to a
+  half-done rename; records of its tail are as durable as any other append.
+  The slab is not synced then, for speed (a PUT whose bytes were lost fails its
+  CRC). ``close()`` ends with a compaction that syncs the slab first, so after
+  a clean close every block in the index is on disk, in LRU order (reads are
+  not logged: a restart sees the order of the last compaction).
 - After a power loss the log may lack its tail (those blocks are forgotten) or
   name slots whose bytes did not reach the disk (the data CRC drops them).
   The tier is a cache: losing blocks is allowed, serving wrong bytes is not.
 
-Slot I/O runs in the tier's thread pool; the index is only touched on the
-event loop's thread. A log record is appended right there, in index order, as
-one small write into the page cache (so an acknowledged put survives SIGKILL);
-while the flusher task compacts or appends a backlog, records queue behind it
-and it appends them, so the log's order is always the index's order.
+Slot I/O runs in the tier's thread pool; the index and the log's records are
+only touched on the event loop's thread; the log thread writes snapshots and
+runs fsyncs for the log task, one at a time.
 """
 
 from __future__ import annotations
@@ -64,11 +98,13 @@ from typing import Any
 import structlog
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES, BlockHash
+from mooncaked.tasks import TaskSet
 
 log = structlog.get_logger(__name__)
 
 SLAB_NAME = "slab.bin"
 LOG_NAME = "oplog.bin"
+TMP_LOG_NAME = LOG_NAME + ".tmp"
 
 _PAGE = 4096
 _VERSION = 1
@@ -231,11 +267,12 @@ class SsdTier:
         # Bumped by clear(): a write that started before it must not publish.
         self._generation = 0
 
-        self._log_buf = bytearray()
-        # True while the flusher appends or rewrites the log in its thread.
-        self._log_busy = False
+        # While a compaction runs: the records written since its snapshot,
+        # which go after the snapshot in the new log (see the module docstring).
+        self._compaction_tail: bytearray | None = None
         self._log_wakeup = asyncio.Event()
-        self._flusher: asyncio.Task[None] | None = None
+        self._tasks = TaskSet("ssd-tier")
+        self._log_task: asyncio.Task[Any] | None = None
         self._compact_waiters: list[asyncio.Future[None]] = []
         self._sync_waiters: list[asyncio.Future[None]] = []
         self._inflight = 0
@@ -262,7 +299,7 @@ class SsdTier:
     # -- lifecycle ---------------------------------------------------------
 
     async def open(self) -> RecoveryReport:
-        """Replay the log into the index, compact it, and start the flusher."""
+        """Replay the log into the index, compact it, and start the log task."""
         if self._opened:
             raise RuntimeError("SsdTier.open called twice")
         self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="ssd-io")
@@ -280,8 +317,7 @@ class SsdTier:
             self._log_executor.shutdown(wait=True)
             raise
         self._opened = True
-        self._flusher = asyncio.create_task(self._flush_loop(), name="ssd-log-flusher")
-        self._flusher.add_done_callback(_log_task_exit)
+        self._log_task = self._tasks.spawn(self._log_loop(), "ssd-log")
         self.report.blocks = len(self._index)
         log.info(
             "ssd.opened",
@@ -300,18 +336,20 @@ class SsdTier:
             return
         self._closing = True
         await self._idle.wait()
-        flusher, self._flusher = self._flusher, None
-        if flusher is not None:
-            self._log_wakeup.set()
-            try:
-                await flusher
-            except Exception:
-                # Already logged by the done callback; the files still close.
-                pass
+        self._log_wakeup.set()
+        # A failure of the log task was logged by its owner; the files still close.
+        await self._tasks.wait()
+        self._log_task = None
         try:
             # A last compaction: a short log for the next start, the LRU order
-            # (reads are not logged) kept, and everything fsynced.
+            # (reads are not logged) kept, and everything fsynced. It serves
+            # the sync and compaction requests the log task left.
             await self._compact(sync_slab=True)
+        except BaseException as exc:
+            self._settle_waiters(exc)
+            raise
+        else:
+            self._settle_waiters(None)
         finally:
             # Threads first: no fd may close under a read or write in flight.
             for executor in (self._executor, self._log_executor):
@@ -327,6 +365,11 @@ class SsdTier:
         slab_existed = slab_path.exists()
         self._slab_fd = os.open(slab_path, os.O_RDWR | os.O_CREAT, 0o600)
         log_path = self.path / LOG_NAME
+        tmp_path = self.path / TMP_LOG_NAME
+        if tmp_path.exists():
+            # A compaction that died before its rename: oplog.bin is complete.
+            log.info("ssd.stale_compaction_removed", path=str(tmp_path))
+            tmp_path.unlink()
         raw = log_path.read_bytes() if log_path.exists() else b""
         parsed = self._parse_log(raw)
         if raw and not slab_existed:
@@ -335,7 +378,8 @@ class SsdTier:
         if os.fstat(self._slab_fd).st_size != size:
             # Sparse: a fresh slab costs no disk until slots are written.
             os.ftruncate(self._slab_fd, size)
-        self._log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # Not O_APPEND: records go at _log_bytes, so a torn write is overwritten.
+        self._log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT, 0o600)
         self._log_bytes = len(raw)
         return parsed
 
@@ -431,8 +475,8 @@ class SsdTier:
 
     @property
     def log_bytes(self) -> int:
-        """Bytes in the log file plus records not yet appended."""
-        return self._log_bytes + len(self._log_buf)
+        """Bytes in the live log file (every record written so far is in it)."""
+        return self._log_bytes
 
     # -- put / get / remove ------------------------------------------------
 
@@ -471,12 +515,16 @@ class SsdTier:
             # clear() ran meanwhile: the block belongs to the cleared contents.
             abandon()
             return False
+        # The record first: the block is visible (indexed, acknowledged, told
+        # to listeners) only once a kill can no longer lose it.
+        if not self._append(_encode_record(_OP_PUT, slot, block_hash, crc)):
+            abandon()
+            return False
         del self._writing[block_hash]
         self._state[slot] = SlotState.LIVE
         self._slot_crc[slot] = crc
         self._index[block_hash] = slot
         self._lru[block_hash] = None
-        self._append(_encode_record(_OP_PUT, slot, block_hash, crc))
         self.num_puts += 1
         self.bytes_written += self.block_bytes
         if self.on_stored is not None:
@@ -603,14 +651,20 @@ class SsdTier:
             raise RuntimeError(f"unindex of SSD slot {slot} in state {self._state[slot].value}")
         del self._index[block_hash]
         self._lru.pop(block_hash, None)
-        self._append(_encode_record(_OP_REMOVE, slot, block_hash, 0))
-        if self.on_removed is not None:
-            self.on_removed(block_hash, evicted)
         if self._readers[slot] > 0:
             self._state[slot] = SlotState.DEAD
             self._num_dead += 1
         else:
             self._free_slot(slot)
+        try:
+            # Before the record (see the module docstring): a listener never
+            # believes stored a block that a restart would not bring back.
+            if self.on_removed is not None:
+                self.on_removed(block_hash, evicted)
+        finally:
+            # Written before the caller can reuse the slot: no log names a
+            # slot for a block whose bytes are being overwritten.
+            self._append(_encode_record(_OP_REMOVE, slot, block_hash, 0))
 
     def _end_read(self, slot: int) -> None:
         self._readers[slot] -= 1
@@ -656,37 +710,30 @@ class SsdTier:
         got = _pread_into(self._slab_fd, mv, slot * self.slot_stride)
         return got == len(mv) and data_crc(block_hash, mv) == expected_crc
 
-    def _append_log(self, buf: bytes) -> None:
-        _pwrite_all_append(self._log_fd, buf)
-        self._log_bytes += len(buf)
-
     def _sync_files(self) -> None:
         os.fdatasync(self._slab_fd)
         os.fdatasync(self._log_fd)
 
-    def _rewrite_log(self, content: bytes, sync_slab: bool) -> None:
-        """Replace the log with ``content`` atomically: tmp file, fsync, rename, fsync dir."""
+    def _write_snapshot(self, content: bytes, sync_slab: bool) -> int:
+        """Write ``content`` into a fresh tmp log, fsync it; its fd, open for the tail."""
         if sync_slab:
-            # Then every PUT in the new log names bytes already on disk.
+            # Then every PUT in the snapshot names bytes already on disk.
             os.fdatasync(self._slab_fd)
-        tmp = self.path / (LOG_NAME + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(self.path / TMP_LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             _pwrite_all(fd, memoryview(content), 0)
             os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
-        os.replace(tmp, self.path / LOG_NAME)
+            raise
+        return fd
+
+    def _sync_dir(self) -> None:
         dir_fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-        new_fd = os.open(self.path / LOG_NAME, os.O_WRONLY | os.O_APPEND)
-        old_fd, self._log_fd = self._log_fd, new_fd
-        if old_fd >= 0:
-            os.close(old_fd)
-        self._log_bytes = len(content)
 
     def _close_fds(self) -> None:
         for name in ("_slab_fd", "_log_fd"):
@@ -698,30 +745,29 @@ class SsdTier:
 
     # -- the log -----------------------------------------------------------
 
-    def _append(self, record: bytes) -> None:
-        # Straight into the page cache when no log I/O is in flight, so an
-        # acknowledged put survives SIGKILL (a buffered record would die with
-        # the process). While the flusher appends or compacts (the file may be
-        # swapped under it), records queue behind it, in order.
-        flusher = self._flusher
-        if (
-            not self._log_buf
-            and not self._log_busy
-            and self._log_fd >= 0
-            and flusher is not None
-            and not flusher.done()
-        ):
-            try:
-                self._append_log(record)
-            except OSError as exc:
-                self.num_io_errors += 1
-                log.error("ssd.log_write_failed", error=str(exc))
-                return
-            if self._needs_compaction():
-                self._log_wakeup.set()
-            return
-        self._log_buf += record
-        self._log_wakeup.set()
+    def _append(self, record: bytes) -> bool:
+        """Write one record into the live log, here on the loop; False if it failed.
+
+        Synchronous on purpose: when this returns True the record is in the
+        page cache, in oplog.bin, and no kill of the process can lose it.
+        """
+        if self._log_fd < 0:
+            self.num_io_errors += 1
+            log.error("ssd.log_write_failed", error="the log is not open")
+            return False
+        try:
+            _pwrite_all(self._log_fd, memoryview(record), self._log_bytes)
+        except OSError as exc:
+            # Nothing advanced: the next record overwrites what part landed.
+            self.num_io_errors += 1
+            log.error("ssd.log_write_failed", error=str(exc))
+            return False
+        self._log_bytes += len(record)
+        if self._compaction_tail is not None:
+            self._compaction_tail += record
+        elif self._needs_compaction():
+            self._log_wakeup.set()
+        return True
 
     def _snapshot(self) -> bytes:
         """The compacted log: header, then one PUT per live block, least recent first."""
@@ -738,60 +784,91 @@ class SsdTier:
         return self.log_bytes > max(self.compact_min_bytes, self.compact_ratio * live)
 
     async def _compact(self, *, sync_slab: bool = False) -> None:
-        # The snapshot covers every buffered record: both are taken in one
-        # step on the loop, so nothing can slip in between.
-        content = self._snapshot()
-        self._log_buf.clear()
-        await asyncio.get_running_loop().run_in_executor(
-            self._log_executor, self._rewrite_log, content, sync_slab
-        )
-        self.num_compactions += 1
-
-    async def _flush_loop(self) -> None:
-        """The one writer of the log: appends buffered records in order, compacts."""
+        """Replace the log by a snapshot of the index, losing no record written
+        meanwhile (steps 1-4 of the module docstring)."""
+        if self._compaction_tail is not None:
+            raise RuntimeError("two SSD log compactions at once")
         loop = asyncio.get_running_loop()
-        while True:
+        # Step 1: the snapshot and the start of the tail in one step on the loop.
+        content = self._snapshot()
+        tail = self._compaction_tail = bytearray()
+        tmp_path = self.path / TMP_LOG_NAME
+        fut = loop.run_in_executor(self._log_executor, self._write_snapshot, content, sync_slab)
+        try:
+            new_fd = await asyncio.shield(fut)
+        except BaseException:
+            self._compaction_tail = None
+            if not fut.done():
+                # Cancelled: the thread still runs; close its fd when it ends.
+                # (The stale file stays: the next compaction truncates it, the
+                # next start deletes it.)
+                fut.add_done_callback(_close_snapshot_fd)
+            else:
+                with contextlib.suppress(OSError):
+                    tmp_path.unlink()
+            raise
+        # Step 3: no await from here to the switch, so no record comes between.
+        self._compaction_tail = None
+        try:
+            _pwrite_all(new_fd, memoryview(tail), len(content))
+            os.replace(tmp_path, self.path / LOG_NAME)
+        except BaseException:
+            os.close(new_fd)
+            with contextlib.suppress(OSError):
+                tmp_path.unlink()
+            raise
+        old_fd, self._log_fd = self._log_fd, new_fd
+        self._log_bytes = len(content) + len(tail)
+        if old_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(old_fd)
+        self.num_compactions += 1
+        # Step 4: the rename, against power loss.
+        await loop.run_in_executor(self._log_executor, self._sync_dir)
+
+    async def _log_loop(self) -> None:
+        """The log's background work, one job at a time: compactions and syncs."""
+        loop = asyncio.get_running_loop()
+        while not self._closing:
             await self._log_wakeup.wait()
             self._log_wakeup.clear()
+            if self._closing:
+                # close() compacts last and answers the requests left.
+                return
             compact, self._compact_waiters = self._compact_waiters, []
             sync, self._sync_waiters = self._sync_waiters, []
-            waiters = compact + sync
-            self._log_busy = True
+            error: Exception | None = None
             try:
                 if compact or self._needs_compaction():
-                    # A compaction that syncs the slab makes everything durable,
-                    # so it serves sync requests too.
+                    # A compaction that syncs the slab makes everything written
+                    # before its snapshot durable, so it serves sync requests too.
                     await self._compact(sync_slab=bool(sync))
-                else:
-                    if self._log_buf:
-                        buf = bytes(self._log_buf)
-                        self._log_buf.clear()
-                        await loop.run_in_executor(self._log_executor, self._append_log, buf)
-                    if sync:
-                        await loop.run_in_executor(self._log_executor, self._sync_files)
-            except OSError as exc:
-                # Lost records only forget blocks (see the module docstring).
-                self.num_io_errors += 1
-                log.error("ssd.log_write_failed", error=str(exc))
-                for fut in waiters:
-                    if not fut.done():
-                        fut.set_exception(exc)
-            finally:
-                self._log_busy = False
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
-            if self._closing and not self._log_buf:
-                return
+                elif sync:
+                    await loop.run_in_executor(self._log_executor, self._sync_files)
+            except Exception as exc:
+                # The old log stays in use, complete: nothing is lost but time.
+                if isinstance(exc, OSError):
+                    self.num_io_errors += 1
+                log.error("ssd.log_task_io_failed", error=repr(exc))
+                error = exc
+            _settle(compact + sync, error)
+            if error is not None and not isinstance(error, OSError):
+                # A broken invariant: the task ends (its owner logs it) and
+                # later requests run on the caller's task instead.
+                raise error
+
+    def _settle_waiters(self, error: BaseException | None) -> None:
+        waiters = self._compact_waiters + self._sync_waiters
+        self._compact_waiters, self._sync_waiters = [], []
+        _settle(waiters, error)
 
     async def _run_compaction(self, *, only_flush: bool = False) -> None:
-        """Have the flusher compact the log (or append and fsync it) and wait until done."""
-        if self._flusher is None or self._flusher.done():
+        """Have the log task compact the log (or fsync it) and wait until done."""
+        task = self._log_task
+        # While closing, close() serves the request: its last compaction syncs
+        # everything (running one here could swap the log under it).
+        if not self._closing and (task is None or task.done()):
             if only_flush:
-                if self._log_buf:
-                    buf = bytes(self._log_buf)
-                    self._log_buf.clear()
-                    await self._run_io(self._append_log, buf)
                 await self._run_io(self._sync_files)
             else:
                 await self._compact()
@@ -858,16 +935,20 @@ def _replay_ops(
     return index, slot_crc, out_of_range
 
 
-def _pwrite_all_append(fd: int, data: bytes) -> None:
-    mv = memoryview(data)
-    done = 0
-    while done < len(mv):
-        done += os.write(fd, mv[done:])
+def _settle(waiters: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    """Answer sync / compaction requests: done, failed with ``error``, or cancelled."""
+    for fut in waiters:
+        if fut.done():
+            continue
+        if error is None:
+            fut.set_result(None)
+        elif isinstance(error, Exception):
+            fut.set_exception(error)
+        else:
+            fut.cancel()
 
 
-def _log_task_exit(task: asyncio.Task[Any]) -> None:
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        log.error("ssd.task_failed", task=task.get_name(), error=repr(exc), exc_info=exc)
+def _close_snapshot_fd(fut: asyncio.Future[int]) -> None:
+    """Done callback of an abandoned snapshot write: its fd must not leak."""
+    if not fut.cancelled() and fut.exception() is None:
+        os.close(fut.result())

@@ -2,12 +2,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from mooncaked.cache.ssd import LOG_NAME, REC_SIZE, SLAB_NAME, SsdTier
+from mooncaked.cache.ssd import LOG_NAME, REC_SIZE, SLAB_NAME, TMP_LOG_NAME, SsdTier
 
 BLOCK = 6000  # not a page multiple: slots are padded to 8 KiB
 
@@ -281,3 +283,104 @@ async def test_use_before_open_is_an_error(tmp_path: Path) -> None:
         await tier.put(h(1), content(h(1)))
     with pytest.raises(ValueError, match="compact_ratio"):
         SsdTier(tmp_path, BLOCK, 2, compact_ratio=1.0)
+
+
+async def test_a_leftover_compaction_file_is_ignored_and_removed(tmp_path: Path) -> None:
+    tier = await open_tier(tmp_path)
+    for i in range(3):
+        await tier.put(h(i), content(h(i)))
+    await tier.close()
+    # A compaction killed before its rename: the tmp file may hold anything,
+    # even a whole other log; oplog.bin is the complete one.
+    (tmp_path / TMP_LOG_NAME).write_bytes((tmp_path / LOG_NAME).read_bytes()[:64])
+    tier = await open_tier(tmp_path)
+    assert not (tmp_path / TMP_LOG_NAME).exists()
+    assert sorted(tier.hashes()) == [h(0), h(1), h(2)]
+    for i in range(3):
+        assert await read(tier, h(i)) == content(h(i))
+    await tier.close()
+
+
+async def test_puts_during_a_compaction_are_in_the_log_file_when_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The compaction's fsync of the new log waits for the test: a slow disk.
+    entered, release = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        entered.set()
+        release.wait(30)
+        real_fsync(fd)
+
+    tier = await open_tier(tmp_path, num_slots=64, compact_ratio=2.0, compact_min_bytes=1024)
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    # What a restart would index, read from the files while the tier runs.
+    files = SsdTier(tmp_path, BLOCK, 64, layout_tag=b"test-layout")
+    i = 0
+    while not entered.is_set():
+        # PUT and REMOVE pairs grow the log past twice its live size.
+        assert await tier.put(h(i), content(h(i)))
+        tier.remove(h(i))
+        i += 1
+        await asyncio.sleep(0)
+    assert (tmp_path / TMP_LOG_NAME).exists()
+    compactions = tier.num_compactions
+    during = [h(1000 + j) for j in range(10)]
+    for bh in during:
+        assert await tier.put(bh, content(bh))
+        assert bh in files.peek_index()
+    tier.remove(during[0])
+    assert during[0] not in files.peek_index()
+    release.set()
+    await tier.sync()  # queued behind the compaction
+    # On a loaded machine the records written while the tmp file was made can
+    # be enough for one more compaction before the sync.
+    assert tier.num_compactions >= compactions + 1
+    assert not (tmp_path / TMP_LOG_NAME).exists()
+    # The new log: snapshot plus the records written while it was made.
+    assert files.peek_index() == {bh: tier.slot_of(bh) for bh in during[1:]}
+    await tier.close()
+    tier = await open_tier(tmp_path, num_slots=64)
+    for bh in during[1:]:
+        assert await read(tier, bh) == content(bh)
+    assert tier.num_blocks == 9
+    await tier.close()
+
+
+async def test_listeners_never_see_a_block_a_restart_would_not_bring_back(
+    tmp_path: Path,
+) -> None:
+    files = SsdTier(tmp_path, BLOCK, 2, layout_tag=b"test-layout")
+    seen: list[tuple[str, bytes, bool]] = []
+    tier = await open_tier(
+        tmp_path,
+        num_slots=2,
+        # On a store the PUT is in the log already; on a removal the REMOVE is not yet.
+        on_stored=lambda bh: seen.append(("stored", bh, bh in files.peek_index())),
+        on_removed=lambda bh, ev: seen.append(("removed", bh, bh in files.peek_index())),
+    )
+    for i in range(3):
+        await tier.put(h(i), content(h(i)))  # the third evicts h(0)
+    tier.remove(h(1))
+    assert seen == [
+        ("stored", h(0), True),
+        ("stored", h(1), True),
+        ("removed", h(0), True),
+        ("stored", h(2), True),
+        ("removed", h(1), True),
+    ]
+    assert files.peek_index() == {h(2): tier.slot_of(h(2))}
+    await tier.close()
+
+
+async def test_a_sync_racing_close_is_served_by_the_last_compaction(tmp_path: Path) -> None:
+    tier = await open_tier(tmp_path)
+    await tier.put(h(1), content(h(1)))
+    closing = asyncio.create_task(tier.close())
+    await asyncio.sleep(0)  # close() has begun
+    await asyncio.wait_for(tier.sync(), 10)
+    await closing
+    tier = await open_tier(tmp_path)
+    assert await read(tier, h(1)) == content(h(1))
+    await tier.close()
