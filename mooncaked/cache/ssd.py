@@ -223,7 +223,9 @@ class SsdTier:
         compact_min_bytes: int = 1 << 20,
         on_stored: StoredListener | None = None,
         on_removed: RemovedListener | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
+        """``on_failure`` hears of the log task dying (nothing is persisted any more)."""
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be > 0, got {block_bytes}")
         if num_slots < 0:
@@ -271,7 +273,7 @@ class SsdTier:
         # which go after the snapshot in the new log (see the module docstring).
         self._compaction_tail: bytearray | None = None
         self._log_wakeup = asyncio.Event()
-        self._tasks = TaskSet("ssd-tier")
+        self._tasks = TaskSet("ssd-tier", on_failure=on_failure)
         self._log_task: asyncio.Task[Any] | None = None
         self._compact_waiters: list[asyncio.Future[None]] = []
         self._sync_waiters: list[asyncio.Future[None]] = []

@@ -239,6 +239,7 @@ class TieredStore:
                 verify_on_open=config.ssd_verify_on_start,
                 on_stored=self._ssd_stored,
                 on_removed=self._ssd_removed,
+                on_failure=on_failure,
             )
         self._offload_q: asyncio.Queue[_OffloadJob | None] = asyncio.Queue(config.offload_queue)
         self._ssd_q: asyncio.Queue[_SsdJob | None] = asyncio.Queue(config.ssd_write_queue)
