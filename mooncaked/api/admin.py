@@ -337,6 +337,10 @@ class CacheAdmin:
             # The tiers' self-check: a walk over every slot, so only on demand.
             try:
                 store.check_integrity()
+                engine = self._node.engine
+                if engine is not None:
+                    # The device pool against the live block tables and holds.
+                    engine.check_integrity()
                 out["integrity"] = "ok"
             except RuntimeError as exc:
                 out["integrity"] = str(exc)
