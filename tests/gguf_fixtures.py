@@ -202,3 +202,88 @@ def write_gguf(path: Path, hf: Any, kind: str, tensor_type: str) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# A SentencePiece-style ("llama") vocabulary: <unk> <s> </s>, 256 byte
+# tokens, then pieces whose scores rank the merges (longer pieces first).
+SPM_PIECES = [
+    "▁",
+    "t",
+    "h",
+    "e",
+    "c",
+    "a",
+    "w",
+    "o",
+    "r",
+    "l",
+    "d",
+    "H",
+    "i",
+    "n",
+    "▁t",
+    "he",
+    "▁the",
+    "▁c",
+    "at",
+    "▁cat",
+    "▁w",
+    "or",
+    "▁wor",
+    "ld",
+    "▁world",
+    "He",
+    "ll",
+    "Hell",
+    "Hello",
+    "▁Hello",
+    "in",
+    "▁in",
+]
+
+
+def write_spm_gguf(path: Path) -> Path:
+    """A tiny Llama GGUF (F32) whose vocabulary is SentencePiece-style, with scores, no merges."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+    types = [2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES)
+    scores = [0.0] * 259 + [
+        -100.0 - i if len(p) == 1 else -float(i) for i, p in enumerate(SPM_PIECES)
+    ]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_block_count(1)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    gen = np.random.default_rng(0)
+    shapes = {
+        "token_embd.weight": (len(tokens), 32),
+        "output_norm.weight": (32,),
+        "blk.0.attn_norm.weight": (32,),
+        "blk.0.ffn_norm.weight": (32,),
+        "blk.0.attn_q.weight": (32, 32),
+        "blk.0.attn_k.weight": (32, 32),
+        "blk.0.attn_v.weight": (32, 32),
+        "blk.0.attn_output.weight": (32, 32),
+        "blk.0.ffn_gate.weight": (64, 32),
+        "blk.0.ffn_up.weight": (64, 32),
+        "blk.0.ffn_down.weight": (32, 64),
+    }
+    for name, shape in shapes.items():
+        w.add_tensor(name, gen.standard_normal(shape).astype(np.float32) * 0.1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

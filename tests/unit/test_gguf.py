@@ -26,7 +26,15 @@ from mooncaked.engine.loader import LoadedModel, load_model
 from mooncaked.engine.plan import ScheduledChunk, StepPlan
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.request import Request, SamplingParams
-from tests.gguf_fixtures import BOS_ID, EOS_ID, TENSOR_TYPES, VOCAB_SIZE, make_hf, write_gguf
+from tests.gguf_fixtures import (
+    BOS_ID,
+    EOS_ID,
+    TENSOR_TYPES,
+    VOCAB_SIZE,
+    make_hf,
+    write_gguf,
+    write_spm_gguf,
+)
 
 BLOCK = 16
 TOL = 1e-4
@@ -217,6 +225,27 @@ def test_tokenizer_matches_transformers(tiny_tokenizers: Any) -> None:
     assert ours.encode("<|im_end|>") == [EOS_ID]
     assert (ours.bos_token_id, ours.eos_token_ids) == (BOS_ID, (EOS_ID,))
     assert ours.decode([EOS_ID, *ours.encode("Hello")]) == "Hello"
+
+
+def test_sentencepiece_vocabulary_matches_transformers(tmp_path: Path) -> None:
+    path = write_spm_gguf(tmp_path / "spm.gguf")
+    loaded = load_model(ModelConfig(path=str(path)))
+    ours, theirs = loaded.tokenizer, _hf_tokenizer(tmp_path, path.name)
+    for text in ["Hello world", "the cat in the world", "two  spaces", "café ü", "x\ny"]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text), text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+                ids, skip_special_tokens=skip
+            )
+    # BOS by default for this vocabulary; merges rebuilt from the scores;
+    # bytes outside the vocabulary fall back to byte tokens.
+    hello = ours.encode("Hello world")
+    assert hello[0] == 1 and len(hello) == 3
+    assert ours.decode(ours.encode("ü")) == "ü"
+    # Text that starts with a space keeps it, after the one SentencePiece
+    # prepends, as llama.cpp does (transformers' GGUF tokenizer drops it).
+    assert ours.decode(ours.encode(" leading")) == " leading"
 
 
 # ---------------------------------------------------------------------------
