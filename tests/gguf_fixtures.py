@@ -242,8 +242,12 @@ SPM_PIECES = [
 ]
 
 
-def write_spm_gguf(path: Path) -> Path:
-    """A tiny Llama GGUF (F32) whose vocabulary is SentencePiece-style, with scores, no merges."""
+def write_spm_gguf(path: Path, extra_tensors: tuple[str, ...] = ()) -> Path:
+    """A tiny Llama GGUF (F32) whose vocabulary is SentencePiece-style, with scores, no merges.
+
+    ``extra_tensors``: names of further (32,) tensors to store, for a file
+    that holds more than the model has.
+    """
     import gguf
 
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
@@ -280,6 +284,7 @@ def write_spm_gguf(path: Path) -> Path:
         "blk.0.ffn_up.weight": (64, 32),
         "blk.0.ffn_down.weight": (32, 64),
     }
+    shapes.update({name: (32,) for name in extra_tensors})
     for name, shape in shapes.items():
         w.add_tensor(name, gen.standard_normal(shape).astype(np.float32) * 0.1)
     w.write_header_to_file()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 import torch
 
 from mooncaked.engine.model import ModelArch, RopeScaling
@@ -89,6 +90,9 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "starcoder": (r"\p{N}", _GPT2_SPLIT),
     "refact": (r"\p{N}", _GPT2_SPLIT),
 }
+
+
+log = structlog.get_logger(__name__)
 
 
 class GGUFError(ValueError):
@@ -239,15 +243,19 @@ def tensor_count(f: GGUFFile) -> int:
     return len(f.reader.tensors)
 
 
-def iter_tensors(f: GGUFFile, arch: ModelArch) -> Iterator[tuple[str | None, torch.Tensor | None]]:
-    """Yield ``(hf_name, float32 tensor)`` per tensor of the file, in file order.
+def iter_tensors(f: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of the file, in file order.
 
-    A tensor the model does not use yields ``(None, None)`` (so a caller can
-    count progress over every tensor); a tensor type we do not dequantize is
-    refused by name before anything is read.
+    A tensor our model has no place for, or of a type we do not dequantize,
+    is refused by name before anything is read: loading without it would
+    serve a different model.
     """
     import gguf
 
+    unknown = [t.name for t in f.reader.tensors if hf_name(t.name) is None]
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+        raise GGUFError(f"{f.path}: holds tensors a {f.architecture} model does not have: {shown}")
     unsupported = sorted(
         {
             t.tensor_type.name
@@ -264,8 +272,7 @@ def iter_tensors(f: GGUFFile, arch: ModelArch) -> Iterator[tuple[str | None, tor
     for t in f.reader.tensors:
         name = hf_name(t.name)
         if name is None:
-            yield None, None
-            continue
+            raise RuntimeError(f"{t.name} passed the name check but has no HF name")
         # ne is innermost-first; numpy and torch want outermost-first.
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -364,7 +371,12 @@ def read_tokenizer(f: GGUFFile) -> HFTokenizer:
         return tokens[int(idx)]
 
     if model == "gpt2":
-        tok = _byte_level_bpe(tokens, pairs, str(f.get("tokenizer.ggml.pre", "default")))
+        pre = str(f.get("tokenizer.ggml.pre", "default"))
+        if pre not in PRE_TOKENIZER_SPLITS:
+            # Most byte-level vocabularies split close to GPT-2; say so, since
+            # text with digits or odd whitespace may tokenize differently.
+            log.warning("gguf.unknown_pre_tokenizer", pre=pre, using="default", path=str(f.path))
+        tok = _byte_level_bpe(tokens, pairs, pre)
         add_bos_default = False
     elif model == "llama":
         scores = f.get("tokenizer.ggml.scores")

@@ -354,8 +354,6 @@ def _load_gguf(
     with torch.no_grad(), load_progress(progress, gguf.tensor_count(f), label) as advance:
         for name, tensor in gguf.iter_tensors(f, arch):
             advance()
-            if name is None or tensor is None:
-                continue
             param = params.get(name)
             if param is None:
                 unexpected.append(name)

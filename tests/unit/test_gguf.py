@@ -276,6 +276,12 @@ def test_unsupported_architecture_and_bad_files(tmp_path: Path) -> None:
         load_model(ModelConfig(path=str(tmp_path / "nowhere.gguf")))
 
 
+def test_a_tensor_the_model_lacks_is_refused_by_name(tmp_path: Path) -> None:
+    path = write_spm_gguf(tmp_path / "qnorm.gguf", extra_tensors=("blk.0.attn_q_norm.weight",))
+    with pytest.raises(GGUFError, match=r"llama model does not have: blk\.0\.attn_q_norm\.weight"):
+        load_model(ModelConfig(path=str(path)))
+
+
 def test_missing_metadata_key_is_named(tmp_path: Path) -> None:
     import gguf
 
