@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,7 +88,7 @@ def load_model(config: ModelConfig, progress: IO[str] | None = None) -> LoadedMo
 
 
 @contextmanager
-def load_progress(stream: IO[str], total: int, label: str) -> Iterator[Any]:
+def load_progress(stream: IO[str], total: int, label: str) -> Iterator[Callable[[], None]]:
     """Yields ``advance()``; draws a bar on ``stream`` only where it is a terminal
     (a daemon's log file gets no escape codes)."""
     if not stream.isatty():
