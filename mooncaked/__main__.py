@@ -32,7 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="TOML config file (default: built-in defaults)")
     p.add_argument("--host", help="server.host: address to listen on")
     p.add_argument("--port", type=int, help="server.port: port to listen on (0: any free port)")
-    p.add_argument("--model", metavar="PATH", help="model.path: HF model directory or builtin:tiny")
+    p.add_argument(
+        "--model", metavar="PATH", help="model.path: HF model directory, .gguf file or builtin:tiny"
+    )
     p.add_argument("--role", help="node.role: both, prefill or decode")
     p.add_argument("--log-format", dest="log_format", help="log.format: auto, json or console")
     return p

@@ -62,7 +62,7 @@ class NodeConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    # "builtin:tiny" (no download) or a local Hugging Face model directory.
+    # "builtin:tiny" (no download), a local Hugging Face model directory or a .gguf file.
     path: str = "builtin:tiny"
     # Name clients pass as "model"; empty: derived from the path.
     served_name: str = ""

@@ -1,4 +1,4 @@
-"""Load a model: a local Hugging Face directory, or the seeded builtin test model.
+"""Load a model: a local Hugging Face directory, a GGUF file, or the seeded builtin test model.
 
 ``builtin:tiny`` needs no download: its weights come from a CPU
 ``torch.Generator`` seeded with ``model.seed``, so every machine builds the
@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -72,12 +75,49 @@ def _max_model_len(config: ModelConfig, arch: ModelArch) -> int:
     return limit
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, progress: IO[str] | None = None) -> LoadedModel:
+    """``progress``: where a progress bar goes (default stderr); drawn only on a terminal."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if config.path.startswith(BUILTIN_PREFIX):
         return _load_builtin(config, device, dtype)
+    stream = sys.stderr if progress is None else progress
+    if config.path.endswith(".gguf"):
+        return _load_gguf(config, device, dtype, stream)
     return _load_hf_dir(config, device, dtype)
+
+
+@contextmanager
+def load_progress(stream: IO[str], total: int, label: str) -> Iterator[Callable[[], None]]:
+    """Yields ``advance()``; draws a bar on ``stream`` only where it is a terminal
+    (a daemon's log file gets no escape codes)."""
+    if not stream.isatty():
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    console = Console(file=stream, force_terminal=True)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda: bar.advance(task)
+
+
+def _empty_model(arch: ModelArch, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    # Built without allocating, given storage of the final dtype on the final
+    # device once (no fp32 copy on the way), then filled by the caller.
+    with torch.device("meta"):
+        model = CausalLM(arch)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    return model
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +262,9 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
 
     d = Path(config.path).expanduser()
     if not d.is_dir():
-        raise ValueError(f"model.path {config.path!r} is neither builtin:<name> nor a directory")
+        raise ValueError(
+            f"model.path {config.path!r} is neither builtin:<name>, a directory nor a .gguf file"
+        )
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         raise ValueError(f"{d}: no config.json")
@@ -236,12 +278,7 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
         extra_eos += _eos_ids(_read_json(gen_cfg_path).get("eos_token_id"))
     tokenizer = HFTokenizer(d, extra_eos_token_ids=extra_eos)
 
-    # Built without allocating, given storage of the final dtype on the final
-    # device once (no fp32 copy on the way), then filled from the files.
-    with torch.device("meta"):
-        model = CausalLM(arch)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.tie_weights()
+    model = _empty_model(arch, device, dtype)
     params = dict(model.named_parameters(remove_duplicate=False))
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -291,6 +328,61 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
         tokenizer=tokenizer,
         model_id=f"hf:{d.name}@{h.hexdigest()[:24]}",
         served_name=config.served_name or d.name,
+        device=device,
+        dtype=dtype,
+        max_model_len=_max_model_len(config, arch),
+    )
+
+
+# ---------------------------------------------------------------------------
+# GGUF file
+
+
+def _load_gguf(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, progress: IO[str]
+) -> LoadedModel:
+    from mooncaked.engine import gguf
+
+    f = gguf.GGUFFile.open(config.path)
+    arch = gguf.read_arch(f)
+    tokenizer = gguf.read_tokenizer(f)
+    model = _empty_model(arch, device, dtype)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    label = f"loading {f.path.name}"
+    with torch.no_grad(), load_progress(progress, gguf.tensor_count(f), label) as advance:
+        for name, tensor in gguf.iter_tensors(f, arch):
+            advance()
+            param = params.get(name)
+            if param is None:
+                unexpected.append(name)
+                continue
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{f.path.name}: {name} has shape {tuple(tensor.shape)}, the metadata "
+                    f"implies {tuple(param.shape)}"
+                )
+            # Dequantized to fp32 on the CPU, cast once on the way to the device.
+            param.copy_(tensor)
+            loaded.add(name)
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:5]) + (" ..." if len(unexpected) > 5 else "")
+        raise ValueError(f"{f.path}: holds tensors its metadata does not describe: {shown}")
+    if arch.tie_word_embeddings:
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"{f.path}: weights missing from the file: {shown}")
+    model.eval()
+    model.fuse_projections()
+    return LoadedModel(
+        model=model,
+        arch=arch,
+        tokenizer=tokenizer,
+        model_id=f"gguf:{f.path.stem}@{f.identity()}",
+        served_name=config.served_name or f.path.stem,
         device=device,
         dtype=dtype,
         max_model_len=_max_model_len(config, arch),

@@ -232,7 +232,12 @@ def _token_content(value: Any) -> str | None:
 
 
 class HFTokenizer:
-    """``tokenizer.json`` + ``tokenizer_config.json`` of a Hugging Face model directory."""
+    """A ``tokenizers`` tokenizer plus the special tokens and chat template around it.
+
+    Built from a Hugging Face model directory (``tokenizer.json`` +
+    ``tokenizer_config.json``), or with ``from_parts`` from pieces read
+    elsewhere (a GGUF file's vocabulary and metadata).
+    """
 
     def __init__(
         self,
@@ -247,7 +252,7 @@ class HFTokenizer:
         if not tok_path.is_file():
             raise ValueError(f"{d}: no tokenizer.json (only fast tokenizers are supported)")
         try:
-            self._tok = _HFTok.from_file(str(tok_path))
+            tok = _HFTok.from_file(str(tok_path))
         except Exception as exc:  # the Rust side raises plain Exception subclasses
             raise ValueError(f"{tok_path}: cannot load: {exc}") from None
         cfg_path = d / "tokenizer_config.json"
@@ -260,26 +265,10 @@ class HFTokenizer:
         # Added tokens declared only in tokenizer_config.json (older exports).
         for entry in (cfg.get("added_tokens_decoder") or {}).values():
             content = _token_content(entry)
-            if content is not None and self._tok.token_to_id(content) is None:
+            if content is not None and tok.token_to_id(content) is None:
                 from tokenizers import AddedToken
 
-                self._tok.add_special_tokens([AddedToken(content, special=True)])
-
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        bos = _token_content(cfg.get("bos_token"))
-        eos = _token_content(cfg.get("eos_token"))
-        self.bos_token: str | None = bos
-        self.eos_token: str | None = eos
-        self.bos_token_id = self._tok.token_to_id(bos) if bos else None
-        eos_ids: list[int] = []
-        eos_id = self._tok.token_to_id(eos) if eos else None
-        if eos_id is not None:
-            eos_ids.append(eos_id)
-        for t in extra_eos_token_ids:
-            if t not in eos_ids:
-                eos_ids.append(int(t))
-        self.eos_token_ids = tuple(eos_ids)
-        self._add_bos = bool(cfg.get("add_bos_token", False))
+                tok.add_special_tokens([AddedToken(content, special=True)])
 
         template = cfg.get("chat_template")
         if isinstance(template, list):
@@ -288,12 +277,79 @@ class HFTokenizer:
             template = named.get("default")
         if template is None and (d / "chat_template.jinja").is_file():
             template = (d / "chat_template.jinja").read_text("utf-8")
+        self._setup(
+            tok,
+            bos_token=_token_content(cfg.get("bos_token")),
+            eos_token=_token_content(cfg.get("eos_token")),
+            unk_token=_token_content(cfg.get("unk_token")),
+            pad_token=_token_content(cfg.get("pad_token")),
+            add_bos=bool(cfg.get("add_bos_token", False)),
+            chat_template=template if isinstance(template, str) else None,
+            extra_eos_token_ids=extra_eos_token_ids,
+        )
+
+    @classmethod
+    def from_parts(
+        cls,
+        tok: Any,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        add_bos: bool = False,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
+    ) -> HFTokenizer:
+        """Wrap an already built ``tokenizers.Tokenizer``."""
+        self = cls.__new__(cls)
+        self._setup(
+            tok,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            unk_token=unk_token,
+            pad_token=pad_token,
+            add_bos=add_bos,
+            chat_template=chat_template,
+            extra_eos_token_ids=extra_eos_token_ids,
+        )
+        return self
+
+    def _setup(
+        self,
+        tok: Any,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        unk_token: str | None,
+        pad_token: str | None,
+        add_bos: bool,
+        chat_template: str | None,
+        extra_eos_token_ids: Sequence[int],
+    ) -> None:
+        self._tok = tok
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token: str | None = bos_token
+        self.eos_token: str | None = eos_token
+        self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
+        eos_ids: list[int] = []
+        eos_id = tok.token_to_id(eos_token) if eos_token else None
+        if eos_id is not None:
+            eos_ids.append(eos_id)
+        for t in extra_eos_token_ids:
+            if t not in eos_ids:
+                eos_ids.append(int(t))
+        self.eos_token_ids = tuple(eos_ids)
+        self._add_bos = add_bos
         self._template: ChatTemplate | None = None
-        if isinstance(template, str):
-            special_vars: dict[str, str | None] = {"bos_token": bos, "eos_token": eos}
-            for key in ("unk_token", "pad_token"):
-                special_vars[key] = _token_content(cfg.get(key))
-            self._template = ChatTemplate(template, special_vars)
+        if chat_template is not None:
+            special_vars: dict[str, str | None] = {
+                "bos_token": bos_token,
+                "eos_token": eos_token,
+                "unk_token": unk_token,
+                "pad_token": pad_token,
+            }
+            self._template = ChatTemplate(chat_template, special_vars)
 
     @property
     def chat_template(self) -> str | None:
