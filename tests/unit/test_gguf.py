@@ -23,7 +23,7 @@ from mooncaked.config import ModelConfig
 from mooncaked.engine.bundled import SMOLLM2_INSTALL, smollm2_gguf_path
 from mooncaked.engine.gguf import GGUFError
 from mooncaked.engine.loader import LoadedModel, load_model
-from mooncaked.engine.plan import ScheduledChunk, StepPlan
+from mooncaked.engine.plan import StepPlan, chunk_of
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.request import Request, SamplingParams
 from tests.gguf_fixtures import (
@@ -108,7 +108,7 @@ def _greedy(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> l
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
     plan = StepPlan(
-        [ScheduledChunk(r, p, 0, t, True) for r, p, t in zip(reqs, prompts, tables, strict=True)]
+        [chunk_of(r, p, 0, t, True) for r, p, t in zip(reqs, prompts, tables, strict=True)]
     )
     for _ in range(new_tokens):
         for r, tok in zip(reqs, runner.execute(plan), strict=True):
@@ -117,7 +117,7 @@ def _greedy(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> l
             r.output_token_ids.append(tok.token_id)
         plan = StepPlan(
             [
-                ScheduledChunk(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
+                chunk_of(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
                 for r, t in zip(reqs, tables, strict=True)
             ]
         )
@@ -165,13 +165,11 @@ def test_logits_match_transformers(gguf_case: Any) -> None:
     ra, rb = _req("a", a), _req("b", b)
     ta, tb = [0, 1, 2], [3, 4, 5]
     (la, lb1) = runner.forward_logits(
-        StepPlan([ScheduledChunk(ra, a, 0, ta, True), ScheduledChunk(rb, b[:20], 0, tb, False)])
+        StepPlan([chunk_of(ra, a, 0, ta, True), chunk_of(rb, b[:20], 0, tb, False)])
     )
     a_next = int(la[-1].argmax())
     (la2, lb2) = runner.forward_logits(
-        StepPlan(
-            [ScheduledChunk(ra, [a_next], 37, ta, True), ScheduledChunk(rb, b[20:], 20, tb, True)]
-        )
+        StepPlan([chunk_of(ra, [a_next], 37, ta, True), chunk_of(rb, b[20:], 20, tb, True)])
     )
     ref_a = _hf_logits(hf, [*a, a_next])
     torch.testing.assert_close(la, ref_a[:37], atol=TOL, rtol=0)
@@ -361,7 +359,7 @@ def test_smollm2_logits_match_transformers(smollm2: Any) -> None:
     chat = tok.encode(tok.apply_chat_template(MESSAGES[1:]), add_special_tokens=False)
     runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK)
     (logits,) = runner.forward_logits(
-        StepPlan([ScheduledChunk(_req("a", chat), chat, 0, [0, 1, 2, 3, 4], True)])
+        StepPlan([chunk_of(_req("a", chat), chat, 0, [0, 1, 2, 3, 4], True)])
     )
     torch.testing.assert_close(logits, _hf_logits(hf, chat), atol=TOL, rtol=0)
 
