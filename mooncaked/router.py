@@ -169,6 +169,13 @@ class Submission:
             prompt = prompt + self._tokens
             sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - resumed)
         placement = self._router.placement(req, prompt, self._failed)
+        log.info(
+            "request placed",
+            request_id=self.request_id,
+            decode_node=placement.decode.node_id,
+            prefill_nodes=[c.node_id for c in placement.prefill],
+            resumed_tokens=resumed,
+        )
         self.decode_node = placement.decode.node_id
         targets = tuple(PrefillTarget(c.node_id, c.url) for c in placement.prefill)
         if not resumed:

@@ -235,6 +235,14 @@ class DisaggAPI:
             return _error(502, failed)
         token = last.new_token_ids[-1]
         logprob = last.logprobs[-1] if last.logprobs else None
+        log.info(
+            "prefill served",
+            request_id=rid,
+            decode_node=grant.node_id,
+            prompt_tokens=len(prompt),
+            cached_tokens=last.num_cached_tokens,
+            kv_bytes=nbytes,
+        )
         return web.Response(
             body=orjson.dumps(
                 {

@@ -242,6 +242,7 @@ class KVReceiver(KVConnector):
         # Held for as long as a prefill node may write them.
         hold = self._hold(job.block_ids)
         for i, target in enumerate(source.targets):
+            t0 = self._clock()
             try:
                 reply = await self._prefill(target, req, grant)
             except PrefillError as exc:
@@ -261,6 +262,15 @@ class KVReceiver(KVConnector):
                 raise
             self._release(hold)
             self.stats.ok += 1
+            log.info(
+                "kv handoff done",
+                request_id=req.request_id,
+                prefill_node=reply.node_id,
+                tokens=job.num_tokens,
+                kv_bytes=reply.bytes_sent,
+                cached_tokens=reply.num_cached_tokens,
+                seconds=round(self._clock() - t0, 4),
+            )
             return LoadResult(
                 num_tokens=job.num_tokens,
                 sampled=reply.token,
