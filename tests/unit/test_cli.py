@@ -76,7 +76,9 @@ def test_url_from_the_environment_and_flag_wins() -> None:
 
 def test_every_command_is_registered() -> None:
     build_parser({})
-    assert {"status", "generate", "nodes", "cluster"} <= set(COMMANDS)
+    assert {"status", "generate", "nodes", "cluster", "requests", "drain", "up", "down"} <= set(
+        COMMANDS
+    )
     for cmd in COMMANDS.values():
         assert cmd.help
 
