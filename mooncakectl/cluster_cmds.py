@@ -226,8 +226,12 @@ def _configure_drain(p: argparse.ArgumentParser) -> None:
     p.add_argument("node", help="node id (looked up in the cluster of --url) or the node's URL")
     p.add_argument(
         "--wait",
-        action="store_true",
-        help="wait (up to --timeout) until the node has stopped",
+        type=float,
+        nargs="?",
+        const=90.0,
+        metavar="SECONDS",
+        help="return once the node has stopped (at most SECONDS, default 90: its "
+        "drain may take server.drain_timeout_s)",
     )
 
 
@@ -244,7 +248,7 @@ def drain(args: argparse.Namespace, env: Env) -> int:
     target = Client(url, timeout=args.timeout)
     answer = target.post_json("/admin/drain", {})
     node_id = answer.get("node_id", args.node)
-    if args.json and not args.wait:
+    if args.json and args.wait is None:
         print_json(env, {**answer, "url": url})
         return ExitStatus.OK
     if not args.json:
@@ -252,16 +256,16 @@ def drain(args: argparse.Namespace, env: Env) -> int:
             env.stdout.write(f"draining {node_id} at {url}: it stops once its requests finish\n")
         else:
             env.stdout.write(f"{node_id} at {url} was already draining\n")
-    if not args.wait:
+    if args.wait is None:
         return ExitStatus.OK
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + args.wait
     while True:
         try:
             target.get_json("/health")
         except DaemonUnreachable:
             break
         if time.monotonic() > deadline:
-            env.stderr.write(f"mooncakectl: {node_id} still draining after {args.timeout}s\n")
+            env.stderr.write(f"mooncakectl: {node_id} still draining after {args.wait}s\n")
             return ExitStatus.ERROR
         time.sleep(0.2)
     if args.json:

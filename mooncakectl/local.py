@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -33,6 +34,7 @@ from mooncakectl.client import Client, DaemonError, DaemonUnreachable
 from mooncakectl.registry import Env, ExitStatus, command
 
 STATE_FILE = "nodes.json"
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 DEFAULT_PORT = 8000
 LOOPBACK = "127.0.0.1"
 # A daemon that did not drain by `down --wait` gets this long after SIGKILL.
@@ -104,11 +106,24 @@ def entry_index(plans: list[NodePlan]) -> int:
     return 0
 
 
-def _toml_value(value: Any) -> str:
-    # JSON's strings, numbers, booleans and arrays are TOML's too.
-    if isinstance(value, float) and value != value:
-        raise ValueError(f"cannot write {value!r} to a config file")
-    return json.dumps(value)
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else json.dumps(key, ensure_ascii=False)
+
+
+def _toml_value(value: Any, key: str) -> str:
+    if isinstance(value, float):
+        return repr(value)  # 0.25, 1e-05, inf, nan: all TOML floats
+    if isinstance(value, bool | int | str):
+        # JSON's strings, integers and booleans are TOML's too, once DEL (which
+        # JSON leaves raw and TOML forbids) is escaped; non-ASCII stays as is
+        # (JSON would split it into surrogate pairs TOML does not accept).
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v, key) for v in value) + "]"
+    raise ValueError(
+        f"cannot write config key {key} = {value!r} (not a string, number, "
+        "boolean or array of them)"
+    )
 
 
 def to_toml(doc: Mapping[str, Mapping[str, Any]]) -> str:
@@ -117,9 +132,9 @@ def to_toml(doc: Mapping[str, Mapping[str, Any]]) -> str:
     for section, table in doc.items():
         if not isinstance(table, Mapping):
             raise ValueError(f"config key {section!r} must be a [section], got {table!r}")
-        lines.append(f"[{section}]")
+        lines.append(f"[{_toml_key(section)}]")
         for key, value in table.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{_toml_key(key)} = {_toml_value(value, f'{section}.{key}')}")
         lines.append("")
     return "\n".join(lines)
 

@@ -141,3 +141,21 @@ def test_resolve_node_names_the_unknown_and_the_known() -> None:
     )
     with pytest.raises(ValueError, match="'prefill-1' is dead"):
         resolve_node(_cluster_doc(), "prefill-1")
+
+
+def test_to_toml_round_trips_awkward_values() -> None:
+    doc = {
+        "node": {"id": 'a "quoted" \\ name\n\x7f ☾ 🌕', "weird key": True},
+        "cluster": {
+            "seeds": ["h:1", "h:2"],
+            "probe_interval_s": 0.25,
+            "x": 1e-05,
+            "y": float("inf"),
+        },
+    }
+    assert tomllib.loads(to_toml(doc)) == doc
+
+
+def test_to_toml_names_a_value_it_cannot_write() -> None:
+    with pytest.raises(ValueError, match=r"cannot write config key node\.extra = \{'a': 1\}"):
+        to_toml({"node": {"extra": {"a": 1}}})
