@@ -80,15 +80,7 @@ def _print_table(env: Env, title: str, rows: list[tuple[str, ...]]) -> None:
             table.add_row(*row, style=style)
         Console(file=env.stdout, force_terminal=True).print(table)
         return
-    widths = [max(len(col), *(len(r[i]) for r in rows)) for i, col in enumerate(NODE_COLUMNS)]
-    env.stdout.write(
-        "  ".join(c.upper().ljust(w) for c, w in zip(NODE_COLUMNS, widths, strict=True)).rstrip()
-        + "\n"
-    )
-    for row in rows:
-        env.stdout.write(
-            "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() + "\n"
-        )
+    _print_plain(env, NODE_COLUMNS, rows)
 
 
 @command("nodes", "list the cluster's nodes: role, state, load, KV usage, cached blocks")
@@ -166,7 +158,7 @@ def _age(seconds: float) -> str:
 
 
 def _print_plain(env: Env, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(col), *(len(r[i]) for r in rows)) for i, col in enumerate(columns)]
+    widths = [max([len(col), *(len(r[i]) for r in rows)]) for i, col in enumerate(columns)]
     env.stdout.write(
         "  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip() + "\n"
     )
