@@ -6,7 +6,7 @@ import http.client
 import json
 import socket
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 
@@ -106,10 +106,18 @@ class Client:
         except ValueError:
             raise DaemonError(resp.status, "the answer is not JSON") from None
 
-    def stream(self, path: str, body: Any) -> Iterator[dict[str, Any]]:
-        """POSTs ``body`` and yields each server-sent event's JSON until ``[DONE]``."""
+    def stream(
+        self,
+        path: str,
+        body: Any,
+        on_headers: Callable[[Mapping[str, str]], None] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """POSTs ``body`` and yields each server-sent event's JSON until ``[DONE]``;
+        ``on_headers`` gets the response headers (lower-case names) first."""
         conn, resp = self._request("POST", path, body)
         try:
+            if on_headers is not None:
+                on_headers({k.lower(): v for k, v in resp.getheaders()})
             data: list[str] = []
             while True:
                 try:

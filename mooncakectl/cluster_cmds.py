@@ -1,14 +1,19 @@
-"""Cluster commands: ``nodes`` (one row per member) and ``cluster`` (a summary).
+"""Cluster commands: ``nodes`` (one row per member), ``cluster`` (a summary),
+``requests`` (what one node has in flight) and ``drain`` (stop one node).
 
-Both read ``/admin/cluster``, the asked node's own gossip view: on a healthy
-cluster every node answers the same, during a partition each side its own.
+``nodes`` and ``cluster`` read ``/admin/cluster``, the asked node's own gossip
+view: on a healthy cluster every node answers the same, during a partition
+each side its own. ``drain`` resolves a node id through that view to the
+node's API address and asks the node itself to drain.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
+from mooncakectl.client import Client, DaemonUnreachable
 from mooncakectl.commands import print_fields, print_json
 from mooncakectl.registry import Env, ExitStatus, command
 
@@ -75,15 +80,7 @@ def _print_table(env: Env, title: str, rows: list[tuple[str, ...]]) -> None:
             table.add_row(*row, style=style)
         Console(file=env.stdout, force_terminal=True).print(table)
         return
-    widths = [max(len(col), *(len(r[i]) for r in rows)) for i, col in enumerate(NODE_COLUMNS)]
-    env.stdout.write(
-        "  ".join(c.upper().ljust(w) for c, w in zip(NODE_COLUMNS, widths, strict=True)).rstrip()
-        + "\n"
-    )
-    for row in rows:
-        env.stdout.write(
-            "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() + "\n"
-        )
+    _print_plain(env, NODE_COLUMNS, rows)
 
 
 @command("nodes", "list the cluster's nodes: role, state, load, KV usage, cached blocks")
@@ -128,4 +125,143 @@ def cluster(args: argparse.Namespace, env: Env) -> int:
         print_json(env, {k: doc.get(k) for k in ("self", "summary", "counters")})
         return ExitStatus.OK
     print_fields(env, "cluster", cluster_rows(doc))
+    return ExitStatus.OK
+
+
+REQUEST_COLUMNS = ("id", "role", "phase", "prefill", "decode", "prompt", "output", "age")
+
+
+def request_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    """One row per request of ``/admin/requests``, in REQUEST_COLUMNS order, oldest first."""
+    rows = []
+    reqs = sorted(doc.get("requests", []), key=lambda r: -float(r.get("age_s", 0.0)))
+    for r in reqs:
+        rows.append(
+            (
+                str(r.get("id")),
+                str(r.get("role", "-")),
+                str(r.get("phase", "-")),
+                str(r.get("prefill_node") or "-"),
+                str(r.get("decode_node") or "-"),
+                str(r.get("prompt_tokens", 0)),
+                str(r.get("output_tokens", 0)),
+                _age(float(r.get("age_s", 0.0))),
+            )
+        )
+    return rows
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f}s"
+    return f"{seconds / 60:.0f}m"
+
+
+def _print_plain(env: Env, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max([len(col), *(len(r[i]) for r in rows)]) for i, col in enumerate(columns)]
+    env.stdout.write(
+        "  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip() + "\n"
+    )
+    for row in rows:
+        env.stdout.write(
+            "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() + "\n"
+        )
+
+
+@command(
+    "requests",
+    "list the requests in flight on a node: phase, prefill and decode nodes, age",
+)
+def requests(args: argparse.Namespace, env: Env) -> int:
+    doc = env.client(args).get_json("/admin/requests")
+    if args.json:
+        print_json(env, doc)
+        return ExitStatus.OK
+    rows = request_rows(doc)
+    if not rows:
+        env.stdout.write(f"no requests in flight on {doc.get('node_id')}\n")
+        return ExitStatus.OK
+    if env.stdout_isatty:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"requests in flight on {doc.get('node_id')}")
+        for col in REQUEST_COLUMNS:
+            table.add_column(col, justify="right" if col in ("prompt", "output", "age") else "left")
+        for row in rows:
+            table.add_row(*row)
+        Console(file=env.stdout, force_terminal=True).print(table)
+        return ExitStatus.OK
+    _print_plain(env, REQUEST_COLUMNS, rows)
+    return ExitStatus.OK
+
+
+def resolve_node(doc: dict[str, Any], node: str) -> tuple[str, str]:
+    """(node id, API URL) of the member ``node`` of the ``/admin/cluster``
+    document ``doc``; ValueError naming it when it is unknown or unreachable."""
+    members = {str(n.get("node_id")): n for n in doc.get("nodes", [])}
+    member = members.get(node)
+    if member is None:
+        known = ", ".join(sorted(members)) or "none"
+        raise ValueError(
+            f"unknown node {node!r}: the cluster seen by {doc.get('self')} has {known}"
+        )
+    api_addr = (member.get("state") or {}).get("api_addr")
+    if member.get("status") != "alive" or not api_addr:
+        raise ValueError(
+            f"node {node!r} is {member.get('status')}, not an alive node with an API address"
+        )
+    return node, f"http://{api_addr}"
+
+
+def _configure_drain(p: argparse.ArgumentParser) -> None:
+    p.add_argument("node", help="node id (looked up in the cluster of --url) or the node's URL")
+    p.add_argument(
+        "--wait",
+        type=float,
+        nargs="?",
+        const=90.0,
+        metavar="SECONDS",
+        help="return once the node has stopped (at most SECONDS, default 90: its "
+        "drain may take server.drain_timeout_s)",
+    )
+
+
+@command(
+    "drain",
+    "drain one node and stop it: new requests go elsewhere, those in flight finish",
+    configure=_configure_drain,
+)
+def drain(args: argparse.Namespace, env: Env) -> int:
+    if "://" in args.node:
+        url = args.node
+    else:
+        _, url = resolve_node(env.client(args).get_json("/admin/cluster"), args.node)
+    target = Client(url, timeout=args.timeout)
+    answer = target.post_json("/admin/drain", {})
+    node_id = answer.get("node_id", args.node)
+    if args.json and args.wait is None:
+        print_json(env, {**answer, "url": url})
+        return ExitStatus.OK
+    if not args.json:
+        if answer.get("started"):
+            env.stdout.write(f"draining {node_id} at {url}: it stops once its requests finish\n")
+        else:
+            env.stdout.write(f"{node_id} at {url} was already draining\n")
+    if args.wait is None:
+        return ExitStatus.OK
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            target.get_json("/health")
+        except DaemonUnreachable:
+            break
+        if time.monotonic() > deadline:
+            env.stderr.write(f"mooncakectl: {node_id} still draining after {args.wait}s\n")
+            return ExitStatus.ERROR
+        time.sleep(0.2)
+    if args.json:
+        print_json(env, {**answer, "url": url, "stopped": True})
+    else:
+        env.stdout.write(f"{node_id} stopped\n")
     return ExitStatus.OK

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from mooncakectl.registry import Env, ExitStatus, command
+
+# Response headers naming the nodes that ran a request's prefill and decode.
+PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
+DECODE_NODE_HEADER = "x-mooncaked-decode-node"
 
 
 def print_json(env: Env, data: Any) -> None:
@@ -92,7 +97,9 @@ def _configure_generate(p: argparse.ArgumentParser) -> None:
 
 
 @command("generate", "stream a completion to the terminal", configure=_configure_generate)
-def generate(args: argparse.Namespace, env: Env) -> int:
+def generate(args: argparse.Namespace, env: Env, served: dict[str, str] | None = None) -> int:
+    """Streams the completion; ``served`` (when given) gets the nodes that ran
+    its prefill and decode, from the response headers."""
     body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
     if args.chat:
         path = "/v1/chat/completions"
@@ -109,7 +116,17 @@ def generate(args: argparse.Namespace, env: Env) -> int:
     finish_reason = None
     usage = None
     request_id = None
-    for chunk in env.client(args).stream(path, body):
+    nodes: dict[str, str] = {}
+
+    def on_headers(headers: Mapping[str, str]) -> None:
+        for key, header in (
+            ("prefill_node", PREFILL_NODE_HEADER),
+            ("decode_node", DECODE_NODE_HEADER),
+        ):
+            if headers.get(header):
+                nodes[key] = headers[header]
+
+    for chunk in env.client(args).stream(path, body, on_headers=on_headers):
         request_id = chunk.get("id", request_id)
         if chunk.get("usage"):
             usage = chunk["usage"]
@@ -130,8 +147,11 @@ def generate(args: argparse.Namespace, env: Env) -> int:
                 "text": "".join(text),
                 "finish_reason": finish_reason,
                 "usage": usage,
+                **nodes,
             },
         )
     else:
         env.stdout.write("\n")
+    if served is not None:
+        served.update(nodes)
     return ExitStatus.OK

@@ -1,11 +1,20 @@
-"""`mooncakectl up` / `down`: a real detached daemon, started, used and drained."""
+"""`mooncakectl up` / `down`: real detached daemons, started, used and drained;
+for a disaggregated cluster also `nodes`, `requests` and `drain`."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import http.client
 import json
+import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -112,3 +121,165 @@ def test_up_serves_smollm2_by_default(tmp_path: Path) -> None:
     finally:
         stopped = ctl("down", "--run-dir", run_dir)
     assert stopped.returncode == 0, stopped.stderr
+
+
+# A small KV pool so the nodes start fast; a short drain so a stuck one shows.
+BASE_TOML = """\
+[kv]
+num_blocks = 512
+
+[server]
+drain_timeout_s = 20.0
+"""
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@contextlib.contextmanager
+def adopting_orphans() -> Iterator[dict[int, int]]:
+    """Makes this process the reaper of its orphaned descendants (Linux), so the
+    daemons `up` detaches become ours once it exits and their exit statuses
+    can be read. Yields pid -> exit status, filled by ``reap(pid)``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        pytest.skip("cannot become a child subreaper here")
+    try:
+        yield {}
+    finally:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def reap_in_background(pid: int, statuses: dict[int, int]) -> threading.Thread:
+    # Reaped as soon as it exits: a zombie would look alive to `down`.
+    def wait() -> None:
+        _, status = os.waitpid(pid, 0)
+        statuses[pid] = os.waitstatus_to_exitcode(status)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    return t
+
+
+def start_long_stream(url: str) -> tuple[http.client.HTTPConnection, str]:
+    """A completion that runs for a long while, streaming; returns once its
+    first token arrived, with its request id."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    body = {
+        "prompt": "A long story about the moon",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    while True:
+        line = resp.readline().decode()
+        assert line, "the stream ended before its first token"
+        if line.startswith("data:"):
+            return conn, json.loads(line[5:])["id"]
+
+
+def wait_no_requests(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        listed = ctl("--url", url, "--json", "requests")
+        if listed.returncode == 0 and not json.loads(listed.stdout)["requests"]:
+            return
+        assert time.monotonic() < deadline, listed.stdout
+        time.sleep(0.2)
+
+
+def test_cluster_up_requests_drain_down(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    base = tmp_path / "base.toml"
+    base.write_text(BASE_TOML)
+    with adopting_orphans() as statuses:
+        started = ctl(
+            "up",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--config",
+            str(base),
+            "--run-dir",
+            str(run_dir),
+            "--prompt",
+            "Once upon a time",
+            "--max-tokens",
+            "12",
+        )
+        try:
+            assert started.returncode == 0, started.stderr
+            nodes = {
+                n["node_id"]: n for n in json.loads((run_dir / "nodes.json").read_text())["nodes"]
+            }
+            assert {k: n["role"] for k, n in nodes.items()} == {
+                "prefill-0": "prefill",
+                "decode-0": "decode",
+            }
+            reapers = [reap_in_background(int(n["pid"]), statuses) for n in nodes.values()]
+            entry, prefill = nodes["decode-0"]["url"], nodes["prefill-0"]["url"]
+            lines = started.stdout.splitlines()
+            assert lines[0] == f"cluster ready: entry {entry}"
+            assert lines.index("> Once upon a time") == 3
+            assert len(lines[4]) > 0  # the streamed completion
+            # The headers named two different nodes: it was disaggregated.
+            assert lines[5] == "prefill on prefill-0, decode on decode-0"
+
+            shown = ctl("--url", prefill, "nodes")
+            assert shown.returncode == 0, shown.stderr
+            # NODE ROLE STATE ...; the answering node is marked "*".
+            rows = [line.replace(" *", "").split() for line in shown.stdout.splitlines()[1:]]
+            assert {r[0]: (r[1], r[2]) for r in rows} == {
+                "decode-0": ("decode", "alive"),
+                "prefill-0": ("prefill", "alive"),
+            }
+
+            conn, request_id = start_long_stream(entry)
+            try:
+                listed = ctl("--url", entry, "requests")
+                assert listed.returncode == 0, listed.stderr
+                rows = [line.split() for line in listed.stdout.splitlines()]
+                assert rows[0] == [
+                    "ID", "ROLE", "PHASE", "PREFILL", "DECODE", "PROMPT", "OUTPUT", "AGE"
+                ]  # fmt: skip
+                mine = {r[1]: r for r in rows[1:] if r[0] == request_id}
+                assert mine["entry"][2:5] == ["decoding", "prefill-0", "decode-0"]
+                assert mine["engine"][2:5] == ["decoding", "prefill-0", "decode-0"]
+            finally:
+                conn.close()  # the daemon cancels the request
+            wait_no_requests(entry)
+
+            unknown = ctl("--url", entry, "drain", "decode-7")
+            assert unknown.returncode == 2
+            assert "unknown node 'decode-7'" in unknown.stderr
+            assert "decode-0, prefill-0" in unknown.stderr
+
+            drained = ctl("--url", prefill, "drain", "decode-0", "--wait")
+            assert drained.returncode == 0, drained.stderr
+            assert drained.stdout.splitlines() == [
+                f"draining decode-0 at {entry}: it stops once its requests finish",
+                "decode-0 stopped",
+            ]
+            decode_pid = int(nodes["decode-0"]["pid"])
+            reapers[list(nodes).index("decode-0")].join(30)
+            assert statuses[decode_pid] == 0
+            # The prefill node keeps serving, and sees the decode node gone.
+            status = ctl("--url", prefill, "--json", "status")
+            assert status.returncode == 0 and '"ready": true' in status.stdout
+            seen = ctl("--url", prefill, "--json", "nodes")
+            by_id = {n["node_id"]: n["status"] for n in json.loads(seen.stdout)}
+            assert by_id == {"decode-0": "left", "prefill-0": "alive"}
+        finally:
+            stopped = ctl("down", "--run-dir", str(run_dir))
+        assert stopped.returncode == 0, stopped.stderr
+        assert stopped.stdout.splitlines() == [
+            f"stopped prefill-0 {prefill} (pid {nodes['prefill-0']['pid']})"
+        ]
+        for t in reapers:
+            t.join(30)
+        assert statuses == {int(n["pid"]): 0 for n in nodes.values()}
+        assert ctl("down", "--run-dir", str(run_dir)).stdout.strip() == "nothing to stop"

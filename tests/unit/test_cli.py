@@ -16,6 +16,7 @@ import aiohttp
 
 from mooncakectl.cli import DEFAULT_URL, build_parser, run
 from mooncakectl.registry import COMMANDS, Env, ExitStatus
+from tests.conftest import wait_until
 
 
 class CountingIO(io.StringIO):
@@ -76,7 +77,9 @@ def test_url_from_the_environment_and_flag_wins() -> None:
 
 def test_every_command_is_registered() -> None:
     build_parser({})
-    assert {"status", "generate", "nodes", "cluster"} <= set(COMMANDS)
+    assert {"status", "generate", "nodes", "cluster", "requests", "drain", "up", "down"} <= set(
+        COMMANDS
+    )
     for cmd in COMMANDS.values():
         assert cmd.help
 
@@ -202,3 +205,34 @@ async def test_http_error_exits_4_with_the_daemons_message(node: Any) -> None:
     status, env = await cli("--url", node.url, "generate", "x", "--model", "nope")
     assert status == 4
     assert "404" in err(env) and "nope" in err(env)
+
+
+# ------------------------------------------------------------------ requests and drain
+
+
+async def test_requests_lists_a_streaming_request_then_none(node: Any) -> None:
+    body = {"prompt": "Hello there", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(node.url) as s:
+        async with s.post("/v1/completions", json=body) as resp:
+            first = await resp.content.readline()
+            request_id = json.loads(first.decode()[len("data: ") :])["id"]
+            status, env = await cli("--url", node.url, "requests")
+            assert status == ExitStatus.OK
+            lines = out(env).splitlines()
+            assert lines[0].split() == [
+                "ID", "ROLE", "PHASE", "PREFILL", "DECODE", "PROMPT", "OUTPUT", "AGE"
+            ]  # fmt: skip
+            rows = {tuple(line.split()[:3]) for line in lines[1:]}
+            assert (request_id, "entry", "decoding") in rows
+            assert (request_id, "engine", "decoding") in rows
+    await wait_until(lambda: not node.requests_in_flight(), "the cancelled request to end")
+    status, env = await cli("--url", node.url, "requests")
+    assert (status, out(env)) == (ExitStatus.OK, f"no requests in flight on {node.node_id}\n")
+
+
+async def test_drain_by_url_stops_the_node(node_factory: Any) -> None:
+    n = await node_factory()
+    status, env = await cli("--url", "http://127.0.0.1:1", "drain", n.url)
+    assert status == ExitStatus.OK, err(env)
+    assert out(env) == (f"draining {n.node_id} at {n.url}: it stops once its requests finish\n")
+    await wait_until(lambda: not n.listening, "the drained node to stop listening")

@@ -1,0 +1,161 @@
+"""mooncakectl's cluster operation without daemons: the node plan and generated
+configs of ``up``, the reference prefill/decode configs, request rows, and
+``drain``'s node resolution."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from mooncakectl.cluster_cmds import request_rows, resolve_node
+from mooncakectl.local import (
+    NodePlan,
+    choose_model,
+    entry_index,
+    node_config,
+    plan_nodes,
+    read_base_config,
+    to_toml,
+)
+from mooncaked.config import config_from_dict, load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name, role", [("prefill.toml", "prefill"), ("decode.toml", "decode")])
+def test_reference_role_configs_load(name: str, role: str) -> None:
+    cfg = load_config(REPO_ROOT / "config" / name)
+    assert cfg.node.role == role
+    assert cfg.node.id == f"{role}-0"
+    assert cfg.cluster.gossip_port == 7946
+    assert len(cfg.cluster.seeds) == 2
+    assert cfg.disagg.layerwise is True
+    # Reachable from other hosts: nothing that peers use listens on loopback.
+    assert cfg.transfer.host != "127.0.0.1"
+    assert cfg.cluster.gossip_host == cfg.transfer.host
+
+
+def test_no_counts_plan_one_both_node_on_8000() -> None:
+    assert plan_nodes(None, None, None) == [NodePlan("", "both", 8000, 0)]
+    assert plan_nodes(None, None, 9123) == [NodePlan("", "both", 9123, 0)]
+
+
+def test_cluster_plan_roles_ids_distinct_ports_and_one_seed() -> None:
+    plans = plan_nodes(2, 1, None)
+    assert [(p.node_id, p.role) for p in plans] == [
+        ("prefill-0", "prefill"),
+        ("prefill-1", "prefill"),
+        ("decode-0", "decode"),
+    ]
+    ports = [p.port for p in plans] + [plans[0].gossip_port]
+    assert len(set(ports)) == 4 and 0 not in ports
+    # Only the first node has a fixed gossip port: it is everyone's seed.
+    assert [p.gossip_port for p in plans[1:]] == [0, 0]
+    assert plans[entry_index(plans)].node_id == "decode-0"
+    # --port goes to the entry.
+    assert plan_nodes(1, 2, 9555)[1] == NodePlan("decode-0", "decode", 9555, 0)
+
+
+def test_cluster_plan_refuses_bad_counts() -> None:
+    with pytest.raises(ValueError, match="--decode 0 with --prefill 2"):
+        plan_nodes(2, None, None)
+    with pytest.raises(ValueError, match="got -1 and 1"):
+        plan_nodes(-1, 1, None)
+
+
+def test_generated_config_is_valid_and_keeps_the_base(tmp_path: Path) -> None:
+    base_path = tmp_path / "base.toml"
+    base_path.write_text('[kv]\nnum_blocks = 64\n[server]\nport = 1\nhost = "0.0.0.0"\n')
+    base = read_base_config(str(base_path))
+    plan = NodePlan("decode-0", "decode", 18000, 0)
+    doc = node_config(
+        base,
+        plan,
+        cluster=True,
+        seed="127.0.0.1:17946",
+        secret="s" * 43,
+        model=choose_model(None),
+        data_dir=tmp_path / "data",
+    )
+    cfg = config_from_dict(tomllib.loads(to_toml(doc)))
+    assert cfg.kv.num_blocks == 64  # from the base
+    assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 18000)  # ours win
+    assert (cfg.node.id, cfg.node.role, cfg.node.cluster_secret) == ("decode-0", "decode", "s" * 43)
+    assert cfg.cluster.seeds == ("127.0.0.1:17946",)
+    assert cfg.model.path == "builtin:tiny"
+    assert base["server"]["port"] == 1  # the base is not modified
+
+
+def test_bad_base_config_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[kv\n")
+    with pytest.raises(ValueError, match=r"cannot read --config .*bad\.toml"):
+        read_base_config(str(bad))
+
+
+def test_request_rows_oldest_first() -> None:
+    doc = {
+        "node_id": "decode-0",
+        "requests": [
+            {"id": "b", "phase": "queued", "age_s": 0.5, "role": "engine"},
+            {
+                "id": "a",
+                "phase": "decoding",
+                "prefill_node": "prefill-0",
+                "decode_node": "decode-0",
+                "prompt_tokens": 19,
+                "output_tokens": 40,
+                "age_s": 3.25,
+                "role": "entry",
+            },
+        ],
+    }
+    assert request_rows(doc) == [
+        ("a", "entry", "decoding", "prefill-0", "decode-0", "19", "40", "3.2s"),
+        ("b", "engine", "queued", "-", "-", "0", "0", "0.5s"),
+    ]
+
+
+def _cluster_doc() -> dict[str, object]:
+    return {
+        "self": "decode-0",
+        "nodes": [
+            {"node_id": "decode-0", "status": "alive", "state": {"api_addr": "127.0.0.1:1"}},
+            {"node_id": "prefill-0", "status": "alive", "state": {"api_addr": "127.0.0.1:2"}},
+            {"node_id": "prefill-1", "status": "dead", "state": {"api_addr": "127.0.0.1:3"}},
+        ],
+    }
+
+
+def test_resolve_node_by_id() -> None:
+    assert resolve_node(_cluster_doc(), "prefill-0") == ("prefill-0", "http://127.0.0.1:2")
+
+
+def test_resolve_node_names_the_unknown_and_the_known() -> None:
+    with pytest.raises(ValueError) as err:
+        resolve_node(_cluster_doc(), "decode-9")
+    assert str(err.value) == (
+        "unknown node 'decode-9': the cluster seen by decode-0 has decode-0, prefill-0, prefill-1"
+    )
+    with pytest.raises(ValueError, match="'prefill-1' is dead"):
+        resolve_node(_cluster_doc(), "prefill-1")
+
+
+def test_to_toml_round_trips_awkward_values() -> None:
+    doc = {
+        "node": {"id": 'a "quoted" \\ name\n\x7f ☾ 🌕', "weird key": True},
+        "cluster": {
+            "seeds": ["h:1", "h:2"],
+            "probe_interval_s": 0.25,
+            "x": 1e-05,
+            "y": float("inf"),
+        },
+    }
+    assert tomllib.loads(to_toml(doc)) == doc
+
+
+def test_to_toml_names_a_value_it_cannot_write() -> None:
+    with pytest.raises(ValueError, match=r"cannot write config key node\.extra = \{'a': 1\}"):
+        to_toml({"node": {"extra": {"a": 1}}})
