@@ -64,6 +64,7 @@ from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.disagg import DisaggAPI, PrefillClient
+from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
@@ -179,6 +180,14 @@ class Node:
             draining=lambda: self.draining,
         )
         self.extra_routes.extend(self.disagg.routes())
+        # The handoff's counters: the "handoff" status section and its metrics.
+        self.handoff_status = HandoffStatus(
+            receiver=lambda: self._receiver,
+            sender=lambda: self._sender,
+            transfer=lambda: self._transfer,
+        )
+        self.admin.add_status_section("handoff", self.handoff_status.status_section)
+        self.metrics.add_collector(self.handoff_status.snapshot, HANDOFF_METRICS)
 
     # ------------------------------------------------------------ accessors
 
