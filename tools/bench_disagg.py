@@ -6,7 +6,8 @@
 
 Every daemon is a ``python -m mooncaked`` subprocess on the builtin model with
 ``--cpu-threads`` torch threads, so a 1 prefill + 1 decode pair and two
-colocated (``both``) daemons get the same CPU. Three setups run in turn:
+colocated (``both``) daemons get the same CPU. Three setups run side by side
+(an idle daemon costs next to no CPU):
 
 1. 1P+1D, ``[disagg] layerwise = true`` (each layer's KV leaves as soon as its
    forward ends), the entry being the decode node;
@@ -15,7 +16,9 @@ colocated (``both``) daemons get the same CPU. Three setups run in turn:
 3. two colocated daemons, each a cluster of one, behind a round-robin client.
 
 (a) Handoff. For each ``--prompt-lens`` length, ``--reps`` fresh random
-prompts (no cache hit anywhere), one at a time, ``max_tokens = 1``. Read off
+prompts (no cache hit anywhere), one at a time, ``max_tokens = 1``, the
+setups taking turns request by request so that a change in the load of a
+shared machine hits them alike. Read off
 the prefill node's /admin/status "handoff" section before and after each:
 
 - KV bytes: the bytes its sender wrote into the decode node;
@@ -303,6 +306,33 @@ async def handoff_status(session: aiohttp.ClientSession, url: str) -> dict[str, 
     return handoff
 
 
+def metric_value(text: str, name: str) -> float:
+    """The value of the unlabelled sample ``name`` in a Prometheus text page."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == name:
+            return float(value)
+    raise RuntimeError(f"{name} is not in /metrics")
+
+
+async def prefill_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The handoff's figures as /metrics and /admin/status give them (they must agree)."""
+    async with session.get(url + "/metrics") as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    sent = (await handoff_status(session, url))["sent"]
+    return {
+        "metrics_sent_bytes": metric_value(text, "mooncaked_handoff_sent_bytes_total"),
+        "metrics_steps": metric_value(text, "mooncaked_handoff_steps_total"),
+        "metrics_step_histogram_count": metric_value(
+            text, "mooncaked_handoff_step_exposed_seconds_count"
+        ),
+        "metrics_step_bytes_sum": metric_value(text, "mooncaked_handoff_step_bytes_sum"),
+        "status_sent_bytes": sent["bytes"],
+        "status_steps": sent["steps"],
+    }
+
+
 # --------------------------------------------------------------- (a) handoff
 
 
@@ -318,52 +348,74 @@ class HandoffRow:
     reps: int
 
 
-async def measure_handoff(
+@dataclass(slots=True)
+class _Samples:
+    kv: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    window: list[float] = field(default_factory=list)
+    exposed: list[float] = field(default_factory=list)
+    ok: int = 0
+
+
+async def handoff_sample(
     session: aiohttp.ClientSession,
     prefill: Daemon,
     decode: Daemon,
-    *,
+    prompt: list[int],
+    into: _Samples,
+) -> None:
+    """One request entering at ``decode``, the prefill node's counters around it."""
+    before = (await handoff_status(session, prefill.url))["sent"]
+    ok0 = (await handoff_status(session, decode.url))["handoffs"]["ok"]
+    r = await complete(session, decode.url, prompt, 1)
+    after = (await handoff_status(session, prefill.url))["sent"]
+    ok1 = (await handoff_status(session, decode.url))["handoffs"]["ok"]
+    if r.prefill_node != prefill.node_id:
+        raise RuntimeError(f"prefilled on {r.prefill_node!r}, not {prefill.node_id!r}")
+    into.kv.append(after["bytes"] - before["bytes"])
+    into.ttft.append(r.ttft_s * 1e3)
+    into.window.append((after["send_seconds"] - before["send_seconds"]) * 1e3)
+    into.exposed.append((after["exposed_seconds"] - before["exposed_seconds"]) * 1e3)
+    into.ok += ok1 - ok0
+
+
+async def measure_prompt_len(
+    session: aiohttp.ClientSession,
+    pairs: dict[bool, tuple[Daemon, Daemon]],
+    colocated: Daemon,
     prompt_tokens: int,
     reps: int,
-    layerwise: bool,
     rng: random.Random,
-) -> HandoffRow:
+) -> tuple[list[HandoffRow], float]:
+    """Handoff rows (layer-wise, after-step) and the colocated TTFT of one prompt
+    length. The setups take turns, one request each, so a change in the
+    machine's load (it may be shared) hits them alike."""
+    urls = [d.url for _, d in pairs.values()] + [colocated.url]
     # A warm-up of this length first: the first run of a shape is slow.
-    await complete(session, decode.url, random_prompt(rng, prompt_tokens), 1)
-    kv, ttft, window, exposed = [], [], [], []
-    ok0 = (await handoff_status(session, decode.url))["handoffs"]["ok"]
+    for url in urls:
+        await complete(session, url, random_prompt(rng, prompt_tokens), 1)
+    samples = {layerwise: _Samples() for layerwise in pairs}
+    colocated_ttft: list[float] = []
     for _ in range(reps):
-        before = (await handoff_status(session, prefill.url))["sent"]
-        r = await complete(session, decode.url, random_prompt(rng, prompt_tokens), 1)
-        after = (await handoff_status(session, prefill.url))["sent"]
-        if r.prefill_node != prefill.node_id:
-            raise RuntimeError(f"prefilled on {r.prefill_node!r}, not {prefill.node_id!r}")
-        kv.append(after["bytes"] - before["bytes"])
-        ttft.append(r.ttft_s * 1e3)
-        window.append((after["send_seconds"] - before["send_seconds"]) * 1e3)
-        exposed.append((after["exposed_seconds"] - before["exposed_seconds"]) * 1e3)
-    ok = (await handoff_status(session, decode.url))["handoffs"]["ok"] - ok0
-    return HandoffRow(
-        prompt_tokens=prompt_tokens,
-        layerwise=layerwise,
-        kv_bytes=statistics.median(kv),
-        ttft_ms=statistics.median(ttft),
-        send_window_ms=statistics.median(window),
-        exposed_ms=statistics.median(exposed),
-        handoffs_ok=ok,
-        reps=reps,
-    )
-
-
-async def measure_ttft(
-    session: aiohttp.ClientSession, url: str, prompt_tokens: int, reps: int, rng: random.Random
-) -> float:
-    await complete(session, url, random_prompt(rng, prompt_tokens), 1)
-    ttfts = [
-        (await complete(session, url, random_prompt(rng, prompt_tokens), 1)).ttft_s * 1e3
-        for _ in range(reps)
+        for layerwise, (p, d) in pairs.items():
+            prompt = random_prompt(rng, prompt_tokens)
+            await handoff_sample(session, p, d, prompt, samples[layerwise])
+        r = await complete(session, colocated.url, random_prompt(rng, prompt_tokens), 1)
+        colocated_ttft.append(r.ttft_s * 1e3)
+    rows = [
+        HandoffRow(
+            prompt_tokens=prompt_tokens,
+            layerwise=layerwise,
+            kv_bytes=statistics.median(s.kv),
+            ttft_ms=statistics.median(s.ttft),
+            send_window_ms=statistics.median(s.window),
+            exposed_ms=statistics.median(s.exposed),
+            handoffs_ok=s.ok,
+            reps=reps,
+        )
+        for layerwise, s in samples.items()
     ]
-    return statistics.median(ttfts)
+    return rows, statistics.median(colocated_ttft)
 
 
 # ---------------------------------------------------------- (b) interference
@@ -446,6 +498,8 @@ class Results:
     ttft_disagg: dict[int, float] = field(default_factory=dict)
     ttft_colocated: dict[int, float] = field(default_factory=dict)
     interference: list[InterferenceRow] = field(default_factory=list)
+    # The layer-wise prefill node's /metrics and status figures after (a).
+    prefill_metrics: dict[str, float] = field(default_factory=dict)
 
     def exposed_ratio(self, prompt_tokens: int) -> float | None:
         """Layer-wise exposed / raw transfer time (the after-the-step exposed time)."""
@@ -465,6 +519,7 @@ class Results:
             "hop_ms": self.hop_ms(args.hop_prompt),
             "interference": [asdict(r) for r in self.interference],
             "interference_ratio": self.interference_ratio(),
+            "prefill_metrics": self.prefill_metrics,
         }
 
     def hop_ms(self, hop_prompt: int) -> float | None:
@@ -618,38 +673,33 @@ async def run(args: argparse.Namespace, workdir: Path) -> Results:
     rng = random.Random(args.seed)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        for layerwise in (True, False):
-            async with disagg_pair(args, workdir, session, layerwise=layerwise) as (p, d):
-                for n in args.prompt_lens:
-                    row = await measure_handoff(
-                        session,
-                        p,
-                        d,
-                        prompt_tokens=n,
-                        reps=args.reps,
-                        layerwise=layerwise,
-                        rng=rng,
-                    )
-                    res.handoff.append(row)
-                    if layerwise:
-                        res.ttft_disagg[n] = row.ttft_ms
-                    print(f"  handoff {n} tokens, layerwise={layerwise}: done", file=sys.stderr)
-                if layerwise:
-                    res.ttft_disagg[args.hop_prompt] = await measure_ttft(
-                        session, d.url, args.hop_prompt, args.reps, rng
-                    )
-                    if not args.skip_interference:
-                        res.interference.append(
-                            await measure_interference(session, "1P+1D", [d.url], args, rng)
-                        )
-                        print("  interference 1P+1D: done", file=sys.stderr)
-        async with colocated_pair(args, workdir) as (a, b):
+        # All six daemons at once; an idle one costs next to no CPU.
+        async with contextlib.AsyncExitStack() as stack:
+            pairs = {
+                layerwise: await stack.enter_async_context(
+                    disagg_pair(args, workdir, session, layerwise=layerwise)
+                )
+                for layerwise in (True, False)
+            }
+            both = await stack.enter_async_context(colocated_pair(args, workdir))
             for n in [*args.prompt_lens, args.hop_prompt]:
-                res.ttft_colocated[n] = await measure_ttft(session, a.url, n, args.reps, rng)
-            print("  colocated TTFT: done", file=sys.stderr)
+                rows, colocated = await measure_prompt_len(
+                    session, pairs, both[0], n, args.reps, rng
+                )
+                if n in args.prompt_lens:
+                    res.handoff.extend(rows)
+                res.ttft_disagg[n] = rows[0].ttft_ms
+                res.ttft_colocated[n] = colocated
+                print(f"  handoff and TTFT, {n} tokens: done", file=sys.stderr)
+            res.prefill_metrics = await prefill_metrics(session, pairs[True][0].url)
             if not args.skip_interference:
+                decode = pairs[True][1]
                 res.interference.append(
-                    await measure_interference(session, "2x both", [a.url, b.url], args, rng)
+                    await measure_interference(session, "1P+1D", [decode.url], args, rng)
+                )
+                print("  interference 1P+1D: done", file=sys.stderr)
+                res.interference.append(
+                    await measure_interference(session, "2x both", [d.url for d in both], args, rng)
                 )
                 print("  interference 2x both: done", file=sys.stderr)
     return res

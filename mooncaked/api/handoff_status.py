@@ -5,6 +5,8 @@ Both read one ``HandoffSnapshot``, taken at request or scrape time from the
 decode side's ``KVReceiver`` (handoffs by outcome), the prefill side's
 ``KVSender`` (bytes, send and exposed time) and the transfer engine's
 counters. A node of any role has both sides, so every node reports both.
+``StepHistograms`` adds per-step distributions (bytes, send window, exposed
+tail, rate) that the sender reports as each step's KV lands.
 """
 
 from __future__ import annotations
@@ -14,14 +16,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Histogram
+
 from mooncaked.api.metrics import Spec
-from mooncaked.engine.handoff import HandoffStats, KVReceiver, KVSender
+from mooncaked.engine.handoff import HandoffStats, KVReceiver, KVSender, StepSend
 from mooncaked.transfer import TransferEngine
 from mooncaked.transfer.batch import TransferMetrics
 
-__all__ = ["HANDOFF_METRICS", "HandoffSnapshot", "HandoffStatus"]
+__all__ = ["HANDOFF_METRICS", "HandoffSnapshot", "HandoffStatus", "StepHistograms"]
 
 OUTCOMES = ("ok", "retried", "fell_back", "cancelled")
+# Seconds: a layer's tail on loopback (sub-millisecond) to a slow link.
+_STEP_SECONDS_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+# Bytes: one block of a small model (KiB) to a long prompt of a large one (GiB).
+_STEP_BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(0, 12))
+_GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,3 +159,44 @@ HANDOFF_METRICS: tuple[Spec, ...] = (
         counter=True,
     ),
 )
+
+
+class StepHistograms:
+    """Per-step KV transfer distributions; ``observe`` is the sender's step observer
+    (called in the engine's step thread; prometheus_client histograms lock)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.bytes = Histogram(
+            "mooncaked_handoff_step_bytes",
+            "KV bytes one engine step sent to decode nodes.",
+            buckets=_STEP_BYTES_BUCKETS,
+            registry=registry,
+        )
+        self.send = Histogram(
+            "mooncaked_handoff_step_send_seconds",
+            "One step's send window: its first layer finishing to its KV writes complete.",
+            buckets=_STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.exposed = Histogram(
+            "mooncaked_handoff_step_exposed_seconds",
+            "One step's exposed tail: its last layer finishing to its KV writes complete.",
+            buckets=_STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.rate = Histogram(
+            "mooncaked_handoff_step_gb_per_second",
+            "One step's KV bytes over its send window, in GB/s (a lower bound of the "
+            "link's rate when layer-wise sends wait for compute).",
+            buckets=_GBPS_BUCKETS,
+            registry=registry,
+        )
+
+    def observe(self, step: StepSend) -> None:
+        if not step.ok:
+            return  # a failed step's times say nothing about the transfer
+        self.bytes.observe(step.num_bytes)
+        self.send.observe(step.send_seconds)
+        self.exposed.observe(step.exposed_seconds)
+        if step.send_seconds > 0:
+            self.rate.observe(step.num_bytes / step.send_seconds / 1e9)

@@ -56,6 +56,13 @@ def test_bench_disagg_smoke(tmp_path: Path) -> None:
         assert r["long_prompts"] == 2
     assert figures["interference_ratio"] > 0
 
+    # /metrics and /admin/status of the prefill node agree; every step sent
+    # (none failed) is in the per-step histograms.
+    m = figures["prefill_metrics"]
+    assert m["metrics_sent_bytes"] == m["status_sent_bytes"] == m["metrics_step_bytes_sum"]
+    assert m["metrics_steps"] == m["status_steps"] == m["metrics_step_histogram_count"]
+    assert m["status_steps"] >= 3 * 3  # warm-up and two reps, three prompt lengths
+
     # The printed table names the goals next to the ratios.
     assert "exposed / raw" in done.stdout and "goal <= 0.2" in done.stdout
     assert "1P+1D / 2x both" in done.stdout and "goal <= 0.5" in done.stdout

@@ -2,9 +2,14 @@ from __future__ import annotations
 
 import re
 
-from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffSnapshot, HandoffStatus
+from mooncaked.api.handoff_status import (
+    HANDOFF_METRICS,
+    HandoffSnapshot,
+    HandoffStatus,
+    StepHistograms,
+)
 from mooncaked.api.metrics import ApiMetrics
-from mooncaked.engine.handoff import HandoffStats
+from mooncaked.engine.handoff import HandoffStats, StepSend
 from mooncaked.transfer.batch import TransferMetrics
 
 
@@ -72,3 +77,23 @@ def test_nothing_while_the_engine_is_not_serving() -> None:
     metrics = ApiMetrics()
     metrics.add_collector(status.snapshot, HANDOFF_METRICS)
     assert "mooncaked_handoff" not in metrics.render().decode()
+
+
+def test_step_histograms_observe_ok_steps_only() -> None:
+    metrics = ApiMetrics()
+    steps = StepHistograms(metrics.registry)
+    steps.observe(
+        StepSend(num_bytes=2_000_000, send_seconds=0.004, exposed_seconds=0.0003, ok=True)
+    )
+    steps.observe(StepSend(num_bytes=8_000_000, send_seconds=0.5, exposed_seconds=0.2, ok=False))
+    text = metrics.render().decode()
+    assert sample(text, "mooncaked_handoff_step_bytes_count") == 1
+    assert sample(text, "mooncaked_handoff_step_bytes_sum") == 2_000_000
+    assert sample(text, "mooncaked_handoff_step_send_seconds_sum") == 0.004
+    assert sample(text, "mooncaked_handoff_step_exposed_seconds_sum") == 0.0003
+    # 2 MB over 4 ms: 0.5 GB/s, in the 0.5 bucket and not the 0.25 one.
+    assert sample(text, "mooncaked_handoff_step_gb_per_second_sum") == 0.5
+    assert sample(text, "mooncaked_handoff_step_gb_per_second_bucket", '{le="0.5"}') == 1
+    assert sample(text, "mooncaked_handoff_step_gb_per_second_bucket", '{le="0.25"}') == 0
+    assert sample(text, "mooncaked_handoff_step_exposed_seconds_bucket", '{le="0.0005"}') == 1
+    assert sample(text, "mooncaked_handoff_step_exposed_seconds_bucket", '{le="0.00025"}') == 0
