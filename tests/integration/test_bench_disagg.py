@@ -38,7 +38,7 @@ def test_bench_disagg_smoke(tmp_path: Path) -> None:
     arch = builtin_arch("tiny")
     token_bytes = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 4
     rows = {(r["prompt_tokens"], r["layerwise"]): r for r in figures["handoff"]}
-    assert sorted(rows) == [(32, False), (32, True), (96, False), (96, True)]
+    assert sorted(rows) == [(n, lw) for n in (8, 32, 96) for lw in (False, True)]
     for (n, _), r in rows.items():
         # Every rep handed off (none fell back), all of the prompt's KV sent.
         assert r["handoffs_ok"] == 2
@@ -47,6 +47,7 @@ def test_bench_disagg_smoke(tmp_path: Path) -> None:
         assert r["send_window_ms"] >= r["exposed_ms"]
     for n in ("32", "96"):
         assert figures["exposed_ratio"][n] > 0
+        assert n in figures["exposed_ratio_over_floor"]
     assert set(figures["ttft_disagg_ms"]) == set(figures["ttft_colocated_ms"]) == {"8", "32", "96"}
     assert figures["hop_ms"] is not None
     setups = [r["setup"] for r in figures["interference"]]
