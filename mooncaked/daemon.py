@@ -64,6 +64,7 @@ from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.disagg import DisaggAPI, PrefillClient
+from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus, StepHistograms
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
@@ -179,6 +180,15 @@ class Node:
             draining=lambda: self.draining,
         )
         self.extra_routes.extend(self.disagg.routes())
+        # The handoff's counters: the "handoff" status section and its metrics.
+        self.handoff_status = HandoffStatus(
+            receiver=lambda: self._receiver,
+            sender=lambda: self._sender,
+            transfer=lambda: self._transfer,
+        )
+        self.admin.add_status_section("handoff", self.handoff_status.status_section)
+        self.metrics.add_collector(self.handoff_status.snapshot, HANDOFF_METRICS)
+        self.handoff_steps = StepHistograms(self.metrics.registry)
 
     # ------------------------------------------------------------ accessors
 
@@ -451,6 +461,7 @@ class Node:
                 layout=layout,
                 loop=asyncio.get_running_loop(),
                 layerwise=cfg.disagg.layerwise,
+                on_step=self.handoff_steps.observe,
             )
             # The handoff first: a request whose KV comes from a prefill node
             # takes all of it from there, not part from the host tiers.

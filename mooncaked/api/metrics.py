@@ -420,5 +420,9 @@ class ApiMetrics:
         """Expose gossip membership, traffic and the block index (``CLUSTER_METRICS``)."""
         self.registry.register(_SnapshotCollector(snapshot, CLUSTER_METRICS))
 
+    def add_collector(self, snapshot: Callable[[], Any | None], specs: tuple[Spec, ...]) -> None:
+        """Expose ``specs`` read off ``snapshot()`` at scrape time (nothing while it is None)."""
+        self.registry.register(_SnapshotCollector(snapshot, specs))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

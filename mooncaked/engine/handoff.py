@@ -52,6 +52,8 @@ __all__ = [
     "PrefillReply",
     "PrefillSource",
     "PrefillTarget",
+    "StepObserver",
+    "StepSend",
 ]
 
 # A prefill node's late writes land by the grant's deadline; this much more
@@ -166,6 +168,22 @@ class PrefillReply:
 
 # (target, request, grant) -> the reply; raises PrefillError.
 PrefillCall = Callable[[PrefillTarget, Request, KVGrant], Awaitable[PrefillReply]]
+
+
+@dataclass(frozen=True, slots=True)
+class StepSend:
+    """One engine step's KV sent to decode nodes, for observers (histograms)."""
+
+    num_bytes: int
+    # From the step's first layer finishing to its writes being complete.
+    send_seconds: float
+    # From the step's last layer finishing to its writes being complete.
+    exposed_seconds: float
+    ok: bool
+
+
+# Called in the engine's step thread once per step that sent KV.
+StepObserver = Callable[[StepSend], None]
 
 
 @dataclass(slots=True)
@@ -367,6 +385,7 @@ class _StepSends:
     futures: list[tuple[list[_Send], Future[tuple[bool, str]]]] = field(default_factory=list)
     t_first: float = 0.0
     t_last_layer: float = 0.0
+    num_bytes: int = 0
 
 
 class KVSender(KVConnector):
@@ -384,9 +403,11 @@ class KVSender(KVConnector):
         layout: KVLayout,
         loop: asyncio.AbstractEventLoop,
         layerwise: bool = True,
+        on_step: StepObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._transfer = transfer
+        self._on_step = on_step
         self._segment = segment
         self._layout = layout
         self._loop = loop
@@ -526,7 +547,9 @@ class KVSender(KVConnector):
         per_layer = 2 * len(layers) * row
         for s in meta.sends:
             s.sink.bytes_sent += per_layer * sum(n for *_, n in s.runs)
-        self.stats.sent_bytes += sum(op.length for op in ops)
+        num_bytes = sum(op.length for op in ops)
+        meta.num_bytes += num_bytes
+        self.stats.sent_bytes += num_bytes
 
     def save_layer(self, layer: int, meta: Any) -> None:
         if not isinstance(meta, _StepSends):
@@ -544,21 +567,27 @@ class KVSender(KVConnector):
         if not self.layerwise:
             meta.t_last_layer = self._clock()
             self._send_layers(meta, range(self._layout.num_layers))
+        all_ok = True
         for sends, fut in meta.futures:
             try:
                 # The batch's own deadline ends it; the margin only guards a lost loop.
                 ok, reason = fut.result(timeout=meta.timeout_s + 5.0)
             except Exception as exc:
                 ok, reason = False, repr(exc)
+            all_ok = all_ok and ok
             if not ok:
                 self.stats.send_failures += 1
                 for s in sends:
                     if s.sink.failed is None:
                         s.sink.failed = f"a KV write to {s.sink.grant.node_id} failed: {reason}"
         done = self._clock()
+        exposed = done - meta.t_last_layer
+        window = done - (meta.t_first or meta.t_last_layer)
         self.stats.num_steps_sent += 1
-        self.stats.exposed_seconds += done - meta.t_last_layer
-        self.stats.send_seconds += done - (meta.t_first or meta.t_last_layer)
+        self.stats.exposed_seconds += exposed
+        self.stats.send_seconds += window
+        if self._on_step is not None:
+            self._on_step(StepSend(meta.num_bytes, window, exposed, all_ok))
 
     async def close(self) -> None:
         self._sinks.clear()

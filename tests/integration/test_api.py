@@ -706,3 +706,16 @@ async def test_probes_while_the_model_loads() -> None:
         may_load.set()
         await asyncio.gather(starting, return_exceptions=True)
         await node.stop()
+
+
+async def test_handoff_status_and_metrics_of_a_serving_node(node: Node) -> None:
+    async with aiohttp.ClientSession(node.url) as s:
+        st = await (await s.get("/admin/status")).json()
+    handoff = st["handoff"]
+    assert handoff["layerwise"] is True
+    assert handoff["handoffs"] == {"ok": 0, "retried": 0, "fell_back": 0, "cancelled": 0}
+    assert handoff["sent"]["bytes"] == 0
+    assert "bytes_written" in handoff["transfer"]
+    text = await scrape(node)
+    assert metric(text, "mooncaked_handoff_sent_bytes_total") == 0
+    assert metric(text, 'mooncaked_handoffs_total{outcome="ok"}') == 0

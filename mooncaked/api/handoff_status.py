@@ -1,0 +1,202 @@
+"""The KV handoff seen from outside: a "handoff" section of /admin/status and
+its Prometheus families.
+
+Both read one ``HandoffSnapshot``, taken at request or scrape time from the
+decode side's ``KVReceiver`` (handoffs by outcome), the prefill side's
+``KVSender`` (bytes, send and exposed time) and the transfer engine's
+counters. A node of any role has both sides, so every node reports both.
+``StepHistograms`` adds per-step distributions (bytes, send window, exposed
+tail, rate) that the sender reports as each step's KV lands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from mooncaked.api.metrics import Spec
+from mooncaked.engine.handoff import HandoffStats, KVReceiver, KVSender, StepSend
+from mooncaked.transfer import TransferEngine
+from mooncaked.transfer.batch import TransferMetrics
+
+__all__ = ["HANDOFF_METRICS", "HandoffSnapshot", "HandoffStatus", "StepHistograms"]
+
+OUTCOMES = ("ok", "retried", "fell_back", "cancelled")
+# Seconds: a layer's tail on loopback (sub-millisecond) to a slow link.
+_STEP_SECONDS_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)  # fmt: skip
+# Bytes: one block of a small model (KiB) to a long prompt of a large one (GiB).
+_STEP_BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(0, 12))
+_GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffSnapshot:
+    layerwise: bool
+    # Decode side: handoffs this node asked prefill nodes for, by outcome.
+    received: HandoffStats
+    # Prefill side: KV this node wrote into decode nodes.
+    sent: HandoffStats
+    transfer: TransferMetrics | None
+
+    def status(self) -> dict[str, Any]:
+        sent = self.sent
+        steps = sent.num_steps_sent
+        out: dict[str, Any] = {
+            "layerwise": self.layerwise,
+            "handoffs": {k: getattr(self.received, k) for k in OUTCOMES},
+            "sent": {
+                "bytes": sent.sent_bytes,
+                "steps": steps,
+                "failures": sent.send_failures,
+                "send_seconds": sent.send_seconds,
+                "exposed_seconds": sent.exposed_seconds,
+                # Per step: the tail the step waited for after its last layer.
+                "mean_exposed_ms": 1e3 * sent.exposed_seconds / steps if steps else None,
+                # Over the send windows, which overlap compute when layerwise.
+                "window_gb_per_s": (
+                    sent.sent_bytes / sent.send_seconds / 1e9 if sent.send_seconds > 0 else None
+                ),
+            },
+        }
+        if self.transfer is not None:
+            t = self.transfer
+            out["transfer"] = {
+                "bytes_written": t.bytes_written,
+                "bytes_read": t.bytes_read,
+                "ops_done": t.ops_done,
+                "ops_failed": t.ops_failed,
+                "batches": t.batches,
+                "queued_slices": t.queued_slices,
+            }
+        return out
+
+
+class HandoffStatus:
+    """Snapshots of a node's handoff sides; None while the engine is not serving."""
+
+    def __init__(
+        self,
+        *,
+        receiver: Callable[[], KVReceiver | None],
+        sender: Callable[[], KVSender | None],
+        transfer: Callable[[], TransferEngine | None],
+    ) -> None:
+        self._receiver = receiver
+        self._sender = sender
+        self._transfer = transfer
+
+    def snapshot(self) -> HandoffSnapshot | None:
+        receiver, sender = self._receiver(), self._sender()
+        if receiver is None or sender is None:
+            return None
+        transfer = self._transfer()
+        # Copies: the sender's counters move in the engine's step thread. Each
+        # field is one int or float, so a copy is never torn, at worst a step
+        # behind in some fields.
+        return HandoffSnapshot(
+            layerwise=sender.layerwise,
+            received=dataclasses.replace(receiver.stats),
+            sent=dataclasses.replace(sender.stats),
+            transfer=transfer.metrics() if transfer is not None else None,
+        )
+
+    def status_section(self) -> dict[str, Any] | None:
+        snap = self.snapshot()
+        return None if snap is None else snap.status()
+
+
+def _sent(attr: str) -> Callable[[Any], float]:
+    return lambda snap: getattr(snap.sent, attr)
+
+
+# Read off ``HandoffSnapshot``.
+HANDOFF_METRICS: tuple[Spec, ...] = (
+    Spec(
+        "mooncaked_handoffs",
+        "Prompt KV handoffs this node (decoding) asked prefill nodes for, by outcome: "
+        "ok, retried (a prefill node failed, the next was asked), fell_back (computed "
+        "here), cancelled.",
+        lambda snap: {k: getattr(snap.received, k) for k in OUTCOMES},
+        counter=True,
+        label="outcome",
+    ),
+    Spec(
+        "mooncaked_handoff_sent_bytes",
+        "KV bytes this node (prefilling) wrote into decode nodes.",
+        _sent("sent_bytes"),
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_handoff_send_failures",
+        "Batches of KV writes into a decode node that failed.",
+        _sent("send_failures"),
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_handoff_send_seconds",
+        "Sum over steps of the send window: from a step's first layer finishing to its "
+        "KV writes being complete.",
+        _sent("send_seconds"),
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_handoff_exposed_seconds",
+        "Sum over steps of the exposed tail: from a step's last layer finishing to its "
+        "KV writes being complete.",
+        _sent("exposed_seconds"),
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_handoff_steps",
+        "Engine steps that sent KV to a decode node.",
+        _sent("num_steps_sent"),
+        counter=True,
+    ),
+)
+
+
+class StepHistograms:
+    """Per-step KV transfer distributions; ``observe`` is the sender's step observer
+    (called in the engine's step thread; prometheus_client histograms lock)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.bytes = Histogram(
+            "mooncaked_handoff_step_bytes",
+            "KV bytes one engine step sent to decode nodes.",
+            buckets=_STEP_BYTES_BUCKETS,
+            registry=registry,
+        )
+        self.send = Histogram(
+            "mooncaked_handoff_step_send_seconds",
+            "One step's send window: its first layer finishing to its KV writes complete.",
+            buckets=_STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.exposed = Histogram(
+            "mooncaked_handoff_step_exposed_seconds",
+            "One step's exposed tail: its last layer finishing to its KV writes complete.",
+            buckets=_STEP_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.rate = Histogram(
+            "mooncaked_handoff_step_gb_per_second",
+            "One step's KV bytes over its send window, in GB/s (a lower bound of the "
+            "link's rate when layer-wise sends wait for compute).",
+            buckets=_GBPS_BUCKETS,
+            registry=registry,
+        )
+
+    def observe(self, step: StepSend) -> None:
+        if not step.ok:
+            return  # a failed step's times say nothing about the transfer
+        self.bytes.observe(step.num_bytes)
+        self.send.observe(step.send_seconds)
+        self.exposed.observe(step.exposed_seconds)
+        if step.send_seconds > 0:
+            self.rate.observe(step.num_bytes / step.send_seconds / 1e9)

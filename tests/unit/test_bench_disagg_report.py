@@ -1,0 +1,76 @@
+"""The figures bench_disagg derives from its measurements."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+
+def load_tool() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "bench_disagg", REPO_ROOT / "tools/bench_disagg.py"
+    )
+    if spec is None or spec.loader is None:
+        raise RuntimeError("cannot load tools/bench_disagg.py")
+    mod = importlib.util.module_from_spec(spec)
+    # Dataclasses look their module up by name.
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = load_tool()
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(10, 0, -1)]
+    assert bench.percentile(values, 50) == 5.0
+    assert bench.percentile(values, 99) == 10.0
+    assert bench.percentile(values, 0) == 1.0
+    with pytest.raises(ValueError, match="no values"):
+        bench.percentile([], 99)
+
+
+def results(*rows: tuple[int, bool, float]) -> Any:
+    res = bench.Results()
+    for n, layerwise, exposed in rows:
+        res.handoff.append(bench.HandoffRow(n, layerwise, 2048.0 * n, 1.0, 2.0, exposed, 1, 1))
+    return res
+
+
+def test_exposed_ratio_against_the_after_step_run() -> None:
+    res = results((16, True, 1.0), (16, False, 1.5), (1024, True, 3.0), (1024, False, 6.0))
+    assert res.exposed_ratio(1024) == 0.5
+    # Less each mode's 16-token floor: (3 - 1) / (6 - 1.5).
+    assert res.exposed_ratio(1024, floor_of=16) == pytest.approx(2.0 / 4.5)
+    assert res.exposed_ratio(4096) is None
+    assert res.exposed_ratio(1024, floor_of=8) is None
+
+
+def test_interference_ratio_and_hop() -> None:
+    res = bench.Results()
+    res.interference.append(bench.InterferenceRow("1P+1D", 100, 10.0, 40.0, 3, 100.0))
+    assert res.interference_ratio() is None
+    res.interference.append(bench.InterferenceRow("2x both", 100, 10.0, 160.0, 3, 100.0))
+    assert res.interference_ratio() == 0.25
+    res.ttft_disagg[16] = 30.0
+    assert res.hop_ms(16) is None
+    res.ttft_colocated[16] = 20.0
+    assert res.hop_ms(16) == 10.0
+
+
+def test_toml_of_a_daemon_config() -> None:
+    text = bench.render_toml(
+        {"node": {"id": "p", "role": "prefill"}, "cluster": {"seeds": ["127.0.0.1:7"], "x": True}}
+    )
+    assert text == (
+        '[node]\nid = "p"\nrole = "prefill"\n[cluster]\nseeds = ["127.0.0.1:7"]\nx = true\n'
+    )
+    with pytest.raises(ValueError, match="None"):
+        bench.render_toml({"a": {"b": None}})
