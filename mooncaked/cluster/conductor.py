@@ -111,8 +111,9 @@ def place(
 ) -> Placement | Reject:
     """Pick a decode node and prefill nodes for ``request`` from a gossip view.
 
-    Candidates are alive, not draining, serve the request's model and are not
-    in ``exclude`` (nodes that just failed this request). A ``prefill`` node
+    Candidates are alive (suspects only after every alive one), not
+    draining, serve the request's model and are not in ``exclude`` (nodes
+    that just failed this request). A ``prefill`` node
     only prefills and a ``decode`` node only decodes; a ``both`` node does
     either, or both in one engine.
 
@@ -136,9 +137,17 @@ def place(
     both_nodes: list[Candidate] = []
     matches = view.longest_prefix(request.hashes) if request.hashes else {}
     loads: dict[str, tuple[int, int, float]] = {}
+    # Suspected members (a probe went unanswered, e.g. a node too busy to
+    # answer in time) are kept as a last resort: a dead one fails fast and is
+    # excluded, where refusing them would fail the request at once.
+    suspect: set[str] = set()
     for node_id, m in view.members.items():
         st = m.state
-        if m.status is not MemberStatus.ALIVE or st is None or node_id in exclude:
+        if m.status is MemberStatus.SUSPECT:
+            suspect.add(node_id)
+        elif m.status is not MemberStatus.ALIVE:
+            continue
+        if st is None or node_id in exclude:
             continue
         if st.draining or not st.api_addr or st.model_id != request.model_id:
             continue
@@ -153,12 +162,12 @@ def place(
             st.role, []
         ).append(c)
 
-    def by_decode_load(c: Candidate) -> tuple[int, float, str]:
+    def by_decode_load(c: Candidate) -> tuple[bool, int, float, str]:
         _, decode, kv = loads[c.node_id]
-        return (decode, kv, c.node_id)
+        return (c.node_id in suspect, decode, kv, c.node_id)
 
-    def by_prefix_then_queue(c: Candidate) -> tuple[int, int, str]:
-        return (-c.cached_blocks, loads[c.node_id][0], c.node_id)
+    def by_prefix_then_queue(c: Candidate) -> tuple[bool, int, int, str]:
+        return (c.node_id in suspect, -c.cached_blocks, loads[c.node_id][0], c.node_id)
 
     if not decode_nodes and not prefill_nodes:
         if not both_nodes:

@@ -23,7 +23,7 @@ import pytest
 
 from tests.conftest import TEST_TOML, DaemonProcess, spawn_daemon
 
-MAX_TOKENS = 24
+MAX_TOKENS = 8
 WAIT_S = 90.0
 
 
@@ -185,7 +185,7 @@ def test_kill_9_of_a_decode_node_mid_stream_resumes_elsewhere(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     prompt = burst(1, seed=9)[0]
-    body = {"prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
     solo = spawn_daemon(tmp_path / "solo", TEST_TOML)
     try:
         want = urllib.request.urlopen(
