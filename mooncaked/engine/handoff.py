@@ -366,6 +366,9 @@ class _Sink:
     # node's to receive): a chunk that starts later, after a prefix this node
     # had cached, sends that prefix's rows too.
     sent_upto: int = 0
+    # Writes of earlier chunks not waited for yet: the step that samples the
+    # first token waits for them.
+    pending: list[tuple[list[_Send], Future[tuple[bool, str]]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -375,6 +378,9 @@ class _Send:
 
     sink: _Sink
     runs: list[tuple[int, int, int, int]]
+    # The chunk samples the first token: its request's KV must be complete
+    # when the step returns.
+    final: bool = False
 
 
 @dataclass(slots=True)
@@ -473,7 +479,7 @@ class KVSender(KVConnector):
                 continue
             sink.sent_upto = max(sink.sent_upto, chunk.end_pos)
             if runs:
-                sends.append(_Send(sink, runs))
+                sends.append(_Send(sink, runs, final=chunk.sample))
                 timeout = min(timeout, sink.deadline - now)
         if not sends:
             return None
@@ -567,8 +573,24 @@ class KVSender(KVConnector):
         if not self.layerwise:
             meta.t_last_layer = self._clock()
             self._send_layers(meta, range(self._layout.num_layers))
+        finals = [s for s in meta.sends if s.final]
+        if not finals:
+            # A middle chunk: later chunks write other rows and these blocks
+            # stay allocated, so its writes go on under the next step's
+            # compute; the step that samples waits for them.
+            for s in meta.sends:
+                s.sink.pending.extend(meta.futures)
+            return
+        waits = list(meta.futures)
+        for s in finals:
+            waits += s.sink.pending
+            s.sink.pending = []
         all_ok = True
-        for sends, fut in meta.futures:
+        seen: set[int] = set()
+        for sends, fut in waits:
+            if id(fut) in seen:
+                continue
+            seen.add(id(fut))
             try:
                 # The batch's own deadline ends it; the margin only guards a lost loop.
                 ok, reason = fut.result(timeout=meta.timeout_s + 5.0)
