@@ -145,7 +145,7 @@ class Cluster:
         return {
             "node": {"id": node_id, "role": role, "cluster_secret": SECRET},
             "server": {"host": "127.0.0.1", "port": 0, "drain_timeout_s": 5.0},
-            "model": {"cpu_threads": a.cpu_threads},
+            "model": {"cpu_threads": a.cpu_threads, "path": a.model},
             "kv": {"num_blocks": a.kv_blocks},
             "scheduler": {"max_num_batched_tokens": a.max_batched_tokens},
             "disagg": {"layerwise": layerwise},
@@ -560,7 +560,7 @@ def _goal(value: float | None, goal: float) -> str:
 def print_report(res: Results, args: argparse.Namespace) -> None:
     out = sys.stdout
     print(
-        f"\nbench_disagg: builtin:tiny, {args.cpu_threads} torch thread(s) per daemon, "
+        f"\nbench_disagg: {args.model}, {args.cpu_threads} torch thread(s) per daemon, "
         f"max_num_batched_tokens {args.max_batched_tokens}, medians of {args.reps}",
         file=out,
     )
@@ -671,6 +671,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window-s", type=float, default=20.0)
     p.add_argument("--skip-interference", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--model",
+        default="builtin:tiny",
+        help="model.path of every daemon (e.g. a .gguf file: a model of many layers "
+        "shows what layer-wise streaming hides; the builtin one has 4)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args(argv)
     for name in (
