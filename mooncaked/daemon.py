@@ -66,6 +66,7 @@ from mooncaked.api.internal import Holding, InternalAPI, InternalClient, Transfe
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
 from mooncaked.api.recent import RecentRequests
+from mooncaked.api.server import server_kwargs
 from mooncaked.api.ui import ui_routes
 from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher
@@ -321,6 +322,7 @@ class Node:
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=_HTTP_SHUTDOWN_GRACE_S,
+            **server_kwargs(),
         )
         await runner.setup()
         try:

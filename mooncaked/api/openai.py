@@ -27,6 +27,14 @@ import orjson
 import structlog
 from aiohttp import web
 
+from mooncaked.api.limits import (
+    MAX_CHARS_PER_TOKEN,
+    OFFLOOP_TOKENIZE_CHARS,
+    BadBody,
+    brief,
+    read_json_object,
+    type_name,
+)
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.recent import FinishedRequest
 from mooncaked.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
@@ -150,24 +158,12 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _typename(v: Any) -> str:
-    return {
-        type(None): "null",
-        bool: "boolean",
-        int: "integer",
-        float: "number",
-        str: "string",
-        list: "array",
-        dict: "object",
-    }.get(type(v), type(v).__name__)
-
-
 def _int(body: dict[str, Any], key: str, default: int | None) -> int | None:
     v = body.get(key)
     if v is None:
         return default
     if not _is_int(v):
-        raise bad_param(key, f"'{key}' must be an integer, got {_typename(v)} {v!r}")
+        raise bad_param(key, f"'{key}' must be an integer, got {type_name(v)} {brief(v)}")
     return v
 
 
@@ -176,7 +172,7 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
     if v is None:
         return default
     if not _is_number(v):
-        raise bad_param(key, f"'{key}' must be a number, got {_typename(v)} {v!r}")
+        raise bad_param(key, f"'{key}' must be a number, got {type_name(v)} {brief(v)}")
     return float(v)
 
 
@@ -185,7 +181,7 @@ def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad_param(key, f"'{key}' must be a boolean, got {_typename(v)} {v!r}")
+        raise bad_param(key, f"'{key}' must be a boolean, got {type_name(v)} {brief(v)}")
     return v
 
 
@@ -257,7 +253,7 @@ def _parse_sampling(
         raise bad_param("logit_bias", "'logit_bias' is not supported by mooncaked")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise bad_param("user", f"'user' must be a string, got {_typename(user)}")
+        raise bad_param("user", f"'user' must be a string, got {type_name(user)}")
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,
@@ -291,7 +287,9 @@ def _check_token_ids(ids: list[Any], param: str, vocab_size: int | None) -> list
     for t in ids:
         if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
             limit = f" below {vocab_size}" if vocab_size is not None else ""
-            raise bad_param(param, f"'{param}' token ids must be integers >= 0{limit}, got {t!r}")
+            raise bad_param(
+                param, f"'{param}' token ids must be integers >= 0{limit}, got {brief(t)}"
+            )
     return ids
 
 
@@ -369,7 +367,7 @@ class OpenAIAPI:
         with self._gate.admit():
             engine = self._require_engine()
             body = await _read_json(request)
-            parsed = self._parse(engine, body, chat=chat)
+            parsed = await self._parse(engine, body, chat=chat)
             prefix = "chatcmpl" if chat else "cmpl"
             request_id = f"{prefix}-{uuid.uuid4().hex}"
             stream = self._add_request(engine, parsed, request_id, chat=chat)
@@ -494,11 +492,11 @@ class OpenAIAPI:
 
     # ------------------------------------------------------------- parsing
 
-    def _parse(self, engine: EngineCore, body: dict[str, Any], *, chat: bool) -> Parsed:
+    async def _parse(self, engine: EngineCore, body: dict[str, Any], *, chat: bool) -> Parsed:
         model = body.get("model")
         if model is not None:
             if not isinstance(model, str):
-                raise bad_param("model", f"'model' must be a string, got {_typename(model)}")
+                raise bad_param("model", f"'model' must be a string, got {type_name(model)}")
             if model != engine.model_name:
                 raise ApiError(
                     404,
@@ -508,7 +506,7 @@ class OpenAIAPI:
                 )
         stream, include_usage = _parse_stream(body)
         if chat:
-            prompt_ids = self._chat_prompt(engine, body)
+            prompt_ids = await self._chat_prompt(engine, body)
             max_tokens = _int(body, "max_completion_tokens", None)
             max_key = "max_completion_tokens"
             if max_tokens is None:
@@ -526,7 +524,7 @@ class OpenAIAPI:
                 if body.get(key):
                     raise bad_param(key, f"'{key}' (tool calling) is not supported by mooncaked")
         else:
-            prompt_ids = self._completion_prompt(engine, body)
+            prompt_ids = await self._completion_prompt(engine, body)
             max_tokens, max_key = _int(body, "max_tokens", 16), "max_tokens"
             logprobs = _int(body, "logprobs", None)
             if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
@@ -571,14 +569,14 @@ class OpenAIAPI:
             logprobs_style=None if logprobs is None else ("chat" if chat else "completion"),
         )
 
-    def _completion_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:
+    async def _completion_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
         vocab = getattr(engine.tokenizer, "vocab_size", None)
         # One-element batches are what some clients send for a single prompt.
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = await _encode(engine, prompt, "prompt", add_special_tokens=True)
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             ids = _check_token_ids(prompt, "prompt", vocab)
         elif isinstance(prompt, list) and len(prompt) > 1:
@@ -592,13 +590,13 @@ class OpenAIAPI:
         else:
             raise bad_param(
                 "prompt",
-                f"'prompt' must be a string or an array of token ids, got {_typename(prompt)}",
+                f"'prompt' must be a string or an array of token ids, got {type_name(prompt)}",
             )
         if not ids:
             raise bad_param("prompt", "'prompt' must not be empty")
         return list(ids)
 
-    def _chat_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:
+    async def _chat_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")
         if messages is None:
             raise ApiError(400, "'messages' is required", param="messages", code="missing_required")
@@ -613,7 +611,7 @@ class OpenAIAPI:
             if role not in _CHAT_ROLES:
                 raise bad_param(
                     f"{param}.role",
-                    f"'{param}.role' must be one of {sorted(_CHAT_ROLES)}, got {role!r}",
+                    f"'{param}.role' must be one of {sorted(_CHAT_ROLES)}, got {brief(role)}",
                 )
             content = m.get("content")
             if content is None:
@@ -640,29 +638,51 @@ class OpenAIAPI:
                     f"{param}.content", f"'{param}.content' must be a string or an array"
                 )
             norm.append({"role": role, "content": text})
-        text = engine.tokenizer.apply_chat_template(norm, add_generation_prompt=True)
+        _check_chars(engine, sum(len(m["content"]) for m in norm), "messages")
+        try:
+            text = engine.tokenizer.apply_chat_template(norm, add_generation_prompt=True)
+        except ValueError as exc:
+            # The template's own raise_exception (roles that do not alternate,
+            # an unknown role): the client's messages broke its rules.
+            raise bad_param("messages", str(exc)) from None
         # The template writes the special tokens (BOS) itself.
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        ids = await _encode(engine, text, "messages", add_special_tokens=False)
         if not ids:
             raise bad_param("messages", "'messages' produce an empty prompt")
         return list(ids)
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(
-            400, f"the request body is not valid JSON: {exc}", code="invalid_json"
-        ) from None
-    if not isinstance(body, dict):
+def _check_chars(engine: EngineCore, num_chars: int, param: str) -> None:
+    # Before tokenizing: a text this long cannot fit the context whatever the
+    # tokenizer, and tokenizing it would stall the loop and grow memory for nothing.
+    limit = engine.max_model_len * MAX_CHARS_PER_TOKEN
+    if num_chars > limit:
         raise ApiError(
             400,
-            f"the request body must be a JSON object, got {_typename(body)}",
-            code="invalid_json",
+            f"the prompt has {num_chars} characters, more than could fit the model's context "
+            f"length of {engine.max_model_len} tokens (at most {limit} characters); "
+            f"shorten the {param}",
+            param=param,
+            code="context_length_exceeded",
         )
-    return body
+
+
+async def _encode(
+    engine: EngineCore, text: str, param: str, *, add_special_tokens: bool
+) -> list[int]:
+    _check_chars(engine, len(text), param)
+    encode = engine.tokenizer.encode
+    if len(text) > OFFLOOP_TOKENIZE_CHARS:
+        # Long texts on a worker thread: the loop keeps streaming meanwhile.
+        return await asyncio.to_thread(encode, text, add_special_tokens)
+    return encode(text, add_special_tokens)
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        return await read_json_object(request)
+    except BadBody as exc:
+        raise ApiError(400, str(exc), code=exc.code) from None
 
 
 async def _send(resp: web.StreamResponse, obj: Any) -> None:
