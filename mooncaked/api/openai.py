@@ -450,12 +450,7 @@ class OpenAIAPI:
         if reply.error is not None:
             raise ApiError(500, f"generation failed: {reply.error}", type="server_error")
         if reply.finish_reason is FinishReason.ABORT:
-            raise ApiError(
-                503,
-                "the request was cancelled: mooncaked is shutting down",
-                type="service_unavailable",
-                code="aborted",
-            )
+            raise _aborted()
         return json_response(reply.final())
 
     async def _stream(
@@ -481,6 +476,9 @@ class OpenAIAPI:
                     break
                 if out.text or out.finished or out.logprobs:
                     await _send(resp, reply.chunk(out))
+            if reply.finish_reason is FinishReason.ABORT and reply.error is None:
+                # Cut short (the drain timed out): say so before [DONE].
+                await _send(resp, _aborted().body())
             if reply.parsed.include_usage and reply.error is None:
                 await _send(resp, reply.usage_chunk())
             await resp.write(b"data: [DONE]\n\n")
@@ -608,7 +606,8 @@ class OpenAIAPI:
             if not isinstance(m, dict):
                 raise bad_param(param, f"'{param}' must be an object")
             role = m.get("role")
-            if role not in _CHAT_ROLES:
+            # isinstance first: an array or object is unhashable, so not a set member.
+            if not isinstance(role, str) or role not in _CHAT_ROLES:
                 raise bad_param(
                     f"{param}.role",
                     f"'{param}.role' must be one of {sorted(_CHAT_ROLES)}, got {brief(role)}",
@@ -650,6 +649,15 @@ class OpenAIAPI:
         if not ids:
             raise bad_param("messages", "'messages' produce an empty prompt")
         return list(ids)
+
+
+def _aborted() -> ApiError:
+    return ApiError(
+        503,
+        "the request was cancelled: mooncaked is shutting down",
+        type="service_unavailable",
+        code="aborted",
+    )
 
 
 def _check_chars(engine: EngineCore, num_chars: int, param: str) -> None:
