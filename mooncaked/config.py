@@ -130,10 +130,13 @@ class ServerConfig:
     port: int = 8000
     # On SIGTERM: in-flight requests get this long to finish, then are cancelled.
     drain_timeout_s: float = 30.0
+    # A request body must arrive within this many seconds of its headers.
+    body_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
+        _check(self.body_timeout_s > 0, "body_timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,10 +63,11 @@ from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
+from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
 from mooncaked.api.recent import RecentRequests
-from mooncaked.api.server import server_kwargs
+from mooncaked.api.server import server_kwargs, with_expect_handler
 from mooncaked.api.ui import ui_routes
 from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher
@@ -312,9 +313,10 @@ class Node:
         app = web.Application(
             middlewares=[api_middleware(self.metrics)], client_max_size=_MAX_BODY_BYTES
         )
-        app.add_routes(self.admin.routes())
-        app.add_routes(self.openai.routes())
-        app.add_routes(self.extra_routes)
+        app[BODY_TIMEOUT_S] = self._config.server.body_timeout_s
+        app.add_routes(
+            with_expect_handler([*self.admin.routes(), *self.openai.routes(), *self.extra_routes])
+        )
         # handler_cancellation: a client that disconnects cancels its handler,
         # whose finally aborts the request in the engine.
         runner = web.AppRunner(

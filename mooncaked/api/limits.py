@@ -18,8 +18,10 @@ from aiohttp import web
 
 # Deepest JSON nesting a request may use; OpenAI's own shapes need about 5.
 MAX_JSON_DEPTH = 32
-# A body must arrive within this many seconds once its headers did.
+# A body must arrive within this many seconds once its headers did, unless
+# the app sets BODY_TIMEOUT_S (the daemon's server.body_timeout_s).
 BODY_READ_TIMEOUT_S = 60.0
+BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
 # No tokenizer yields a token per more characters than this (the longest
 # entries of common vocabularies are runs of whitespace, under 100 bytes
 # of which few reach 64), so a text longer than ``MAX_CHARS_PER_TOKEN *
@@ -56,8 +58,10 @@ def too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
-async def read_body(request: web.Request, timeout_s: float = BODY_READ_TIMEOUT_S) -> bytes:
+async def read_body(request: web.Request, timeout_s: float | None = None) -> bytes:
     """The raw (decoded) body; ``BadBody`` if it does not decode or arrive in time."""
+    if timeout_s is None:
+        timeout_s = request.app.get(BODY_TIMEOUT_S, BODY_READ_TIMEOUT_S)
     try:
         return await asyncio.wait_for(request.read(), timeout_s)
     except web.RequestPayloadError as exc:
@@ -74,9 +78,7 @@ async def read_body(request: web.Request, timeout_s: float = BODY_READ_TIMEOUT_S
         ) from None
 
 
-async def read_json_object(
-    request: web.Request, timeout_s: float = BODY_READ_TIMEOUT_S
-) -> dict[str, Any]:
+async def read_json_object(request: web.Request, timeout_s: float | None = None) -> dict[str, Any]:
     """The body as a JSON object, checked for encoding, arrival time and depth."""
     raw = await read_body(request, timeout_s)
     try:

@@ -154,3 +154,37 @@ async def test_malformed_http_is_a_warning_not_a_traceback(
     ]
     assert "malformed HTTP request" in records[0].getMessage()
     await assert_healthy(node)
+
+
+async def test_expect_header_with_non_utf8_byte_is_417(node: Node) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: \x80\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    await writer.drain()
+    reply = await reader.read(300)
+    writer.close()
+    assert reply.split(b" ", 2)[1] == b"417", reply
+    await assert_healthy(node)
+
+
+async def test_chat_role_of_wrong_type_is_400(node: Node) -> None:
+    body = orjson.dumps({"messages": [{"role": []}], "max_tokens": 1})
+    status, data = await post(node, "/v1/chat/completions", body)
+    assert status == 400, data
+    assert data["error"]["param"] == "messages[0].role"
+
+
+async def test_slow_body_times_out_with_400(node_factory: Callable[..., Awaitable[Node]]) -> None:
+    node = await node_factory(server={"body_timeout_s": 0.5})
+    reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
+    # Promises 100 bytes, sends 10 and stalls.
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n" + b'{"prompt":'
+    )
+    await writer.drain()
+    reply = await asyncio.wait_for(reader.read(400), 30)
+    writer.close()
+    assert reply.split(b" ", 2)[1] == b"400", reply
+    assert b"body_timeout" in reply
