@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import structlog
 
-from mooncaked.config import Config, ConfigError, apply_flags, load_config
+from mooncaked.config import Config, ConfigError, ConfigValueError, apply_flags, load_config
+from mooncaked.secrets import check_cluster_secret, resolve_cluster_secret
 
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 1
@@ -64,8 +66,9 @@ def _run_loop(coro: Coroutine[Any, Any, int]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = build_config(args)
-    except ConfigError as exc:
+        config = resolve_cluster_secret(build_config(args), os.environ)
+        check_cluster_secret(config)
+    except (ConfigError, ConfigValueError) as exc:
         print(f"mooncaked: config error: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
 

@@ -52,6 +52,10 @@ class NodeConfig:
     # Authenticates transfer handshakes and gossip messages. Every node of a
     # cluster must share it; the default only suits a single trusted host.
     cluster_secret: str = "mooncaked-insecure-default-secret"
+    # A file holding the secret (e.g. a systemd credential); read at start,
+    # its trailing newline stripped. Wins over cluster_secret and the
+    # MOONCAKED_CLUSTER_SECRET environment variable.
+    cluster_secret_file: str = ""
     # Where the daemon keeps state (SSD tier, logs of its own); empty: a
     # per-user directory under the system temp dir.
     data_dir: str = ""

@@ -202,3 +202,11 @@ async def test_http_error_exits_4_with_the_daemons_message(node: Any) -> None:
     status, env = await cli("--url", node.url, "generate", "x", "--model", "nope")
     assert status == 4
     assert "404" in err(env) and "nope" in err(env)
+
+
+async def test_secret_prints_a_fresh_long_secret() -> None:
+    status1, env1 = await cli("secret")
+    status2, env2 = await cli("secret")
+    a, b = out(env1).strip(), out(env2).strip()
+    assert status1 == status2 == 0
+    assert a != b and len(a) >= 32
