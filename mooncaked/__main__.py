@@ -18,7 +18,15 @@ from typing import Any
 
 import structlog
 
-from mooncaked.config import Config, ConfigError, ConfigValueError, apply_flags, load_config
+from mooncaked.api.auth import resolve_auth
+from mooncaked.config import (
+    Config,
+    ConfigError,
+    ConfigValueError,
+    apply_flags,
+    load_config,
+    with_overrides,
+)
 from mooncaked.secrets import check_cluster_secret, resolve_cluster_secret
 
 EXIT_OK = 0
@@ -36,13 +44,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="server.port: port to listen on (0: any free port)")
     p.add_argument("--model", metavar="PATH", help="model.path: HF model directory or builtin:tiny")
     p.add_argument("--role", help="node.role: both, prefill or decode")
+    p.add_argument(
+        "--api-key",
+        dest="api_key",
+        help="an API key /v1 requires (added to server.api_keys; also $MOONCAKED_API_KEY)",
+    )
     p.add_argument("--log-format", dest="log_format", help="log.format: auto, json or console")
     return p
 
 
 def build_config(args: argparse.Namespace) -> Config:
     """The file's config with the flags applied; raises ConfigError."""
-    return apply_flags(
+    config = apply_flags(
         load_config(args.config),
         vars(args),
         {
@@ -53,6 +66,10 @@ def build_config(args: argparse.Namespace) -> Config:
             "log_format": ("log", "format"),
         },
     )
+    if args.api_key:
+        keys = (*config.server.api_keys, args.api_key)
+        config = with_overrides(config, server={"api_keys": list(keys)})
+    return config
 
 
 def _run_loop(coro: Coroutine[Any, Any, int]) -> int:
@@ -66,7 +83,7 @@ def _run_loop(coro: Coroutine[Any, Any, int]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = resolve_cluster_secret(build_config(args), os.environ)
+        config = resolve_auth(resolve_cluster_secret(build_config(args), os.environ), os.environ)
         check_cluster_secret(config)
     except (ConfigError, ConfigValueError) as exc:
         print(f"mooncaked: config error: {exc}", file=sys.stderr, flush=True)

@@ -136,6 +136,12 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     # A request body must arrive within this many seconds of its headers.
     body_timeout_s: float = 60.0
+    # Keys /v1 accepts as "Authorization: Bearer <key>"; empty: /v1 is open.
+    api_keys: tuple[str, ...] = ()
+    # Token /admin needs as "Authorization: Bearer <token>"; empty: /admin is open.
+    admin_token: str = ""
+    # /metrics needs an API key or the admin token too.
+    metrics_require_auth: bool = False
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")

@@ -62,6 +62,7 @@ import structlog
 from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
+from mooncaked.api.auth import auth_middleware
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
 from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import ApiMetrics
@@ -83,6 +84,7 @@ from mooncaked.cluster.status import ClusterSnapshot
 from mooncaked.config import Config
 from mooncaked.engine.core import EngineCore, EngineStats
 from mooncaked.engine.store_connector import TieredStoreConnector
+from mooncaked.secrets import is_loopback
 from mooncaked.transfer import TransferEngine
 
 EngineFactory = Callable[[Config], EngineCore]
@@ -311,7 +313,9 @@ class Node:
     @contextlib.asynccontextmanager
     async def _http(self) -> AsyncIterator[None]:
         app = web.Application(
-            middlewares=[api_middleware(self.metrics)], client_max_size=_MAX_BODY_BYTES
+            # Outermost first: every answer is counted, a 401 included.
+            middlewares=[api_middleware(self.metrics), auth_middleware(self._config.server)],
+            client_max_size=_MAX_BODY_BYTES,
         )
         app[BODY_TIMEOUT_S] = self._config.server.body_timeout_s
         app.add_routes(
@@ -335,6 +339,12 @@ class Node:
             self._port = _bound_port(runner, cfg.port)
             self._log = self._log.bind(node=self.node_id)
             self._log.info("listening", url=self.url)
+            if not is_loopback(cfg.host) and not cfg.api_keys:
+                self._log.warning(
+                    "listening beyond loopback with no API key: /v1 is open to anyone who "
+                    "reaches it; set server.api_keys, --api-key or MOONCAKED_API_KEY",
+                    host=cfg.host,
+                )
             yield
         finally:
             self._runner = None
