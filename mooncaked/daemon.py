@@ -84,6 +84,7 @@ from mooncaked.cluster.status import ClusterSnapshot
 from mooncaked.config import Config
 from mooncaked.engine.core import EngineCore, EngineStats
 from mooncaked.engine.store_connector import TieredStoreConnector
+from mooncaked.notify import Notifier
 from mooncaked.secrets import is_loopback
 from mooncaked.transfer import TransferEngine
 
@@ -565,6 +566,7 @@ class Node:
         """
         loop = asyncio.get_running_loop()
         stop_requested = asyncio.Event()
+        notifier = Notifier()
 
         def on_signal(signum: int) -> None:
             name = signal.Signals(signum).name
@@ -582,19 +584,35 @@ class Node:
             await self.start()
             if on_ready is not None:
                 on_ready(self)
+            notifier.notify("READY=1", f"STATUS=serving on {self.url}")
             async with asyncio.TaskGroup() as tg:
                 waits = [
                     tg.create_task(stop_requested.wait()),
                     tg.create_task(self._failed.wait()),
                 ]
+                watchdog = None
+                if notifier.watchdog_interval_s is not None:
+                    watchdog = tg.create_task(
+                        self._watchdog(notifier, notifier.watchdog_interval_s)
+                    )
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for t in waits:
-                    t.cancel()
+                for t in [*waits, watchdog]:
+                    if t is not None:
+                        t.cancel()
+            notifier.notify("STOPPING=1", "STATUS=draining")
             await self.stop()
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
         return EXIT_FAILED if self._failure is not None else 0
+
+    async def _watchdog(self, notifier: Notifier, interval_s: float) -> None:
+        """Pings systemd's watchdog while no subsystem failed. The pings run on
+        the event loop, so a loop stalled by a step stops them too and systemd
+        restarts the daemon."""
+        while self._failure is None:
+            notifier.notify("WATCHDOG=1")
+            await asyncio.sleep(interval_s)
 
 
 def _bound_port(runner: web.AppRunner, configured: int) -> int:

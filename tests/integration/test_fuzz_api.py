@@ -2,7 +2,8 @@
 
 Whatever the JSON body, query or headers, the answer is never a 5xx, and the
 daemon still serves a completion afterwards with no ERROR logged. The cases
-are kept cheap (at most a few generated tokens) so the suite runs in CI.
+are kept cheap (at most a few generated tokens) so the suite runs in CI:
+1,250 cases (150 per JSON endpoint, 300 of headers and raw bodies, 200 GETs).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from tests.conftest import TEST_TOML, DaemonProcess, spawn_daemon
 
 SETTINGS = settings(
-    max_examples=250,
+    max_examples=150,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -216,7 +217,7 @@ def test_json_bodies(client: Client, path: str, strategy: st.SearchStrategy[Any]
     run()
 
 
-@settings(SETTINGS, max_examples=400)
+@settings(SETTINGS, max_examples=300)
 @given(
     path=st.sampled_from([p for p, _ in POSTS]),
     headers=HEADERS,
@@ -238,7 +239,7 @@ def test_headers_and_raw_bodies(
     no_5xx(status, data, (path, headers, body[:100]))
 
 
-@settings(SETTINGS, max_examples=300)
+@settings(SETTINGS, max_examples=200)
 @given(
     path=st.sampled_from(GETS),
     query=st.dictionaries(
