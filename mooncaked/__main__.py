@@ -115,6 +115,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         node = Node(config)
         try:
             return await node.run(on_ready=on_ready)
+        except ConfigError as exc:
+            # A setting only start-up could check (the model's own limits): one line.
+            print(f"mooncaked: config error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_CONFIG
         except Exception as exc:
             log.exception("start-up failed", error=str(exc))
             return EXIT_STARTUP_FAILED

@@ -217,6 +217,11 @@ class StoreConfig:
         _check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
         _check(0.0 <= self.dram_fraction < 1.0, "dram_fraction", "must be in [0, 1)")
         _check(self.ssd_bytes >= 0, "ssd_bytes", "must be >= 0")
+        _check(
+            not (self.ssd_path and self.ssd_bytes == 0),
+            "ssd_bytes",
+            f"is 0 but ssd_path is {self.ssd_path!r}: give the SSD tier a size, or no ssd_path",
+        )
         _check(self.ssd_io_threads > 0, "ssd_io_threads", "must be > 0")
         _check(self.ssd_write_queue > 0, "ssd_write_queue", "must be > 0")
         _check(self.offload_queue > 0, "offload_queue", "must be > 0")

@@ -81,7 +81,7 @@ from mooncaked.cluster.member import ClusterMember
 from mooncaked.cluster.routes import cluster_routes
 from mooncaked.cluster.state import ClusterView
 from mooncaked.cluster.status import ClusterSnapshot
-from mooncaked.config import Config
+from mooncaked.config import Config, ConfigError
 from mooncaked.engine.core import EngineCore, EngineStats
 from mooncaked.engine.store_connector import TieredStoreConnector
 from mooncaked.notify import Notifier
@@ -356,7 +356,12 @@ class Node:
         t0 = self._clock()
         # Loading reads weights and builds tensors for seconds or minutes:
         # off the loop, so /health keeps answering meanwhile.
-        engine = await asyncio.to_thread(self._engine_factory, self._config)
+        try:
+            engine = await asyncio.to_thread(self._engine_factory, self._config)
+        except ValueError as exc:
+            # The loader's ValueErrors name a bad setting (a missing model
+            # directory, max_model_len beyond the model's limit): a config error.
+            raise ConfigError(str(exc)) from None
         self._log.info("model loaded", load_s=round(self._clock() - t0, 3))
         return engine
 
