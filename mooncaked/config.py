@@ -136,6 +136,9 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     # A request body must arrive within this many seconds of its headers.
     body_timeout_s: float = 60.0
+    # A connection with no complete request for this long is closed: an idle
+    # keep-alive, or headers that trickle in (slow clients holding sockets).
+    idle_timeout_s: float = 75.0
     # Keys /v1 accepts as "Authorization: Bearer <key>"; empty: /v1 is open.
     api_keys: tuple[str, ...] = ()
     # Token /admin needs as "Authorization: Bearer <token>"; empty: /admin is open.
@@ -147,6 +150,7 @@ class ServerConfig:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
         _check(self.body_timeout_s > 0, "body_timeout_s", "must be > 0")
+        _check(self.idle_timeout_s > 0, "idle_timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -329,7 +329,7 @@ class Node:
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=_HTTP_SHUTDOWN_GRACE_S,
-            **server_kwargs(),
+            **server_kwargs(self._config.server.idle_timeout_s),
         )
         await runner.setup()
         try:

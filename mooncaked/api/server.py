@@ -17,9 +17,6 @@ from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 
-# A connection with no request in progress is closed after this many seconds.
-KEEPALIVE_TIMEOUT_S = 75.0
-
 
 class ServerLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
     """aiohttp's server logger, with malformed requests as one warning line."""
@@ -39,9 +36,14 @@ class ServerLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
         self.error(msg, *args, exc_info=exc_info, **kwargs)
 
 
-def server_kwargs() -> dict[str, Any]:
-    """Keyword arguments for ``web.AppRunner`` (passed on to each connection)."""
-    return {"logger": ServerLogger(), "keepalive_timeout": KEEPALIVE_TIMEOUT_S}
+def server_kwargs(idle_timeout_s: float) -> dict[str, Any]:
+    """Keyword arguments for ``web.AppRunner`` (passed on to each connection).
+
+    aiohttp's keep-alive timer starts when a connection opens and is not reset
+    by bytes that do not complete a request, so it also bounds how long the
+    headers of the first request may take.
+    """
+    return {"logger": ServerLogger(), "keepalive_timeout": idle_timeout_s}
 
 
 async def expect_handler(request: web.Request) -> None:

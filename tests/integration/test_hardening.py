@@ -188,3 +188,25 @@ async def test_slow_body_times_out_with_400(node_factory: Callable[..., Awaitabl
     writer.close()
     assert reply.split(b" ", 2)[1] == b"400", reply
     assert b"body_timeout" in reply
+
+
+async def test_trickling_headers_are_cut_off(node_factory: Callable[..., Awaitable[Node]]) -> None:
+    node = await node_factory(server={"idle_timeout_s": 0.5})
+    reader, writer = await asyncio.open_connection("127.0.0.1", node.port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    await writer.drain()
+
+    async def trickle() -> None:
+        # A header byte now and then, never the blank line that ends them.
+        for _ in range(60):
+            writer.write(b"X")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+    trickling = asyncio.create_task(trickle())
+    try:
+        # The server closes the connection: EOF, without an answer.
+        assert await asyncio.wait_for(reader.read(), 30) == b""
+    finally:
+        trickling.cancel()
+        writer.close()
