@@ -14,6 +14,8 @@ from mooncakectl.registry import COMMANDS, Env, ExitStatus
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 URL_ENV = "MOONCAKED_URL"
+TOKEN_ENV = "MOONCAKECTL_ADMIN_TOKEN"
+DAEMON_TOKEN_ENV = "MOONCAKED_ADMIN_TOKEN"
 # Modules whose import registers their commands.
 _COMMAND_MODULES = (
     "mooncakectl.commands",
@@ -42,6 +44,7 @@ def load_commands() -> None:
 def build_parser(environ: dict[str, str] | os._Environ[str]) -> argparse.ArgumentParser:
     load_commands()
     default_url = environ.get(URL_ENV) or DEFAULT_URL
+    default_token = environ.get(TOKEN_ENV) or environ.get(DAEMON_TOKEN_ENV) or ""
 
     def add_globals(p: argparse.ArgumentParser, defaults: bool) -> None:
         # Subcommands take the same options with SUPPRESS, so they may come
@@ -51,6 +54,12 @@ def build_parser(environ: dict[str, str] | os._Environ[str]) -> argparse.Argumen
             "--url",
             default=d(default_url),
             help=f"daemon URL (default: ${URL_ENV} or {DEFAULT_URL})",
+        )
+        p.add_argument(
+            "--admin-token",
+            dest="admin_token",
+            default=d(default_token),
+            help=f"the node's admin token (default: ${TOKEN_ENV} or ${DAEMON_TOKEN_ENV})",
         )
         p.add_argument(
             "--json", action="store_true", default=d(False), help="machine-readable output"

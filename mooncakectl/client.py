@@ -48,7 +48,7 @@ def _error_message(status: int, raw: bytes) -> str:
 
 
 class Client:
-    def __init__(self, url: str, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, timeout: float = 30.0, token: str = "") -> None:
         parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"--url must look like http://HOST:PORT, got {url!r}")
@@ -58,6 +58,8 @@ class Client:
         self._port = parts.port or (443 if self._https else 80)
         self._base = parts.path.rstrip("/")
         self._timeout = timeout
+        # Sent as a bearer token: the node's admin token (or an API key).
+        self._token = token
 
     def _connect(self) -> http.client.HTTPConnection:
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
@@ -68,6 +70,8 @@ class Client:
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         conn = self._connect()
         headers = {"Accept": "application/json, text/event-stream"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
         data = None
         if body is not None:
             data = json.dumps(body).encode()

@@ -155,3 +155,11 @@ def generate(args: argparse.Namespace, env: Env, served: dict[str, str] | None =
     if served is not None:
         served.update(nodes)
     return ExitStatus.OK
+
+
+@command("secret", "print a fresh cluster secret (for node.cluster_secret_file)")
+def secret(args: argparse.Namespace, env: Env) -> int:
+    from mooncaked.secrets import generate_secret
+
+    print(generate_secret(), file=env.stdout)
+    return ExitStatus.OK

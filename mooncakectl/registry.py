@@ -43,7 +43,7 @@ class Env:
     stdout_isatty: bool = False
 
     def client(self, args: argparse.Namespace) -> Client:
-        return Client(args.url, timeout=args.timeout)
+        return Client(args.url, timeout=args.timeout, token=getattr(args, "admin_token", ""))
 
 
 CommandFn = Callable[[argparse.Namespace, Env], int]

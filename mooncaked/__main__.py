@@ -11,13 +11,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import structlog
 
-from mooncaked.config import Config, ConfigError, apply_flags, load_config
+from mooncaked.api.auth import resolve_auth
+from mooncaked.config import (
+    Config,
+    ConfigError,
+    ConfigValueError,
+    apply_flags,
+    load_config,
+    with_overrides,
+)
+from mooncaked.secrets import check_cluster_secret, resolve_cluster_secret
 
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 1
@@ -36,13 +46,18 @@ def _parser() -> argparse.ArgumentParser:
         "--model", metavar="PATH", help="model.path: HF model directory, .gguf file or builtin:tiny"
     )
     p.add_argument("--role", help="node.role: both, prefill or decode")
+    p.add_argument(
+        "--api-key",
+        dest="api_key",
+        help="an API key /v1 requires (added to server.api_keys; also $MOONCAKED_API_KEY)",
+    )
     p.add_argument("--log-format", dest="log_format", help="log.format: auto, json or console")
     return p
 
 
 def build_config(args: argparse.Namespace) -> Config:
     """The file's config with the flags applied; raises ConfigError."""
-    return apply_flags(
+    config = apply_flags(
         load_config(args.config),
         vars(args),
         {
@@ -53,6 +68,10 @@ def build_config(args: argparse.Namespace) -> Config:
             "log_format": ("log", "format"),
         },
     )
+    if args.api_key:
+        keys = (*config.server.api_keys, args.api_key)
+        config = with_overrides(config, server={"api_keys": list(keys)})
+    return config
 
 
 def _run_loop(coro: Coroutine[Any, Any, int]) -> int:
@@ -66,8 +85,9 @@ def _run_loop(coro: Coroutine[Any, Any, int]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        config = build_config(args)
-    except ConfigError as exc:
+        config = resolve_auth(resolve_cluster_secret(build_config(args), os.environ), os.environ)
+        check_cluster_secret(config)
+    except (ConfigError, ConfigValueError) as exc:
         print(f"mooncaked: config error: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
 
@@ -97,6 +117,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         node = Node(config)
         try:
             return await node.run(on_ready=on_ready)
+        except ConfigError as exc:
+            # A setting only start-up could check (the model's own limits): one line.
+            print(f"mooncaked: config error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_CONFIG
         except Exception as exc:
             log.exception("start-up failed", error=str(exc))
             return EXIT_STARTUP_FAILED

@@ -52,6 +52,10 @@ class NodeConfig:
     # Authenticates transfer handshakes and gossip messages. Every node of a
     # cluster must share it; the default only suits a single trusted host.
     cluster_secret: str = "mooncaked-insecure-default-secret"
+    # A file holding the secret (e.g. a systemd credential); read at start,
+    # its trailing newline stripped. Wins over cluster_secret and the
+    # MOONCAKED_CLUSTER_SECRET environment variable.
+    cluster_secret_file: str = ""
     # Where the daemon keeps state (SSD tier, logs of its own); empty: a
     # per-user directory under the system temp dir.
     data_dir: str = ""
@@ -130,10 +134,23 @@ class ServerConfig:
     port: int = 8000
     # On SIGTERM: in-flight requests get this long to finish, then are cancelled.
     drain_timeout_s: float = 30.0
+    # A request body must arrive within this many seconds of its headers.
+    body_timeout_s: float = 60.0
+    # A connection with no complete request for this long is closed: an idle
+    # keep-alive, or headers that trickle in (slow clients holding sockets).
+    idle_timeout_s: float = 75.0
+    # Keys /v1 accepts as "Authorization: Bearer <key>"; empty: /v1 is open.
+    api_keys: tuple[str, ...] = ()
+    # Token /admin needs as "Authorization: Bearer <token>"; empty: /admin is open.
+    admin_token: str = ""
+    # /metrics needs an API key or the admin token too.
+    metrics_require_auth: bool = False
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
         _check(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
+        _check(self.body_timeout_s > 0, "body_timeout_s", "must be > 0")
+        _check(self.idle_timeout_s > 0, "idle_timeout_s", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +221,11 @@ class StoreConfig:
         _check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
         _check(0.0 <= self.dram_fraction < 1.0, "dram_fraction", "must be in [0, 1)")
         _check(self.ssd_bytes >= 0, "ssd_bytes", "must be >= 0")
+        _check(
+            not (self.ssd_path and self.ssd_bytes == 0),
+            "ssd_bytes",
+            f"is 0 but ssd_path is {self.ssd_path!r}: give the SSD tier a size, or no ssd_path",
+        )
         _check(self.ssd_io_threads > 0, "ssd_io_threads", "must be > 0")
         _check(self.ssd_write_queue > 0, "ssd_write_queue", "must be > 0")
         _check(self.offload_queue > 0, "offload_queue", "must be > 0")

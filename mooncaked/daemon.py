@@ -63,12 +63,15 @@ import torch
 from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
+from mooncaked.api.auth import auth_middleware
 from mooncaked.api.disagg import DisaggAPI, PrefillClient
 from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus, StepHistograms
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
+from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
 from mooncaked.api.recent import RecentRequests
+from mooncaked.api.server import server_kwargs, with_expect_handler
 from mooncaked.api.ui import ui_routes
 from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher
@@ -81,12 +84,14 @@ from mooncaked.cluster.member import ClusterMember
 from mooncaked.cluster.routes import cluster_routes
 from mooncaked.cluster.state import ClusterView
 from mooncaked.cluster.status import ClusterSnapshot
-from mooncaked.config import Config
+from mooncaked.config import Config, ConfigError
 from mooncaked.engine.connector import KVConnector, MultiConnector
 from mooncaked.engine.core import EngineCore, EngineStats
 from mooncaked.engine.handoff import KVReceiver, KVSender
 from mooncaked.engine.store_connector import TieredStoreConnector
+from mooncaked.notify import Notifier
 from mooncaked.router import Router
+from mooncaked.secrets import is_loopback
 from mooncaked.transfer import TransferEngine
 
 EngineFactory = Callable[[Config], EngineCore]
@@ -378,11 +383,14 @@ class Node:
     @contextlib.asynccontextmanager
     async def _http(self) -> AsyncIterator[None]:
         app = web.Application(
-            middlewares=[api_middleware(self.metrics)], client_max_size=_MAX_BODY_BYTES
+            # Outermost first: every answer is counted, a 401 included.
+            middlewares=[api_middleware(self.metrics), auth_middleware(self._config.server)],
+            client_max_size=_MAX_BODY_BYTES,
         )
-        app.add_routes(self.admin.routes())
-        app.add_routes(self.openai.routes())
-        app.add_routes(self.extra_routes)
+        app[BODY_TIMEOUT_S] = self._config.server.body_timeout_s
+        app.add_routes(
+            with_expect_handler([*self.admin.routes(), *self.openai.routes(), *self.extra_routes])
+        )
         # handler_cancellation: a client that disconnects cancels its handler,
         # whose finally aborts the request in the engine.
         runner = web.AppRunner(
@@ -390,6 +398,7 @@ class Node:
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=_HTTP_SHUTDOWN_GRACE_S,
+            **server_kwargs(self._config.server.idle_timeout_s),
         )
         await runner.setup()
         try:
@@ -400,6 +409,12 @@ class Node:
             self._port = _bound_port(runner, cfg.port)
             self._log = self._log.bind(node=self.node_id)
             self._log.info("listening", url=self.url)
+            if not is_loopback(cfg.host) and not cfg.api_keys:
+                self._log.warning(
+                    "listening beyond loopback with no API key: /v1 is open to anyone who "
+                    "reaches it; set server.api_keys, --api-key or MOONCAKED_API_KEY",
+                    host=cfg.host,
+                )
             yield
         finally:
             self._runner = None
@@ -428,7 +443,12 @@ class Node:
 
         # Loading reads weights and builds tensors for seconds or minutes:
         # off the loop, so /health keeps answering meanwhile.
-        engine = await asyncio.to_thread(factory, self._config)
+        try:
+            engine = await asyncio.to_thread(factory, self._config)
+        except ValueError as exc:
+            # The loader's ValueErrors name a bad setting (a missing model
+            # directory, max_model_len beyond the model's limit): a config error.
+            raise ConfigError(str(exc)) from None
         if transfer.segment(KV_SEGMENT) is None:
             # Device memory, or an engine built by a custom factory: reachable
             # over tcp (through a bounce buffer for device memory).
@@ -679,6 +699,7 @@ class Node:
         loop = asyncio.get_running_loop()
         stop_requested = self._stop_requested
         self._running = True
+        notifier = Notifier()
 
         def on_signal(signum: int) -> None:
             name = signal.Signals(signum).name
@@ -696,19 +717,35 @@ class Node:
             await self.start()
             if on_ready is not None:
                 on_ready(self)
+            notifier.notify("READY=1", f"STATUS=serving on {self.url}")
             async with asyncio.TaskGroup() as tg:
                 waits = [
                     tg.create_task(stop_requested.wait()),
                     tg.create_task(self._failed.wait()),
                 ]
+                watchdog = None
+                if notifier.watchdog_interval_s is not None:
+                    watchdog = tg.create_task(
+                        self._watchdog(notifier, notifier.watchdog_interval_s)
+                    )
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for t in waits:
-                    t.cancel()
+                for t in [*waits, watchdog]:
+                    if t is not None:
+                        t.cancel()
+            notifier.notify("STOPPING=1", "STATUS=draining")
             await self.stop()
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
         return EXIT_FAILED if self._failure is not None else 0
+
+    async def _watchdog(self, notifier: Notifier, interval_s: float) -> None:
+        """Pings systemd's watchdog while no subsystem failed. The pings run on
+        the event loop, so a loop stalled by a step stops them too and systemd
+        restarts the daemon."""
+        while self._failure is None:
+            notifier.notify("WATCHDOG=1")
+            await asyncio.sleep(interval_s)
 
 
 def _bound_port(runner: web.AppRunner, configured: int) -> int:

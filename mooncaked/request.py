@@ -24,7 +24,9 @@ class FinishReason(enum.Enum):
 
     @property
     def openai(self) -> str:
-        return "stop" if self is FinishReason.ABORT else self.value
+        # "abort" rather than OpenAI's "stop": a cut-short answer must not
+        # read as a finished one.
+        return self.value
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,14 +9,15 @@ that join the node later add their own part of ``/admin/status`` with
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
 
-import orjson
 from aiohttp import web
 
+from mooncaked.api.limits import MAX_CHARS_PER_TOKEN, BadBody, read_json_object
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import json_response
 from mooncaked.config import Config
@@ -354,17 +355,29 @@ class CacheAdmin:
         if engine is None or store is None:
             return _unavailable("the KV cache")
         try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError:
-            return _bad_request("body is not JSON")
-        prompt = body.get("prompt") if isinstance(body, dict) else None
+            body = await read_json_object(request)
+        except BadBody as exc:
+            return _bad_request(str(exc))
+        prompt = body.get("prompt")
         if isinstance(prompt, str) and prompt:
-            token_ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
+            if len(prompt) > engine.max_model_len * MAX_CHARS_PER_TOKEN:
+                return _bad_request(
+                    f"'prompt' has {len(prompt)} characters, more than the model's context "
+                    f"of {engine.max_model_len} tokens could hold"
+                )
+            token_ids = await asyncio.to_thread(
+                engine.tokenizer.encode, prompt, add_special_tokens=True
+            )
         elif (
             isinstance(prompt, list)
             and prompt
             and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
         ):
+            # Ids outside the vocabulary would overflow the hash's packing.
+            vocab = engine.tokenizer.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                return _bad_request(f"'prompt' token ids must be in [0, {vocab}), got {bad}")
             token_ids = list(prompt)
         else:
             return _bad_request("'prompt' must be a non-empty string or a list of token ids")

@@ -27,6 +27,14 @@ import orjson
 import structlog
 from aiohttp import web
 
+from mooncaked.api.limits import (
+    MAX_CHARS_PER_TOKEN,
+    OFFLOOP_TOKENIZE_CHARS,
+    BadBody,
+    brief,
+    read_json_object,
+    type_name,
+)
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.recent import FinishedRequest
 from mooncaked.cache.hashing import block_hashes
@@ -152,24 +160,12 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _typename(v: Any) -> str:
-    return {
-        type(None): "null",
-        bool: "boolean",
-        int: "integer",
-        float: "number",
-        str: "string",
-        list: "array",
-        dict: "object",
-    }.get(type(v), type(v).__name__)
-
-
 def _int(body: dict[str, Any], key: str, default: int | None) -> int | None:
     v = body.get(key)
     if v is None:
         return default
     if not _is_int(v):
-        raise bad_param(key, f"'{key}' must be an integer, got {_typename(v)} {v!r}")
+        raise bad_param(key, f"'{key}' must be an integer, got {type_name(v)} {brief(v)}")
     return v
 
 
@@ -178,7 +174,7 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
     if v is None:
         return default
     if not _is_number(v):
-        raise bad_param(key, f"'{key}' must be a number, got {_typename(v)} {v!r}")
+        raise bad_param(key, f"'{key}' must be a number, got {type_name(v)} {brief(v)}")
     return float(v)
 
 
@@ -187,7 +183,7 @@ def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad_param(key, f"'{key}' must be a boolean, got {_typename(v)} {v!r}")
+        raise bad_param(key, f"'{key}' must be a boolean, got {type_name(v)} {brief(v)}")
     return v
 
 
@@ -259,7 +255,7 @@ def _parse_sampling(
         raise bad_param("logit_bias", "'logit_bias' is not supported by mooncaked")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise bad_param("user", f"'user' must be a string, got {_typename(user)}")
+        raise bad_param("user", f"'user' must be a string, got {type_name(user)}")
     try:
         return SamplingParams(
             max_tokens=max_tokens if max_tokens is not None else 16,
@@ -293,7 +289,9 @@ def _check_token_ids(ids: list[Any], param: str, vocab_size: int | None) -> list
     for t in ids:
         if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
             limit = f" below {vocab_size}" if vocab_size is not None else ""
-            raise bad_param(param, f"'{param}' token ids must be integers >= 0{limit}, got {t!r}")
+            raise bad_param(
+                param, f"'{param}' token ids must be integers >= 0{limit}, got {brief(t)}"
+            )
     return ids
 
 
@@ -444,7 +442,7 @@ class OpenAIAPI:
         with self._gate.admit():
             engine = self._require_engine()
             body = await _read_json(request)
-            parsed = self._parse(engine, body, chat=chat)
+            parsed = await self._parse(engine, body, chat=chat)
             prefix = "chatcmpl" if chat else "cmpl"
             request_id = f"{prefix}-{uuid.uuid4().hex}"
             hashes = block_hashes(parsed.prompt_token_ids, engine.block_size, engine.model_id)
@@ -497,12 +495,7 @@ class OpenAIAPI:
         if reply.error is not None:
             raise ApiError(500, f"generation failed: {reply.error}", type="server_error")
         if reply.finish_reason is FinishReason.ABORT:
-            raise ApiError(
-                503,
-                "the request was cancelled: mooncaked is shutting down",
-                type="service_unavailable",
-                code="aborted",
-            )
+            raise _aborted()
         # Known by now: the nodes that actually ran it (a failover changes them).
         headers = {
             PREFILL_NODE_HEADER: stream.prefill_node or "",
@@ -545,6 +538,9 @@ class OpenAIAPI:
                 reply.error = exc.message
                 err = ApiError(503, exc.message, type="service_unavailable", code="no_capacity")
                 await _send(resp, err.body())
+            if reply.finish_reason is FinishReason.ABORT and reply.error is None:
+                # Cut short (the drain timed out): say so before [DONE].
+                await _send(resp, _aborted().body())
             if reply.parsed.include_usage and reply.error is None:
                 await _send(resp, reply.usage_chunk())
             await resp.write(b"data: [DONE]\n\n")
@@ -556,11 +552,11 @@ class OpenAIAPI:
 
     # ------------------------------------------------------------- parsing
 
-    def _parse(self, engine: EngineCore, body: dict[str, Any], *, chat: bool) -> Parsed:
+    async def _parse(self, engine: EngineCore, body: dict[str, Any], *, chat: bool) -> Parsed:
         model = body.get("model")
         if model is not None:
             if not isinstance(model, str):
-                raise bad_param("model", f"'model' must be a string, got {_typename(model)}")
+                raise bad_param("model", f"'model' must be a string, got {type_name(model)}")
             if model != engine.model_name:
                 raise ApiError(
                     404,
@@ -570,7 +566,7 @@ class OpenAIAPI:
                 )
         stream, include_usage = _parse_stream(body)
         if chat:
-            prompt_ids = self._chat_prompt(engine, body)
+            prompt_ids = await self._chat_prompt(engine, body)
             max_tokens = _int(body, "max_completion_tokens", None)
             max_key = "max_completion_tokens"
             if max_tokens is None:
@@ -588,7 +584,7 @@ class OpenAIAPI:
                 if body.get(key):
                     raise bad_param(key, f"'{key}' (tool calling) is not supported by mooncaked")
         else:
-            prompt_ids = self._completion_prompt(engine, body)
+            prompt_ids = await self._completion_prompt(engine, body)
             max_tokens, max_key = _int(body, "max_tokens", 16), "max_tokens"
             logprobs = _int(body, "logprobs", None)
             if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
@@ -633,14 +629,14 @@ class OpenAIAPI:
             logprobs_style=None if logprobs is None else ("chat" if chat else "completion"),
         )
 
-    def _completion_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:
+    async def _completion_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
         vocab = getattr(engine.tokenizer, "vocab_size", None)
         # One-element batches are what some clients send for a single prompt.
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = await _encode(engine, prompt, "prompt", add_special_tokens=True)
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             ids = _check_token_ids(prompt, "prompt", vocab)
         elif isinstance(prompt, list) and len(prompt) > 1:
@@ -654,13 +650,13 @@ class OpenAIAPI:
         else:
             raise bad_param(
                 "prompt",
-                f"'prompt' must be a string or an array of token ids, got {_typename(prompt)}",
+                f"'prompt' must be a string or an array of token ids, got {type_name(prompt)}",
             )
         if not ids:
             raise bad_param("prompt", "'prompt' must not be empty")
         return list(ids)
 
-    def _chat_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:
+    async def _chat_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")
         if messages is None:
             raise ApiError(400, "'messages' is required", param="messages", code="missing_required")
@@ -672,10 +668,11 @@ class OpenAIAPI:
             if not isinstance(m, dict):
                 raise bad_param(param, f"'{param}' must be an object")
             role = m.get("role")
-            if role not in _CHAT_ROLES:
+            # isinstance first: an array or object is unhashable, so not a set member.
+            if not isinstance(role, str) or role not in _CHAT_ROLES:
                 raise bad_param(
                     f"{param}.role",
-                    f"'{param}.role' must be one of {sorted(_CHAT_ROLES)}, got {role!r}",
+                    f"'{param}.role' must be one of {sorted(_CHAT_ROLES)}, got {brief(role)}",
                 )
             content = m.get("content")
             if content is None:
@@ -702,29 +699,60 @@ class OpenAIAPI:
                     f"{param}.content", f"'{param}.content' must be a string or an array"
                 )
             norm.append({"role": role, "content": text})
-        text = engine.tokenizer.apply_chat_template(norm, add_generation_prompt=True)
+        _check_chars(engine, sum(len(m["content"]) for m in norm), "messages")
+        try:
+            text = engine.tokenizer.apply_chat_template(norm, add_generation_prompt=True)
+        except ValueError as exc:
+            # The template's own raise_exception (roles that do not alternate,
+            # an unknown role): the client's messages broke its rules.
+            raise bad_param("messages", str(exc)) from None
         # The template writes the special tokens (BOS) itself.
-        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        ids = await _encode(engine, text, "messages", add_special_tokens=False)
         if not ids:
             raise bad_param("messages", "'messages' produce an empty prompt")
         return list(ids)
 
 
-async def _read_json(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(
-            400, f"the request body is not valid JSON: {exc}", code="invalid_json"
-        ) from None
-    if not isinstance(body, dict):
+def _aborted() -> ApiError:
+    return ApiError(
+        503,
+        "the request was cancelled: mooncaked is shutting down",
+        type="service_unavailable",
+        code="aborted",
+    )
+
+
+def _check_chars(engine: EngineCore, num_chars: int, param: str) -> None:
+    # Before tokenizing: a text this long cannot fit the context whatever the
+    # tokenizer, and tokenizing it would stall the loop and grow memory for nothing.
+    limit = engine.max_model_len * MAX_CHARS_PER_TOKEN
+    if num_chars > limit:
         raise ApiError(
             400,
-            f"the request body must be a JSON object, got {_typename(body)}",
-            code="invalid_json",
+            f"the prompt has {num_chars} characters, more than could fit the model's context "
+            f"length of {engine.max_model_len} tokens (at most {limit} characters); "
+            f"shorten the {param}",
+            param=param,
+            code="context_length_exceeded",
         )
-    return body
+
+
+async def _encode(
+    engine: EngineCore, text: str, param: str, *, add_special_tokens: bool
+) -> list[int]:
+    _check_chars(engine, len(text), param)
+    encode = engine.tokenizer.encode
+    if len(text) > OFFLOOP_TOKENIZE_CHARS:
+        # Long texts on a worker thread: the loop keeps streaming meanwhile.
+        return await asyncio.to_thread(encode, text, add_special_tokens)
+    return encode(text, add_special_tokens)
+
+
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        return await read_json_object(request)
+    except BadBody as exc:
+        raise ApiError(400, str(exc), code=exc.code) from None
 
 
 async def _send(resp: web.StreamResponse, obj: Any) -> None:

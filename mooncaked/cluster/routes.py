@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from mooncaked.api.limits import read_json_object
 from mooncaked.cache.hashing import parse_hex_hashes
 from mooncaked.cluster.gossip.service import ClusterService, DropPeers
 from mooncaked.cluster.state import ALL_TIERS_MASK, BlockOp, tier_mask
@@ -43,13 +44,8 @@ def _bad(message: str) -> web.Response:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        data = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
-        raise ValueError("body is not JSON") from None
-    if not isinstance(data, dict):
-        raise ValueError("body must be a JSON object")
-    return data
+    # A BadBody (a ValueError) for JSON that does not decode or nests too deep.
+    return await read_json_object(request)
 
 
 def _hashes(data: dict[str, Any], key: str) -> list[bytes]:

@@ -569,9 +569,11 @@ async def test_drain_timeout_aborts_what_is_left(node_factory: Any) -> None:
             events = await read_sse(inflight)
         finally:
             await stopping
-    # Aborted: the stream still ends properly, short of its max_tokens.
-    assert events[-1]["choices"][0]["finish_reason"] == "stop"
-    assert len(stream_text(events)) < 3000
+    # Aborted: the stream still ends properly ([DONE]), short of its max_tokens,
+    # and says it was cut: finish reason "abort", then an error event.
+    assert events[-1]["error"]["code"] == "aborted"
+    assert events[-2]["choices"][0]["finish_reason"] == "abort"
+    assert len(stream_text(events[:-1])) < 3000
 
 
 # ---------------------------------------------------------- ops endpoints

@@ -64,7 +64,7 @@ DAEMON_SECTIONS: dict[str, dict[str, Any]] = {
     "store": {"dram_bytes": 8 * 1024 * 1024},
     "server": {"drain_timeout_s": 5.0},
 }
-SECRET = "integration-cluster-secret"
+SECRET = "integration-cluster-secret-at-least-32-bytes-long"
 
 PROBE_INTERVAL_S = 0.25
 SUSPECT_TIMEOUT_S = 1.5

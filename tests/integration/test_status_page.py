@@ -44,7 +44,7 @@ _BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrom
 VIRTUAL_TIME_MS = 5000
 WINDOW = (1280, 900)
 GOSSIP_BOUND_S = 30.0
-SECRET = "status-page-test-secret"
+SECRET = "status-page-test-secret-at-least-32-bytes-long"
 STATIC = resources.files("mooncaked.api").joinpath("static")
 
 

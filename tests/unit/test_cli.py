@@ -236,3 +236,11 @@ async def test_drain_by_url_stops_the_node(node_factory: Any) -> None:
     assert status == ExitStatus.OK, err(env)
     assert out(env) == (f"draining {n.node_id} at {n.url}: it stops once its requests finish\n")
     await wait_until(lambda: not n.listening, "the drained node to stop listening")
+
+
+async def test_secret_prints_a_fresh_long_secret() -> None:
+    status1, env1 = await cli("secret")
+    status2, env2 = await cli("secret")
+    a, b = out(env1).strip(), out(env2).strip()
+    assert status1 == status2 == 0
+    assert a != b and len(a) >= 32
