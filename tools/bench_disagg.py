@@ -67,7 +67,7 @@ from typing import Any
 import aiohttp
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SECRET = "bench-disagg-secret"
+SECRET = "bench-disagg-secret-of-at-least-32-bytes"
 PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
 _START_TIMEOUT_S = 120.0
 # The builtin model's byte tokens; ids below 32 hold its special tokens.

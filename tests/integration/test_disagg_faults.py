@@ -34,6 +34,7 @@ def toml(node_id: str, role: str, seeds: list[str]) -> str:
 [node]
 id = "{node_id}"
 role = "{role}"
+cluster_secret = "disagg-fault-tests-secret-of-32-bytes-or-more"
 
 [model]
 cpu_threads = 1
