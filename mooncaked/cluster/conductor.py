@@ -124,7 +124,8 @@ def place(
       index first, then the shortest prefill queue. Up to ``max_prefill`` of
       them, so the decode node can try the next when one fails.
     - No dedicated decode and no dedicated prefill node: one ``both`` node
-      does it all (colocated), picked by cached prefix then load.
+      does it all (colocated): the entry node itself when it is one, else the
+      one with the longest cached prefix, then the shortest queue.
     - A decode node with no prefill node alive prefills itself (the
       documented fallback).
 
@@ -174,6 +175,11 @@ def place(
             return Reject(
                 503, f"no node of the cluster serves model {request.model_id!r} right now"
             )
+        for c in both_nodes:
+            if c.node_id == view.self_id:
+                # A cluster of `both` nodes: each serves what enters it (its
+                # peers' cached prefixes come to it through peer fetches).
+                return Placement(decode=c)
         return Placement(decode=min(both_nodes, key=by_prefix_then_queue))
     if decode_nodes:
         decode = min(decode_nodes, key=by_decode_load)

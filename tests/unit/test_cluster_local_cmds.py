@@ -4,6 +4,7 @@ configs of ``up``, the reference prefill/decode configs, request rows, and
 
 from __future__ import annotations
 
+import io
 import tomllib
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def test_generated_config_is_valid_and_keeps_the_base(tmp_path: Path) -> None:
         cluster=True,
         seed="127.0.0.1:17946",
         secret="s" * 43,
-        model=choose_model(None),
+        # A --config was given: its model (none here: the builtin default).
+        model=choose_model(None, str(base_path), io.StringIO()),
         data_dir=tmp_path / "data",
     )
     cfg = config_from_dict(tomllib.loads(to_toml(doc)))

@@ -68,8 +68,17 @@ def test_a_single_both_node_does_everything() -> None:
     assert ids(p) == ("a", ()) and isinstance(p, Placement) and p.colocated
 
 
-def test_both_nodes_colocate_on_the_longest_prefix_then_the_shortest_queue() -> None:
+def test_a_both_entry_serves_what_enters_it() -> None:
     view = ClusterView("a", clock=lambda: 0.0)
+    add(view, "a", "both", load=NodeLoad(queued_prefill_tokens=10))
+    add(view, "b", "both", cached=3)
+    assert ids(place(view, request(), 0.0)) == ("a", ())
+
+
+def test_both_nodes_colocate_on_the_longest_prefix_then_the_shortest_queue() -> None:
+    # The entry cannot serve (draining): the best of the others does it all.
+    view = ClusterView("e", clock=lambda: 0.0)
+    add(view, "e", "both", draining=True)
     add(view, "a", "both", load=NodeLoad(queued_prefill_tokens=10))
     add(view, "b", "both", load=NodeLoad(queued_prefill_tokens=500), cached=3)
     add(view, "c", "both")
