@@ -64,7 +64,7 @@ from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.auth import auth_middleware
-from mooncaked.api.disagg import DisaggAPI, PrefillClient
+from mooncaked.api.disagg import DisaggAPI, PrefillClient, TransferKVWriter
 from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus, StepHistograms
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
 from mooncaked.api.limits import BODY_TIMEOUT_S
@@ -476,7 +476,7 @@ class Node:
                 grant_ttl_s=cfg.disagg.grant_ttl_s,
             )
             sender = KVSender(
-                transfer,
+                TransferKVWriter(transfer),
                 segment=KV_SEGMENT,
                 layout=layout,
                 loop=asyncio.get_running_loop(),

@@ -38,6 +38,7 @@ from mooncaked.engine.core import (
 from mooncaked.engine.handoff import (
     KVGrant,
     KVSender,
+    KVWrite,
     PrefillError,
     PrefillReply,
     PrefillSource,
@@ -53,6 +54,7 @@ from mooncaked.request import (
     sampling_to_dict,
 )
 from mooncaked.rpc import SIGNATURE_HEADER, derive_key, sign, verify
+from mooncaked.transfer import TransferEngine, TransferOp
 
 log = structlog.get_logger(__name__)
 
@@ -254,6 +256,29 @@ class DisaggAPI:
             ),
             content_type="application/json",
         )
+
+
+class TransferKVWriter:
+    """The KV sender's ``KVWriter`` over the transfer engine."""
+
+    def __init__(self, transfer: TransferEngine) -> None:
+        self._transfer = transfer
+
+    def add_peer(self, node_id: str, address: str) -> None:
+        self._transfer.add_peer(node_id, address)
+
+    async def write(
+        self, segment: str, writes: list[KVWrite], timeout_s: float
+    ) -> tuple[bool, str]:
+        ops = [TransferOp.write(segment, lo, node, seg, ro, n) for lo, node, seg, ro, n in writes]
+        try:
+            batch = await self._transfer.submit(ops, op_timeout_s=timeout_s)
+            if await batch.wait():
+                return True, ""
+            failures = batch.failures()
+            return False, failures[0][1] if failures else "transfer failed"
+        except Exception as exc:  # the transfer engine refused the batch
+            return False, repr(exc)
 
 
 class PrefillClient:

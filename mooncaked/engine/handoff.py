@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -39,7 +39,6 @@ from mooncaked.engine.connector import KVConnector, LoadResult
 from mooncaked.engine.plan import LoadJob, SampledToken, StepPlan
 from mooncaked.engine.runner import KVLayout
 from mooncaked.request import Request
-from mooncaked.transfer import TransferEngine, TransferOp
 
 log = structlog.get_logger(__name__)
 
@@ -164,6 +163,25 @@ class PrefillReply:
     token: SampledToken
     num_cached_tokens: int
     bytes_sent: int = 0
+
+
+# One WRITE from this node's KV segment: (local offset, remote node, remote
+# segment, remote offset, length).
+KVWrite = tuple[int, str, str, int, int]
+
+
+class KVWriter(Protocol):
+    """How the sender moves bytes (the transfer engine, adapted by the daemon):
+    the engine layer sits above the transfer layer and never imports it."""
+
+    def add_peer(self, node_id: str, address: str) -> None:
+        """Learn where a decode node's transfer endpoint is; ValueError if malformed."""
+
+    async def write(
+        self, segment: str, writes: list[KVWrite], timeout_s: float
+    ) -> tuple[bool, str]:
+        """Do every write out of ``segment``: (all done, why not)."""
+        ...
 
 
 # (target, request, grant) -> the reply; raises PrefillError.
@@ -403,7 +421,7 @@ class KVSender(KVConnector):
 
     def __init__(
         self,
-        transfer: TransferEngine,
+        writer: KVWriter,
         *,
         segment: str,
         layout: KVLayout,
@@ -412,7 +430,7 @@ class KVSender(KVConnector):
         on_step: StepObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._transfer = transfer
+        self._writer = writer
         self._on_step = on_step
         self._segment = segment
         self._layout = layout
@@ -442,7 +460,7 @@ class KVSender(KVConnector):
             sink.failed = f"the decode node's KV layout {lay} does not match this node's {mine}"
         else:
             try:
-                self._transfer.add_peer(grant.node_id, grant.transfer_address)
+                self._writer.add_peer(grant.node_id, grant.transfer_address)
             except ValueError as exc:
                 sink.failed = f"bad transfer address: {exc}"
         self._sinks[req.request_id] = sink
@@ -512,18 +530,17 @@ class KVSender(KVConnector):
             runs.append((src, dst, r0, r1 - r0))
         return runs
 
-    def _ops(self, layers: range, sends: list[_Send]) -> list[TransferOp]:
+    def _ops(self, layers: range, sends: list[_Send]) -> list[KVWrite]:
         mine = self._layout
         row = mine.row_bytes
-        ops: list[TransferOp] = []
+        ops: list[KVWrite] = []
         for s in sends:
             g = s.sink.grant
             for layer in layers:
                 for kv in (0, 1):
                     for src, dst, r0, n in s.runs:
                         ops.append(
-                            TransferOp.write(
-                                self._segment,
+                            (
                                 mine.offset(layer, kv, src, r0),
                                 g.node_id,
                                 g.segment,
@@ -533,15 +550,8 @@ class KVSender(KVConnector):
                         )
         return ops
 
-    async def _submit(self, ops: list[TransferOp], timeout_s: float) -> tuple[bool, str]:
-        try:
-            batch = await self._transfer.submit(ops, op_timeout_s=timeout_s)
-            if await batch.wait():
-                return True, ""
-            failures = batch.failures()
-            return False, failures[0][1] if failures else "transfer failed"
-        except Exception as exc:  # the transfer engine refused the batch
-            return False, repr(exc)
+    async def _submit(self, ops: list[KVWrite], timeout_s: float) -> tuple[bool, str]:
+        return await self._writer.write(self._segment, ops, timeout_s)
 
     def _send_layers(self, meta: _StepSends, layers: range) -> None:
         ops = self._ops(layers, meta.sends)
@@ -553,7 +563,7 @@ class KVSender(KVConnector):
         per_layer = 2 * len(layers) * row
         for s in meta.sends:
             s.sink.bytes_sent += per_layer * sum(n for *_, n in s.runs)
-        num_bytes = sum(op.length for op in ops)
+        num_bytes = sum(op[4] for op in ops)
         meta.num_bytes += num_bytes
         self.stats.sent_bytes += num_bytes
 
