@@ -331,6 +331,45 @@ class DisaggConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ConductorConfig:
+    """Placement and admission by the node a request enters (see cluster/conductor.py)."""
+
+    # random | load_balance | local_cache | conductor (cluster-wide cache and
+    # cost aware, the default).
+    policy: Literal["random", "load_balance", "local_cache", "conductor"] = "conductor"
+    # Judge the TBT SLO on the decode load forecast for when the prefill ends
+    # (predicted), on the load now (current), or admit everything (off).
+    early_reject: Literal["off", "current", "predicted"] = "predicted"
+    # Fetch a remote prefix only when it is this many times longer than the
+    # one the prefill node holds (and fetching beats recomputing).
+    balancing_threshold: float = 1.2
+    # Most nodes holding one prefix: beyond it nobody fetches it to serve it.
+    max_replicas: int = 3
+    # Profile the engine at start-up (a few prompts and a decode batch) so
+    # the cost model is usable before the first request.
+    profile: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.balancing_threshold >= 1.0, "balancing_threshold", "must be >= 1.0")
+        _check(self.max_replicas >= 1, "max_replicas", "must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class SloConfig:
+    """Latency targets requests are admitted against; 0: none (nothing is rejected for it).
+    A request may ask for its own with ``"slo": {"ttft_ms": ..., "tbt_ms": ...}``."""
+
+    # Time to first token, seconds.
+    ttft_s: float = 0.0
+    # Time between tokens, seconds.
+    tbt_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.ttft_s <= 3600.0, "ttft_s", "must be in [0, 3600]")
+        _check(0.0 <= self.tbt_s <= 60.0, "tbt_s", "must be in [0, 60]")
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -342,6 +381,8 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    conductor: ConductorConfig = field(default_factory=ConductorConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
     # Where the config came from, for messages; not a TOML key.
     source: str = field(default="<defaults>", compare=False)
 

@@ -64,6 +64,7 @@ from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.auth import auth_middleware
+from mooncaked.api.conductor_api import ConductorAPI, ConductorCollector
 from mooncaked.api.disagg import DisaggAPI, PrefillClient, TransferKVWriter
 from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus, StepHistograms
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
@@ -79,7 +80,7 @@ from mooncaked.cache.service import KVCache
 from mooncaked.cache.store import TieredStore
 from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.holders import ClusterHolders
-from mooncaked.cluster.load import LoadMeter
+from mooncaked.cluster.load import CostMeter, LoadMeter
 from mooncaked.cluster.member import ClusterMember
 from mooncaked.cluster.routes import cluster_routes
 from mooncaked.cluster.state import ClusterView
@@ -153,6 +154,8 @@ class Node:
         self._drain_task: asyncio.Future[None] | None = None
 
         self.gate = Gate()
+        # The engine's cost model (predict.py), once the engine runs.
+        self.costs: CostMeter | None = None
         self.metrics = ApiMetrics(self._engine_stats)
         secret = config.node.cluster_secret.encode()
         self.router = Router(
@@ -161,6 +164,9 @@ class Node:
             engine=lambda: self._engine,
             view=self._cluster_view,
             clock=clock,
+            conductor=config.conductor,
+            slo=config.slo,
+            lengths=lambda: self.costs.lengths if self.costs is not None else None,
         )
         self.openai = OpenAIAPI(
             lambda: self._engine, self.metrics, self.gate, clock, router=self.router
@@ -193,6 +199,11 @@ class Node:
         )
         self.admin.add_status_section("handoff", self.handoff_status.status_section)
         self.metrics.add_collector(self.handoff_status.snapshot, HANDOFF_METRICS)
+        # The Conductor: /admin/explain, its status section and its counters.
+        self.conductor_api = ConductorAPI(self.router, lambda: self._engine, lambda: self.costs)
+        self.extra_routes.extend(self.conductor_api.routes())
+        self.admin.add_status_section("conductor", self.conductor_api.status_section)
+        self.metrics.registry.register(ConductorCollector(self.router, lambda: self.costs))
         self.handoff_steps = StepHistograms(self.metrics.registry)
 
     # ------------------------------------------------------------ accessors
@@ -502,6 +513,13 @@ class Node:
             engine.set_connector(MultiConnector(connectors))
             self._receiver, self._sender = receiver, sender
             async with engine.serving(on_fatal=self.fail):
+                costs = CostMeter(engine)
+                costs.attach()
+                if self._cache is not None:
+                    self._cache.fetcher.on_read = costs.on_read
+                self.costs = costs
+                if cfg.conductor.profile:
+                    await costs.profile()
                 self._engine = engine
                 self._log.info(
                     "engine started",
@@ -626,6 +644,7 @@ class Node:
             engine=lambda: self._engine,
             draining=lambda: self.draining,
             clock=time.monotonic,
+            costs=self.costs,
         )
         # Where peers read this node's DRAM slots from.
         segments = [transfer.descriptor(DRAM_SEGMENT).to_dict()] if self._holding else []

@@ -96,6 +96,9 @@ class Request:
     # Sampled tokens this request continues from (a resumed stream): seeded
     # sampling picks up at this output index.
     output_offset: int = 0
+    # Whether the KV connector may pull this prompt's prefix from peers (the
+    # Conductor says no when recomputing it is faster).
+    peer_fetch: bool = True
     # The node whose forward pass computed the prompt, once known.
     prefill_node: str | None = None
     # Chained hashes of every full block of the request's tokens so far: the

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -30,8 +31,23 @@ import orjson
 import structlog
 
 from mooncaked.cache.hashing import BlockHash
-from mooncaked.cluster.conductor import Candidate, Placement, PlacementRequest, Reject, place
+from mooncaked.cluster.conductor import (
+    Candidate,
+    ConductorParams,
+    Decision,
+    EarlyReject,
+    PendingLedger,
+    PendingLoad,
+    Placement,
+    PlacementRequest,
+    Policy,
+    Reject,
+    Slo,
+    decide,
+)
+from mooncaked.cluster.predict import OutputLengths
 from mooncaked.cluster.state import ClusterView
+from mooncaked.config import ConductorConfig, SloConfig
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.handoff import PrefillSource, PrefillTarget
 from mooncaked.request import (
@@ -52,11 +68,19 @@ MAX_DECODE_ATTEMPTS = 4
 class RouteError(Exception):
     """The request cannot run anywhere now: an HTTP status and a reason."""
 
-    def __init__(self, status: int, message: str, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        retry_after_s: float | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry_after_s = retry_after_s
+        # Why, for the client and metrics: ttft_slo, tbt_slo, queue_full...
+        self.code = code
 
 
 class DecodeNodeLost(Exception):
@@ -70,6 +94,8 @@ class RoutedRequest:
     sampling: SamplingParams
     hashes: Sequence[BlockHash]
     arrival: float
+    # The request's own latency targets; None: the node's.
+    slo: Slo | None = None
 
 
 class Submission:
@@ -90,6 +116,8 @@ class Submission:
         self._attempts = 0
         self._done = False
         self._planned_prefill = False
+        # The first placement (its predictions go back to the client).
+        self.placement: Placement | None = None
 
     # -- iteration ---------------------------------------------------------------
 
@@ -169,6 +197,8 @@ class Submission:
             prompt = prompt + self._tokens
             sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - resumed)
         placement = self._router.placement(req, prompt, self._failed)
+        if self.placement is None:
+            self.placement = placement
         log.info(
             "request placed",
             request_id=self.request_id,
@@ -177,7 +207,7 @@ class Submission:
             resumed_tokens=resumed,
         )
         self.decode_node = placement.decode.node_id
-        targets = tuple(PrefillTarget(c.node_id, c.url) for c in placement.prefill)
+        targets = tuple(PrefillTarget(c.node_id, c.url, placement.fetch) for c in placement.prefill)
         if not resumed:
             # The plan; the node that actually ran it replaces it once known.
             self.prefill_node = targets[0].node_id if targets else placement.decode.node_id
@@ -195,6 +225,7 @@ class Submission:
                 prompt_hashes=None if resumed else req.hashes,
                 kv_source=PrefillSource(targets) if targets else None,
                 output_offset=resumed,
+                peer_fetch=placement.fetch,
             )
             self._stream = stream
             self._closer = stream.aclose
@@ -255,7 +286,9 @@ class _RemoteStream:
                 "request_id": request_id,
                 "prompt_token_ids": prompt,
                 "sampling": sampling_to_dict(sampling),
-                "prefill": [{"node_id": t.node_id, "url": t.url} for t in targets],
+                "prefill": [
+                    {"node_id": t.node_id, "url": t.url, "fetch": t.fetch} for t in targets
+                ],
                 "output_offset": output_offset,
             }
         )
@@ -332,18 +365,36 @@ class Router:
         engine: Callable[[], EngineCore | None],
         view: Callable[[], ClusterView | None],
         clock: Callable[[], float] = time.monotonic,
+        conductor: ConductorConfig | None = None,
+        slo: SloConfig | None = None,
+        lengths: Callable[[], OutputLengths | None] = lambda: None,
     ) -> None:
         self._node_id = node_id
         self.key = derive_key(secret)
         self.engine = engine
         self._view = view
         self._clock = clock
+        cfg = conductor if conductor is not None else ConductorConfig()
+        self.params = ConductorParams(
+            policy=Policy(cfg.policy),
+            early_reject=EarlyReject(cfg.early_reject),
+            balancing_threshold=cfg.balancing_threshold,
+            max_replicas=cfg.max_replicas,
+        )
+        slo_cfg = slo if slo is not None else SloConfig()
+        self.slo = Slo(slo_cfg.ttft_s, slo_cfg.tbt_s)
+        self._lengths = lengths
+        self.ledger = PendingLedger()
+        self._rng = random.Random()
         self._session: aiohttp.ClientSession | None = None
         self.inflight: dict[str, Submission] = {}
         self.num_forwarded = 0
         self.num_local = 0
         self.num_resumed = 0
         self.num_replaced = 0
+        # (policy, outcome) -> count, and (policy, reason) -> count of rejections.
+        self.decisions: dict[tuple[str, str], int] = {}
+        self.rejections: dict[tuple[str, str], int] = {}
 
     @property
     def node_id(self) -> str:
@@ -367,13 +418,52 @@ class Router:
         sampling: SamplingParams,
         request_id: str,
         hashes: Sequence[BlockHash],
+        slo: Slo | None = None,
     ) -> Submission:
         """A submission that starts on its first iteration (or ``first()``)."""
         sub = Submission(
             self,
-            RoutedRequest(request_id, list(prompt_token_ids), sampling, hashes, self._clock()),
+            RoutedRequest(request_id, list(prompt_token_ids), sampling, hashes, self._clock(), slo),
         )
         return sub
+
+    def decide(
+        self,
+        prompt: list[int],
+        hashes: Sequence[BlockHash],
+        max_tokens: int,
+        *,
+        slo: Slo | None = None,
+        failed: frozenset[str] = frozenset(),
+    ) -> Decision:
+        """The Conductor's decision for a prompt now, with every candidate's
+        figures; nothing is recorded (``explain`` shows it as is)."""
+        engine = self.engine()
+        if engine is None:
+            raise RouteError(503, "the model is still loading; retry shortly")
+        view = self._view()
+        if view is None:
+            raise RouteError(503, "this node has not joined its cluster yet; retry shortly")
+        now = self._clock()
+        lengths = self._lengths()
+        expected = lengths.expected_more(0, max_tokens) if lengths is not None else 0.0
+        return decide(
+            view,
+            PlacementRequest(
+                engine.model_id,
+                tuple(hashes),
+                len(prompt),
+                max_tokens=max_tokens,
+                expected_output_tokens=expected,
+                slo=slo,
+            ),
+            now,
+            exclude=failed,
+            params=dataclasses.replace(self.params, block_size=engine.block_size),
+            slo=self.slo,
+            pending=self.ledger.pending(view, now),
+            rng=self._rng,
+        )
 
     def placement(self, req: RoutedRequest, prompt: list[int], failed: set[str]) -> Placement:
         """Where to run (a resumed request has a longer prompt); RouteError if nowhere."""
@@ -386,20 +476,52 @@ class Router:
             if me in failed:
                 raise RouteError(503, "the request failed on this node")
             return Placement(decode=Candidate(me, "", engine.config.node.role))
-        hashes = tuple(req.hashes) if len(prompt) == len(req.prompt_token_ids) else ()
-        result = place(
-            view,
-            PlacementRequest(engine.model_id, hashes, len(prompt)),
-            self._clock(),
-            exclude=frozenset(failed),
+        resumed = len(prompt) != len(req.prompt_token_ids)
+        hashes = () if resumed else tuple(req.hashes)
+        decision = self.decide(
+            prompt,
+            hashes,
+            req.sampling.max_tokens,
+            # A resumed request was admitted once: it is finished, not judged again.
+            slo=Slo() if resumed else req.slo,
+            failed=frozenset(failed),
         )
+        policy = decision.policy.value
+        result = decision.result
         if isinstance(result, Reject):
-            raise RouteError(result.status, result.reason)
+            key = (policy, result.code)
+            self.rejections[key] = self.rejections.get(key, 0) + 1
+            self._count(policy, "rejected")
+            raise RouteError(
+                result.status, result.reason, retry_after_s=result.retry_after_s, code=result.code
+            )
+        self._count(
+            policy,
+            "colocated" if result.colocated else ("fetch" if result.fetch else "disaggregated"),
+        )
+        self._record(view, decision, result)
         if result.decode.node_id == me:
             self.num_local += 1
         else:
             self.num_forwarded += 1
         return result
+
+    def _count(self, policy: str, outcome: str) -> None:
+        key = (policy, outcome)
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+
+    def _record(self, view: ClusterView, decision: Decision, placement: Placement) -> None:
+        """Count the placement against its nodes until gossip shows it."""
+        now = self._clock()
+        first = placement.prefill[0].node_id if placement.prefill else placement.decode.node_id
+        score = next((s for s in decision.prefill if s.node_id == first), None)
+        work = score.prefill_s if score is not None else 0.0
+        tokens = score.new_tokens if score is not None else 0
+        if first == placement.decode.node_id:
+            self.ledger.add(view, first, PendingLoad(work, tokens, 1), now)
+        else:
+            self.ledger.add(view, first, PendingLoad(work, tokens, 0), now)
+            self.ledger.add(view, placement.decode.node_id, PendingLoad(0.0, 0, 1), now)
 
     def track(self, sub: Submission) -> None:
         self.inflight[sub.request_id] = sub

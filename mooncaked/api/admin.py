@@ -179,6 +179,30 @@ class AdminAPI:
 # -- the KV cache ------------------------------------------------------------------
 
 
+async def prompt_token_ids(engine: EngineCore, body: dict[str, Any]) -> list[int]:
+    """``body["prompt"]``, a string (tokenized off the loop) or token ids; BadBody if neither."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        if len(prompt) > engine.max_model_len * MAX_CHARS_PER_TOKEN:
+            raise BadBody(
+                f"'prompt' has {len(prompt)} characters, more than the model's context "
+                f"of {engine.max_model_len} tokens could hold"
+            )
+        return await asyncio.to_thread(engine.tokenizer.encode, prompt, add_special_tokens=True)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        # Ids outside the vocabulary would overflow the hash's packing.
+        vocab = engine.tokenizer.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise BadBody(f"'prompt' token ids must be in [0, {vocab}), got {bad}")
+        return list(prompt)
+    raise BadBody("'prompt' must be a non-empty string or a list of token ids")
+
+
 class CacheNode(Protocol):
     """What the cache endpoints need of a node; each part is None until it is up."""
 
@@ -358,29 +382,10 @@ class CacheAdmin:
             body = await read_json_object(request)
         except BadBody as exc:
             return _bad_request(str(exc))
-        prompt = body.get("prompt")
-        if isinstance(prompt, str) and prompt:
-            if len(prompt) > engine.max_model_len * MAX_CHARS_PER_TOKEN:
-                return _bad_request(
-                    f"'prompt' has {len(prompt)} characters, more than the model's context "
-                    f"of {engine.max_model_len} tokens could hold"
-                )
-            token_ids = await asyncio.to_thread(
-                engine.tokenizer.encode, prompt, add_special_tokens=True
-            )
-        elif (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            # Ids outside the vocabulary would overflow the hash's packing.
-            vocab = engine.tokenizer.vocab_size
-            bad = next((t for t in prompt if not 0 <= t < vocab), None)
-            if bad is not None:
-                return _bad_request(f"'prompt' token ids must be in [0, {vocab}), got {bad}")
-            token_ids = list(prompt)
-        else:
-            return _bad_request("'prompt' must be a non-empty string or a list of token ids")
+        try:
+            token_ids = await prompt_token_ids(engine, body)
+        except BadBody as exc:
+            return _bad_request(str(exc))
         bs = engine.block_size
         hashes = block_hashes(token_ids, bs, engine.model_id)
         # As at admission: the last token is always computed (one must be

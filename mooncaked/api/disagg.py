@@ -156,7 +156,9 @@ class DisaggAPI:
                 if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
                     raise ValueError("'output_offset' must be an integer >= 0")
                 targets = tuple(
-                    PrefillTarget(str(t["node_id"]), str(t["url"]))
+                    PrefillTarget(
+                        str(t["node_id"]), str(t["url"]), t.get("fetch", True) is not False
+                    )
                     for t in data.get("prefill") or []
                 )
             except (ValueError, KeyError, TypeError) as exc:
@@ -206,6 +208,9 @@ class DisaggAPI:
                 prompt = _token_ids(data.get("prompt_token_ids"))
                 sampling = sampling_from_dict(data.get("sampling"))
                 grant = KVGrant.from_dict(data.get("grant"))
+                peer_fetch = data.get("peer_fetch", True)
+                if not isinstance(peer_fetch, bool):
+                    raise ValueError("'peer_fetch' must be a boolean")
             except (ValueError, TypeError) as exc:
                 raise _Bad(_error(400, str(exc))) from None
             # One token: the first of the completion, sampled exactly as the
@@ -213,7 +218,9 @@ class DisaggAPI:
             first = dataclasses.replace(sampling, max_tokens=1, stop=(), stop_token_ids=())
             local_id = f"{rid}@prefill"
             try:
-                stream = engine.add_request(prompt, first, local_id, kv_sink=grant)
+                stream = engine.add_request(
+                    prompt, first, local_id, kv_sink=grant, peer_fetch=peer_fetch
+                )
             except QueueFullError as exc:
                 raise _Bad(_error(503, str(exc))) from None
             except (EngineClosedError, EngineFailedError) as exc:
@@ -310,6 +317,7 @@ class PrefillClient:
                 "prompt_token_ids": req.prompt_token_ids,
                 "sampling": sampling_to_dict(req.sampling),
                 "grant": grant.to_dict(),
+                "peer_fetch": target.fetch,
             }
         )
         headers = {

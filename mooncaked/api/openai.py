@@ -38,6 +38,7 @@ from mooncaked.api.limits import (
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.recent import FinishedRequest
 from mooncaked.cache.hashing import block_hashes
+from mooncaked.cluster.conductor import Slo
 from mooncaked.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from mooncaked.router import RouteError, Router, Submission
 
@@ -201,6 +202,25 @@ class Parsed:
     include_usage: bool
     # How to report logprobs: None (not asked), "completion" or "chat".
     logprobs_style: str | None
+    # The request's own latency targets ("slo": {"ttft_ms", "tbt_ms"}); None: the node's.
+    slo: Slo | None = None
+
+
+def _parse_slo(body: dict[str, Any]) -> Slo | None:
+    v = body.get("slo")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad_param("slo", f"'slo' must be an object, got {type_name(v)} {brief(v)}")
+    unknown = sorted(set(v) - {"ttft_ms", "tbt_ms"})
+    if unknown:
+        raise bad_param("slo", f"'slo' has unknown fields {unknown}; use ttft_ms and tbt_ms")
+    ttft = _number(v, "ttft_ms", 0.0)
+    tbt = _number(v, "tbt_ms", 0.0)
+    for key, ms in (("ttft_ms", ttft), ("tbt_ms", tbt)):
+        if not 0.0 <= ms <= 3_600_000.0:
+            raise bad_param("slo", f"'slo.{key}' must be in [0, 3600000] ms, got {ms}")
+    return Slo(ttft / 1e3, tbt / 1e3)
 
 
 def _parse_sampling(
@@ -300,6 +320,19 @@ def _check_token_ids(ids: list[Any], param: str, vocab_size: int | None) -> list
 # Response headers naming the nodes that ran each phase of a request.
 PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
 DECODE_NODE_HEADER = "x-mooncaked-decode-node"
+# The Conductor's forecasts for the request, milliseconds (absent: none made).
+PREDICTED_TTFT_HEADER = "x-mooncaked-predicted-ttft-ms"
+PREDICTED_TBT_HEADER = "x-mooncaked-predicted-tbt-ms"
+
+
+def _prediction_headers(sub: Submission) -> dict[str, str]:
+    p = sub.placement
+    out: dict[str, str] = {}
+    if p is not None and p.predicted_ttft_s > 0.0:
+        out[PREDICTED_TTFT_HEADER] = f"{p.predicted_ttft_s * 1e3:.2f}"
+    if p is not None and p.predicted_tbt_s > 0.0:
+        out[PREDICTED_TBT_HEADER] = f"{p.predicted_tbt_s * 1e3:.2f}"
+    return out
 
 
 @contextmanager
@@ -347,11 +380,16 @@ def _mapped_errors(chat: bool) -> Iterator[None]:
     except RouteError as exc:
         if exc.status == 429:
             retry = max(1, math.ceil(exc.retry_after_s or 1.0))
+            what = (
+                "mooncaked cannot meet the latency target"
+                if exc.code in ("ttft_slo", "tbt_slo")
+                else "mooncaked is overloaded"
+            )
             raise ApiError(
                 429,
-                f"mooncaked is overloaded: {exc.message}; retry after {retry} s",
+                f"{what}: {exc.message}; retry after {retry} s",
                 type="rate_limit_exceeded",
-                code="queue_full",
+                code=exc.code or "queue_full",
                 headers={"Retry-After": str(retry)},
             ) from None
         if exc.status == 400:
@@ -446,7 +484,9 @@ class OpenAIAPI:
             prefix = "chatcmpl" if chat else "cmpl"
             request_id = f"{prefix}-{uuid.uuid4().hex}"
             hashes = block_hashes(parsed.prompt_token_ids, engine.block_size, engine.model_id)
-            sub = self._router.submit(parsed.prompt_token_ids, parsed.sampling, request_id, hashes)
+            sub = self._router.submit(
+                parsed.prompt_token_ids, parsed.sampling, request_id, hashes, parsed.slo
+            )
             self._router.track(sub)
             reply = _Reply(
                 request_id=request_id,
@@ -465,6 +505,7 @@ class OpenAIAPI:
                 headers = {
                     PREFILL_NODE_HEADER: sub.prefill_node or "",
                     DECODE_NODE_HEADER: sub.decode_node or "",
+                    **_prediction_headers(sub),
                 }
                 if parsed.stream:
                     return await self._stream(request, sub, reply, timer, headers)
@@ -500,6 +541,7 @@ class OpenAIAPI:
         headers = {
             PREFILL_NODE_HEADER: stream.prefill_node or "",
             DECODE_NODE_HEADER: stream.decode_node or "",
+            **_prediction_headers(stream),
         }
         return json_response(reply.final(), headers=headers)
 
@@ -627,6 +669,7 @@ class OpenAIAPI:
             stream=stream,
             include_usage=include_usage,
             logprobs_style=None if logprobs is None else ("chat" if chat else "completion"),
+            slo=_parse_slo(body),
         )
 
     async def _completion_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:

@@ -294,6 +294,9 @@ class PeerFetcher:
         # Leading blocks the engine's device prefix cache holds already.
         self.device_prefix = device_prefix
         self._stats = FetchStats()
+        # Told of every completed read: (holder node id, bytes, seconds); a
+        # cost model learns each link's bandwidth from it.
+        self.on_read: Callable[[str, int, float], None] | None = None
         self._tasks = TaskSet("peer-fetch", on_failure=self._task_failed)
         # First block of each fetch in flight: a second request for the same
         # prefix waits for it instead of leasing the same blocks again.
@@ -386,8 +389,13 @@ class PeerFetcher:
                 offer.transfer_address,
             )
             try:
+                started = time.monotonic()
                 num_read = await self._reader.read(part, local, self._left(deadline))
                 num_read = min(max(num_read, 0), reservation.num_blocks)
+                if num_read and self.on_read is not None:
+                    self.on_read(
+                        offer.node_id, num_read * offer.block_bytes, time.monotonic() - started
+                    )
             except Exception as exc:
                 log.warning("peer.read_failed", peer=offer.peer, error=repr(exc))
                 num_read = 0

@@ -6,12 +6,23 @@ view, and a simulator can call them with a simulated one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import enum
+import math
+import random
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.tiers import Tier
-from mooncaked.cluster.state import ClusterView, MemberStatus, tier_mask
+from mooncaked.cluster.predict import DecodeForecast, NodeCosts, predicted_tbt_s, transfer_s
+from mooncaked.cluster.state import (
+    ClusterView,
+    MemberStatus,
+    NodeLoad,
+    PrefixMatch,
+    tier_mask,
+)
 
 # Peers asked for one prefix at most: the index may be a little stale, so a
 # second and third holder hedge a first that evicted the blocks meanwhile;
@@ -57,6 +68,64 @@ def rank_holders(
 # -- placement ---------------------------------------------------------------------
 
 
+class Policy(enum.StrEnum):
+    """How prefill and decode nodes are chosen (``[conductor] policy``)."""
+
+    # Any serving node, at random (a baseline).
+    RANDOM = "random"
+    # The shortest predicted prefill queue; the smallest decode batch.
+    LOAD_BALANCE = "load_balance"
+    # Least predicted TTFT counting each node's own cache only (no fetching).
+    LOCAL_CACHE = "local_cache"
+    # Least predicted TTFT over the whole cluster's cache: a node may fetch a
+    # longer prefix from a holder when that beats recomputing it.
+    CONDUCTOR = "conductor"
+
+
+class EarlyReject(enum.StrEnum):
+    """How a request is judged against the TBT SLO (``[conductor] early_reject``)."""
+
+    # Never: every request is admitted (the decode nodes may miss the SLO).
+    OFF = "off"
+    # On the decode nodes' load now.
+    CURRENT = "current"
+    # On the load forecast for when this request's prefill ends: decodes that
+    # will have finished by then no longer count.
+    PREDICTED = "predicted"
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Latency targets; 0 means none."""
+
+    ttft_s: float = 0.0
+    tbt_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConductorParams:
+    policy: Policy = Policy.CONDUCTOR
+    early_reject: EarlyReject = EarlyReject.PREDICTED
+    # Fetch a remote prefix only when it is this many times longer than the
+    # prefix the prefill node holds itself (Mooncake's
+    # kvcache_balancing_threshold), and the fetch beats recomputing.
+    balancing_threshold: float = 1.2
+    # Copies of a prefix the cluster may hold: past it nobody fetches the
+    # prefix to become one more holder.
+    max_replicas: int = 3
+    # Tokens per KV block (the block hashes' unit).
+    block_size: int = 16
+    # Fixed cost of a fetch (lease round trip) on top of its bytes.
+    fetch_rtt_s: float = 0.005
+    # Bytes/s assumed for a link nobody measured yet.
+    default_link_bps: float = 1e9
+    # Prefill nodes to try in order, so the decode node can try the next when one fails.
+    max_prefill: int = 3
+    # Seconds per prompt token assumed of a node whose costs are unknown yet
+    # (a ranking aid only: it never rejects).
+    nominal_token_s: float = 1e-4
+
+
 @dataclass(frozen=True, slots=True)
 class PlacementRequest:
     """What placement needs of a request: its model and its prompt's block hashes."""
@@ -64,6 +133,12 @@ class PlacementRequest:
     model_id: str
     hashes: tuple[BlockHash, ...]
     num_prompt_tokens: int
+    # Output tokens the request may produce, and how many it is expected to
+    # (learnt from recent requests); 0: unknown.
+    max_tokens: int = 0
+    expected_output_tokens: float = 0.0
+    # Per-request targets tighter or looser than the node's; None: the node's.
+    slo: Slo | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +162,13 @@ class Placement:
 
     decode: Candidate
     prefill: tuple[Candidate, ...] = ()
+    # Whether the prefill node should pull a longer prefix from its holders
+    # (False: recompute what it does not hold itself).
+    fetch: bool = True
+    # The Conductor's forecast, for the client's headers and for checking
+    # predictions against what happens (0: not predicted).
+    predicted_ttft_s: float = 0.0
+    predicted_tbt_s: float = 0.0
 
     @property
     def colocated(self) -> bool:
@@ -99,6 +181,98 @@ class Reject:
 
     status: int
     reason: str
+    # Seconds after which a retry may succeed (429s); None: unknown.
+    retry_after_s: float | None = None
+    # A short machine-readable cause, for metrics: ttft_slo, tbt_slo, no_node...
+    code: str = "no_node"
+
+
+@dataclass(frozen=True, slots=True)
+class PendingLoad:
+    """Load this entry node sent a node that its gossip state does not show yet."""
+
+    prefill_s: float = 0.0
+    prefill_tokens: int = 0
+    decodes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillScore:
+    """One prefill candidate's predicted TTFT, term by term."""
+
+    node_id: str
+    local_blocks: int
+    # The longest prefix another node holds, and which node (None: nobody longer).
+    remote_blocks: int
+    holder: str | None
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+    ttft_s: float
+    fetch: bool
+    costs_known: bool
+    # Prompt tokens it computes (what it lacks, or lacks after the fetch).
+    new_tokens: int = 0
+    note: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            f: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
+            for f, v in ((f, getattr(self, f)) for f in self.__slots__)  # type: ignore[attr-defined]
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeScore:
+    node_id: str
+    batch_now: int
+    # The batch this request would join (forecast at prefill end, or now).
+    batch_at_join: float
+    tbt_s: float
+    within_slo: bool
+    costs_known: bool
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            f: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
+            for f, v in ((f, getattr(self, f)) for f in self.__slots__)  # type: ignore[attr-defined]
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A placement or a rejection, with every candidate's figures (``explain``)."""
+
+    result: Placement | Reject
+    policy: Policy
+    prefill: tuple[PrefillScore, ...] = ()
+    decode: tuple[DecodeScore, ...] = ()
+    why: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        r = self.result
+        out: dict[str, object] = {
+            "policy": self.policy.value,
+            "why": self.why,
+            "prefill_candidates": [s.to_json() for s in self.prefill],
+            "decode_candidates": [s.to_json() for s in self.decode],
+        }
+        if isinstance(r, Placement):
+            out["placement"] = {
+                "decode": r.decode.node_id,
+                "prefill": [c.node_id for c in r.prefill],
+                "fetch": r.fetch,
+                "predicted_ttft_s": round(r.predicted_ttft_s, 6),
+                "predicted_tbt_s": round(r.predicted_tbt_s, 6),
+            }
+        else:
+            out["rejected"] = {
+                "status": r.status,
+                "reason": r.reason,
+                "code": r.code,
+                "retry_after_s": r.retry_after_s,
+            }
+        return out
 
 
 def place(
@@ -107,91 +281,499 @@ def place(
     now: float,
     *,
     exclude: frozenset[str] = frozenset(),
-    max_prefill: int = 3,
+    max_prefill: int | None = None,
+    params: ConductorParams | None = None,
+    slo: Slo | None = None,
+    pending: Mapping[str, PendingLoad] | None = None,
+    rng: random.Random | None = None,
 ) -> Placement | Reject:
+    """``decide(...).result``: where to run ``request``, or why not."""
+    return decide(
+        view,
+        request,
+        now,
+        exclude=exclude,
+        max_prefill=max_prefill,
+        params=params,
+        slo=slo,
+        pending=pending,
+        rng=rng,
+    ).result
+
+
+@dataclass(slots=True)
+class _Node:
+    cand: Candidate
+    suspect: bool
+    load: NodeLoad
+    costs: NodeCosts
+    forecast: DecodeForecast
+    pending: PendingLoad
+
+
+def decide(
+    view: ClusterView,
+    request: PlacementRequest,
+    now: float,
+    *,
+    exclude: frozenset[str] = frozenset(),
+    max_prefill: int | None = None,
+    params: ConductorParams | None = None,
+    slo: Slo | None = None,
+    pending: Mapping[str, PendingLoad] | None = None,
+    rng: random.Random | None = None,
+) -> Decision:
     """Pick a decode node and prefill nodes for ``request`` from a gossip view.
 
     Candidates are alive (suspects only after every alive one), not
     draining, serve the request's model and are not in ``exclude`` (nodes
-    that just failed this request). A ``prefill`` node
-    only prefills and a ``decode`` node only decodes; a ``both`` node does
-    either, or both in one engine.
+    that just failed this request). A ``prefill`` node only prefills and a
+    ``decode`` node only decodes; a ``both`` node does either, or both in
+    one engine.
 
-    - Decode: a dedicated decode node if there is one, else a ``both`` node;
-      the least loaded (running decodes, then KV usage, then node id).
-    - Prefill: dedicated prefill nodes, else (when the decode node is
-      dedicated) ``both`` nodes; longest cached prefix in the cluster block
-      index first, then the shortest prefill queue. Up to ``max_prefill`` of
-      them, so the decode node can try the next when one fails.
-    - No dedicated decode and no dedicated prefill node: one ``both`` node
-      does it all (colocated): the entry node itself when it is one, else the
-      one with the longest cached prefix, then the shortest queue.
-    - A decode node with no prefill node alive prefills itself (the
-      documented fallback).
+    - Roles: dedicated decode nodes decode if there are any, else ``both``
+      nodes; dedicated prefill nodes prefill, else (when the decode node is
+      dedicated) ``both`` nodes. A decode node with no prefill node alive
+      prefills itself. With no dedicated node at all, a cluster of ``both``
+      nodes serves each request on its entry node (peers' cached prefixes
+      come to it through peer fetches), or on the best ``both`` node when
+      the entry serves none.
+    - Prefill, by ``params.policy`` (see ``Policy``); under ``conductor``
+      each candidate's TTFT is queue + prefill of what it lacks, or
+      max(queue, transfer of a longer remote prefix) + prefill of the rest
+      when the remote prefix is ``balancing_threshold`` times longer, the
+      fetch is faster and fewer than ``max_replicas`` nodes hold it. A node
+      busy with a hot prefix thus makes an idle node fetch it and become a
+      holder too.
+    - Decode: the predicted time between tokens with this request added, at
+      the batch forecast for when its prefill ends (``early_reject =
+      predicted``) or at the batch now; the least of those within the TBT
+      SLO.
+    - Admission: a request whose best TTFT misses the TTFT SLO, or that no
+      decode node can take within the TBT SLO, is rejected with 429 and a
+      retry hint (unless ``early_reject`` is off).
 
-    Pure: no I/O, ``now`` is the caller's clock (unused by this policy, kept
-    for policies that forecast load).
+    Pure: no I/O and no clock of its own; ``now`` is the caller's, ``rng``
+    drives the ``random`` policy, ``pending`` is the load this entry node
+    placed that gossip does not show yet.
     """
+    params = params if params is not None else ConductorParams()
+    slo = request.slo if request.slo is not None else (slo if slo is not None else Slo())
+    pending = pending if pending is not None else {}
+    max_prefill = params.max_prefill if max_prefill is None else max_prefill
     del now
-    prefill_nodes: list[Candidate] = []
-    decode_nodes: list[Candidate] = []
-    both_nodes: list[Candidate] = []
     matches = view.longest_prefix(request.hashes) if request.hashes else {}
-    loads: dict[str, tuple[int, int, float]] = {}
-    # Suspected members (a probe went unanswered, e.g. a node too busy to
-    # answer in time) are kept as a last resort: a dead one fails fast and is
-    # excluded, where refusing them would fail the request at once.
-    suspect: set[str] = set()
+    nodes: dict[str, _Node] = {}
+    pools: dict[str, list[_Node]] = {"prefill": [], "decode": [], "both": []}
     for node_id, m in view.members.items():
         st = m.state
-        if m.status is MemberStatus.SUSPECT:
-            suspect.add(node_id)
-        elif m.status is not MemberStatus.ALIVE:
+        if m.status not in (MemberStatus.ALIVE, MemberStatus.SUSPECT):
             continue
         if st is None or node_id in exclude:
             continue
         if st.draining or not st.api_addr or st.model_id != request.model_id:
             continue
         match = matches.get(node_id)
-        c = Candidate(node_id, st.api_addr, st.role, match.num_blocks if match else 0)
-        loads[node_id] = (
-            st.load.queued_prefill_tokens,
-            st.load.running_decode_batch,
-            st.load.kv_usage,
+        n = _Node(
+            Candidate(node_id, st.api_addr, st.role, match.num_blocks if match else 0),
+            m.status is MemberStatus.SUSPECT,
+            st.load,
+            st.costs,
+            st.forecast,
+            pending.get(node_id, PendingLoad()),
         )
-        {"prefill": prefill_nodes, "decode": decode_nodes, "both": both_nodes}.get(
-            st.role, []
-        ).append(c)
+        nodes[node_id] = n
+        pool = pools.get(st.role)
+        if pool is not None:
+            pool.append(n)
 
-    def by_decode_load(c: Candidate) -> tuple[bool, int, float, str]:
-        _, decode, kv = loads[c.node_id]
-        return (c.node_id in suspect, decode, kv, c.node_id)
-
-    def by_prefix_then_queue(c: Candidate) -> tuple[bool, int, int, str]:
-        return (c.node_id in suspect, -c.cached_blocks, loads[c.node_id][0], c.node_id)
-
+    prefill_nodes, decode_nodes, both_nodes = pools["prefill"], pools["decode"], pools["both"]
     if not decode_nodes and not prefill_nodes:
         if not both_nodes:
-            return Reject(
-                503, f"no node of the cluster serves model {request.model_id!r} right now"
+            return Decision(
+                Reject(503, f"no node of the cluster serves model {request.model_id!r} right now"),
+                params.policy,
             )
-        for c in both_nodes:
-            if c.node_id == view.self_id:
-                # A cluster of `both` nodes: each serves what enters it (its
-                # peers' cached prefixes come to it through peer fetches).
-                return Placement(decode=c)
-        return Placement(decode=min(both_nodes, key=by_prefix_then_queue))
+        me = nodes.get(view.self_id)
+        if me is not None and me.cand.role == "both":
+            # A cluster of `both` nodes: each serves what enters it.
+            return _colocated(view, request, params, slo, [me], matches, rng)
+        return _colocated(view, request, params, slo, both_nodes, matches, rng)
     if decode_nodes:
-        decode = min(decode_nodes, key=by_decode_load)
-        pool = prefill_nodes or both_nodes
+        decode_pool = decode_nodes
+        prefill_pool = prefill_nodes or both_nodes
     elif both_nodes:
-        decode = min(both_nodes, key=by_decode_load)
-        pool = prefill_nodes
+        decode_pool = both_nodes
+        prefill_pool = prefill_nodes
     else:
-        return Reject(
-            503,
-            f"no decode node serves model {request.model_id!r} right now "
-            f"({len(prefill_nodes)} prefill node(s) alive, none can decode)",
+        return Decision(
+            Reject(
+                503,
+                f"no decode node serves model {request.model_id!r} right now "
+                f"({len(prefill_nodes)} prefill node(s) alive, none can decode)",
+            ),
+            params.policy,
         )
-    prefill = tuple(sorted(pool, key=by_prefix_then_queue)[:max_prefill])
-    return Placement(decode=decode, prefill=prefill)
+    scores = [_prefill_score(view, request, params, n, nodes, matches) for n in prefill_pool]
+    if not prefill_pool:
+        # The decode node prefills itself: score it as a prefill node too.
+        pass
+    order = _order_prefill(params, prefill_pool, scores, rng)
+    chosen = [prefill_pool[i] for i in order[:max_prefill]]
+    best = scores[order[0]] if order else None
+    ttft = best.ttft_s if best is not None else 0.0
+    reject = _check_ttft(params, slo, best)
+    if reject is not None:
+        return Decision(reject, params.policy, tuple(scores), (), reject.reason)
+    dscores = [_decode_score(request, params, slo, n, ttft) for n in decode_pool]
+    dorder = _order_decode(params, decode_pool, dscores, rng)
+    if params.early_reject is not EarlyReject.OFF and slo.tbt_s > 0.0:
+        dorder = [i for i in dorder if dscores[i].within_slo]
+        if not dorder:
+            reject = Reject(
+                429,
+                f"no decode node can keep the time between tokens within "
+                f"{slo.tbt_s * 1e3:.0f} ms ({params.early_reject.value} load); retry later",
+                retry_after_s=_tbt_retry_after(dscores),
+                code="tbt_slo",
+            )
+            return Decision(reject, params.policy, tuple(scores), tuple(dscores), reject.reason)
+    d = decode_pool[dorder[0]]
+    dbest = dscores[dorder[0]]
+    if not prefill_pool:
+        placement = Placement(
+            decode=d.cand,
+            fetch=params.policy is Policy.CONDUCTOR,
+            predicted_ttft_s=0.0,
+            predicted_tbt_s=dbest.tbt_s,
+        )
+        why = "no prefill node alive: the decode node prefills itself"
+        return Decision(placement, params.policy, tuple(scores), tuple(dscores), why)
+    assert best is not None
+    placement = Placement(
+        decode=d.cand,
+        prefill=tuple(n.cand for n in chosen),
+        fetch=best.fetch,
+        predicted_ttft_s=best.ttft_s if best.costs_known else 0.0,
+        predicted_tbt_s=dbest.tbt_s,
+    )
+    return Decision(
+        placement, params.policy, tuple(scores), tuple(dscores), _why(params, best, dbest)
+    )
+
+
+def _colocated(
+    view: ClusterView,
+    request: PlacementRequest,
+    params: ConductorParams,
+    slo: Slo,
+    pool: list[_Node],
+    matches: Mapping[str, PrefixMatch],
+    rng: random.Random | None,
+) -> Decision:
+    """One ``both`` node prefills and decodes: the least TTFT among ``pool``."""
+    nodes = {n.cand.node_id: n for n in pool}
+    scores = [_prefill_score(view, request, params, n, nodes, matches) for n in pool]
+    order = _order_prefill(params, pool, scores, rng)
+    best = scores[order[0]]
+    reject = _check_ttft(params, slo, best)
+    if reject is not None:
+        return Decision(reject, params.policy, tuple(scores), (), reject.reason)
+    node = pool[order[0]]
+    d = _decode_score(request, params, slo, node, best.ttft_s)
+    if params.early_reject is not EarlyReject.OFF and slo.tbt_s > 0.0 and not d.within_slo:
+        reject = Reject(
+            429,
+            f"this node cannot keep the time between tokens within {slo.tbt_s * 1e3:.0f} ms "
+            f"({params.early_reject.value} load); retry later",
+            retry_after_s=_tbt_retry_after([d]),
+            code="tbt_slo",
+        )
+        return Decision(reject, params.policy, tuple(scores), (d,), reject.reason)
+    placement = Placement(
+        decode=node.cand,
+        fetch=True,
+        predicted_ttft_s=best.ttft_s if best.costs_known else 0.0,
+        predicted_tbt_s=d.tbt_s,
+    )
+    return Decision(placement, params.policy, tuple(scores), (d,), "colocated: one engine")
+
+
+def _prefill_score(
+    view: ClusterView,
+    request: PlacementRequest,
+    params: ConductorParams,
+    n: _Node,
+    nodes: Mapping[str, _Node],
+    matches: Mapping[str, PrefixMatch],
+) -> PrefillScore:
+    bs = params.block_size
+    total = request.num_prompt_tokens
+    # The last prompt token is always computed (its logits give the first token).
+    usable = max(0, (total - 1) // bs)
+    local = min(n.cand.cached_blocks, usable)
+    node_id = n.cand.node_id
+    known = n.costs.known
+    queue_s = n.load.predicted_queue_s + n.pending.prefill_s
+    if not known:
+        queue_s = (n.load.queued_prefill_tokens + n.pending.prefill_tokens) * params.nominal_token_s
+
+    def compute_s(cached_blocks: int) -> float:
+        cached = cached_blocks * bs
+        if not known:
+            return (total - cached) * params.nominal_token_s
+        return n.costs.prefill_s(total - cached, cached, decode_seqs=n.load.running_decode_batch)
+
+    local_s = compute_s(local)
+    score = PrefillScore(
+        node_id,
+        local,
+        0,
+        None,
+        queue_s,
+        0.0,
+        local_s,
+        queue_s + local_s,
+        False,
+        known,
+        total - local * bs,
+    )
+    if params.policy is not Policy.CONDUCTOR or not request.hashes:
+        return score
+    # The longest prefix another node can lease (DRAM or SSD; device blocks cannot be).
+    remote, holder, copies = 0, None, 0
+    for other, match in view.longest_prefix(request.hashes, tiers=LEASABLE_TIERS).items():
+        nb = min(match.num_blocks, usable)
+        if other == node_id or nb <= 0:
+            continue
+        m = view.members.get(other)
+        if m is None or m.status is not MemberStatus.ALIVE:
+            continue
+        if nb > remote or (nb == remote and holder is not None and other < holder):
+            remote, holder = nb, other
+    if holder is None or remote <= local or remote < params.balancing_threshold * max(local, 1):
+        return dataclasses.replace(score, remote_blocks=remote, holder=holder)
+    # Nodes holding (nearly all of) that prefix already: replicas.
+    copies = sum(1 for mt in matches.values() if mt.num_blocks >= remote)
+    if copies >= params.max_replicas:
+        return dataclasses.replace(
+            score, remote_blocks=remote, holder=holder, note=f"{copies} copies already"
+        )
+    bps = n.costs.link_bps(holder) or params.default_link_bps
+    kvb = n.costs.kv_bytes_per_token
+    move_s = (
+        transfer_s((remote - local) * bs, kvb, bps, params.fetch_rtt_s)
+        if kvb > 0
+        else params.fetch_rtt_s
+    )
+    rest_s = compute_s(remote)
+    # The fetch runs while the request waits in the queue.
+    fetch_ttft = max(queue_s, move_s) + rest_s
+    if fetch_ttft >= score.ttft_s:
+        return dataclasses.replace(
+            score, remote_blocks=remote, holder=holder, transfer_s=move_s, note="recompute faster"
+        )
+    holder_node = nodes.get(holder)
+    busy = holder_node is not None and fetch_ttft < _own_ttft(holder_node, total, remote, params)
+    return PrefillScore(
+        node_id,
+        local,
+        remote,
+        holder,
+        queue_s,
+        move_s,
+        rest_s,
+        fetch_ttft,
+        True,
+        known,
+        total - remote * bs,
+        "replicates a busy holder's prefix" if busy else "fetches the prefix",
+    )
+
+
+def _own_ttft(n: _Node, total: int, cached_blocks: int, params: ConductorParams) -> float:
+    cached = cached_blocks * params.block_size
+    if not n.costs.known:
+        return (n.load.queued_prefill_tokens + total - cached) * params.nominal_token_s
+    return (
+        n.load.predicted_queue_s
+        + n.pending.prefill_s
+        + n.costs.prefill_s(total - cached, cached, decode_seqs=n.load.running_decode_batch)
+    )
+
+
+def _order_prefill(
+    params: ConductorParams,
+    pool: list[_Node],
+    scores: list[PrefillScore],
+    rng: random.Random | None,
+) -> list[int]:
+    idx = list(range(len(pool)))
+    if params.policy is Policy.RANDOM:
+        (rng or random.Random()).shuffle(idx)
+        return sorted(idx, key=lambda i: pool[i].suspect)
+    if params.policy is Policy.LOAD_BALANCE:
+        return sorted(idx, key=lambda i: (pool[i].suspect, scores[i].queue_s, pool[i].cand.node_id))
+    return sorted(
+        idx,
+        key=lambda i: (
+            pool[i].suspect,
+            scores[i].ttft_s,
+            -pool[i].cand.cached_blocks,
+            pool[i].cand.node_id,
+        ),
+    )
+
+
+def _check_ttft(params: ConductorParams, slo: Slo, best: PrefillScore | None) -> Reject | None:
+    if (
+        best is None
+        or params.early_reject is EarlyReject.OFF
+        or slo.ttft_s <= 0.0
+        or not best.costs_known
+        or best.ttft_s <= slo.ttft_s
+    ):
+        return None
+    return Reject(
+        429,
+        f"predicted time to first token {best.ttft_s:.2f} s exceeds the SLO of "
+        f"{slo.ttft_s:.2f} s (queue {best.queue_s:.2f} s on the best node, {best.node_id}); "
+        "retry later",
+        retry_after_s=max(1.0, math.ceil(best.ttft_s - slo.ttft_s)),
+        code="ttft_slo",
+    )
+
+
+def _decode_score(
+    request: PlacementRequest, params: ConductorParams, slo: Slo, n: _Node, join_in_s: float
+) -> DecodeScore:
+    load = n.load
+    batch_now = max(load.pending_decode, load.running_decode_batch) + n.pending.decodes
+    ctx_now = load.decode_context_tokens
+    if params.early_reject is EarlyReject.PREDICTED:
+        batch, ctx = n.forecast.at(
+            join_in_s, max(load.pending_decode, load.running_decode_batch), ctx_now
+        )
+        batch += n.pending.decodes
+    else:
+        batch, ctx = float(batch_now), float(ctx_now)
+    expected = request.expected_output_tokens or request.max_tokens / 2
+    ctx += request.num_prompt_tokens + expected / 2
+    known = n.costs.known
+    tbt = (
+        predicted_tbt_s(
+            n.costs,
+            batch + 1,
+            ctx,
+            queued_prefill_tokens=load.queued_prefill_tokens if n.cand.role == "both" else 0,
+        )
+        if known
+        else 0.0
+    )
+    room = n.costs.max_batch <= 0 or batch + 1 <= n.costs.max_batch
+    within = room and (not known or slo.tbt_s <= 0.0 or tbt <= slo.tbt_s)
+    return DecodeScore(n.cand.node_id, batch_now, round(batch, 3), tbt, within, known)
+
+
+def _order_decode(
+    params: ConductorParams,
+    pool: list[_Node],
+    scores: list[DecodeScore],
+    rng: random.Random | None,
+) -> list[int]:
+    idx = list(range(len(pool)))
+    if params.policy is Policy.RANDOM:
+        (rng or random.Random()).shuffle(idx)
+        return sorted(idx, key=lambda i: pool[i].suspect)
+    if params.policy is Policy.CONDUCTOR:
+        return sorted(
+            idx,
+            key=lambda i: (
+                pool[i].suspect,
+                scores[i].tbt_s,
+                scores[i].batch_now,
+                pool[i].load.kv_usage,
+                pool[i].cand.node_id,
+            ),
+        )
+    return sorted(
+        idx,
+        key=lambda i: (
+            pool[i].suspect,
+            scores[i].batch_now,
+            pool[i].load.kv_usage,
+            pool[i].cand.node_id,
+        ),
+    )
+
+
+def _tbt_retry_after(scores: Sequence[DecodeScore]) -> float:
+    # The forecast's horizons are the times at which the batch is known to
+    # shrink; without finer knowledge a second is a fair first retry.
+    return 1.0 if scores else 5.0
+
+
+def _why(params: ConductorParams, best: PrefillScore, d: DecodeScore) -> str:
+    p = {
+        Policy.RANDOM: f"prefill on {best.node_id} (random)",
+        Policy.LOAD_BALANCE: f"prefill on {best.node_id}: shortest queue ({best.queue_s:.3f} s)",
+        Policy.LOCAL_CACHE: (
+            f"prefill on {best.node_id}: least TTFT on its own cache "
+            f"({best.local_blocks} blocks cached, {best.ttft_s:.3f} s)"
+        ),
+        Policy.CONDUCTOR: (
+            f"prefill on {best.node_id}: least TTFT ({best.ttft_s:.3f} s"
+            + (
+                f", fetching {best.remote_blocks} blocks from {best.holder}"
+                if best.fetch
+                else f", {best.local_blocks} blocks cached"
+            )
+            + ")"
+        ),
+    }[params.policy]
+    return f"{p}; decode on {d.node_id}: predicted TBT {d.tbt_s * 1e3:.1f} ms at batch {d.batch_at_join:g}"
+
+
+class PendingLedger:
+    """What this entry node placed that gossip does not reflect yet.
+
+    Each placement counts against its nodes until their gossiped state is
+    newer than it was at placement and ``min_age_s`` has passed (the node
+    has had time to take the request in and publish it), or ``max_age_s``
+    at most. Without it a burst entering one node piles onto whichever
+    node looked idlest at its start.
+    """
+
+    def __init__(self, *, min_age_s: float = 0.3, max_age_s: float = 3.0) -> None:
+        self._min_age_s = min_age_s
+        self._max_age_s = max_age_s
+        # (placed at, node id, state version then, load)
+        self._entries: list[tuple[float, str, int, PendingLoad]] = []
+
+    def add(self, view: ClusterView, node_id: str, load: PendingLoad, now: float) -> None:
+        m = view.members.get(node_id)
+        version = m.state.version if m is not None and m.state is not None else 0
+        self._entries.append((now, node_id, version, load))
+
+    def pending(self, view: ClusterView, now: float) -> dict[str, PendingLoad]:
+        kept: list[tuple[float, str, int, PendingLoad]] = []
+        out: dict[str, PendingLoad] = {}
+        for entry in self._entries:
+            at, node_id, version, load = entry
+            age = now - at
+            m = view.members.get(node_id)
+            seen = m is not None and m.state is not None and m.state.version > version
+            if age >= self._max_age_s or (seen and age >= self._min_age_s):
+                continue
+            kept.append(entry)
+            p = out.get(node_id, PendingLoad())
+            out[node_id] = PendingLoad(
+                p.prefill_s + load.prefill_s,
+                p.prefill_tokens + load.prefill_tokens,
+                p.decodes + load.decodes,
+            )
+        self._entries = kept
+        return out
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,30 +1,171 @@
-"""What this node tells gossip about itself: role, model, API address, load.
+"""What this node tells gossip about itself: role, model, API address, load, costs.
 
 ``LoadMeter`` is the ``local_state`` callback of the gossip service: role,
-model, API address, draining, and the load the engine publishes once per
-scheduling pass (``EngineCore.load``). Gossip polls it every round (five
-times a second by default), so it only reads that snapshot.
+model, API address, draining, the load the engine publishes once per
+scheduling pass (``EngineCore.load``), the node's fitted cost model and its
+forecast of the decode batch. Gossip polls it every round (five times a
+second by default), so it reads snapshots and the scheduler's queues only.
 
-Predicted queue time (``NodeLoad.predicted_queue_s``) is
-``predict.predicted_queue_s`` of that load and the measured seconds per
-engine step. ``step_s`` is a moving average of wall time per step, sampled
-between polls during which the engine had work the whole time (so idle gaps
-do not count). Before the first sample it is 0, and so is the prediction.
+``CostMeter`` learns the costs: every engine step is a sample of the step
+model (``predict.StepFitter``), every peer read a sample of a link's
+bandwidth, every finished request a sample of output lengths. ``profile``
+runs a few prompts of known lengths and a small decode batch through the
+engine at start-up, so the model is usable before the first real request.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mooncaked.cluster.predict import predicted_queue_s
+import structlog
+
+from mooncaked.cluster.predict import (
+    DecodeForecast,
+    DecodeWork,
+    LinkMeter,
+    NodeCosts,
+    OutputLengths,
+    PrefillWork,
+    StepFeatures,
+    StepFitter,
+    forecast_decode,
+    predicted_queue_s,
+    prefill_pairs,
+)
 from mooncaked.cluster.state import LocalState, NodeLoad
+from mooncaked.engine.plan import StepPlan
+from mooncaked.request import Request, SamplingParams
 
 if TYPE_CHECKING:
     from mooncaked.engine.core import EngineCore
 
-# Weight of a new sample in the step-time average.
-_STEP_EWMA_ALPHA = 0.3
+log = structlog.get_logger(__name__)
+
+
+def step_features(plan: StepPlan) -> StepFeatures:
+    """A step plan as the step model's inputs. A one-token chunk is priced as a
+    decode (a prompt's last token computes as one) whatever its phase."""
+    tokens = pairs = seqs = ctx = 0
+    for c in plan.chunks:
+        n = len(c.token_ids)
+        if n == 1:
+            seqs += 1
+            ctx += c.start_pos + 1
+        else:
+            tokens += n
+            pairs += prefill_pairs(n, c.start_pos)
+    return StepFeatures(tokens, pairs, seqs, ctx)
+
+
+class CostMeter:
+    """This node's cost model, learnt from its own steps, reads and requests."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        self._engine = engine
+        self.fitter = StepFitter()
+        self.links = LinkMeter()
+        self.lengths = OutputLengths()
+        self._profiling = False
+        self.profiled = False
+        self._kv_bytes_per_token = engine.runner.block_bytes // engine.block_size
+        self._costs = NodeCosts()
+        self._costs_at = -1
+
+    def attach(self) -> None:
+        self._engine.step_listeners.append(self._on_step)
+        self._engine.finish_listeners.append(self._on_finish)
+
+    def _on_step(self, plan: StepPlan, seconds: float) -> None:
+        self.fitter.add(step_features(plan), seconds, pinned=self._profiling)
+
+    def _on_finish(self, req: Request) -> None:
+        if not self._profiling and req.finish_reason is not None:
+            self.lengths.add(req.output_offset + len(req.output_token_ids))
+
+    def on_read(self, peer: str, nbytes: int, seconds: float) -> None:
+        self.links.add(peer, nbytes, seconds)
+
+    def costs(self) -> NodeCosts:
+        """The model as gossip carries it (rebuilt only when it changed)."""
+        stamp = self.fitter.num_samples
+        if stamp != self._costs_at:
+            self._costs_at = stamp
+            cfg = self._engine.config.scheduler
+            step = self.fitter.cost
+            # Rounded to 4 significant digits: a refit that changes nothing
+            # of substance is no news for gossip.
+            self._costs = NodeCosts(
+                step=type(step)(*(float(f"{c:.4g}") for c in step.coefficients())),
+                kv_bytes_per_token=self._kv_bytes_per_token,
+                chunk_tokens=cfg.max_num_batched_tokens,
+                max_batch=cfg.max_num_seqs,
+                links=self.links.links(),
+            )
+        elif self._costs.links != self.links.links():
+            self._costs = NodeCosts(
+                step=self._costs.step,
+                kv_bytes_per_token=self._costs.kv_bytes_per_token,
+                chunk_tokens=self._costs.chunk_tokens,
+                max_batch=self._costs.max_batch,
+                links=self.links.links(),
+            )
+        return self._costs
+
+    async def profile(self, *, seed: int = 0) -> None:
+        """Run prompts of a few lengths, then a decode batch, through the engine;
+        their steps are kept for good in the fit. Errors end the profile early
+        (the online samples take over), never the node."""
+        engine = self._engine
+        rng = random.Random(seed)
+        vocab = max(2, engine.loaded.arch.vocab_size)
+        longest = max(16, min(2048, engine.max_model_len // 2))
+        lengths = [n for n in (16, 64, 256, 1024, 2048) if n <= longest] or [longest]
+        self._profiling = True
+        try:
+            for n in lengths:
+                await self._run(engine, [rng.randrange(1, vocab) for _ in range(n)], 2, "len", n)
+            batch = min(16, engine.config.scheduler.max_num_seqs)
+            await asyncio.gather(
+                *(
+                    self._run(engine, [rng.randrange(1, vocab) for _ in range(32)], 24, "dec", i)
+                    for i in range(batch)
+                )
+            )
+        except Exception:
+            log.exception("cost profile failed; the model learns from real requests instead")
+        finally:
+            self._profiling = False
+            self.fitter.refit()
+            # The profile's prompts are not anybody's prefix.
+            with contextlib.suppress(Exception):
+                engine.reset_prefix_cache()
+        self.profiled = True
+        log.info(
+            "cost model profiled",
+            samples=self.fitter.num_samples,
+            median_error=round(self.fitter.median_relative_error(), 3),
+            **{
+                k: f"{v:.3g}"
+                for k, v in zip(
+                    ("base_s", "token_s", "pair_s", "seq_s", "ctx_s"),
+                    self.fitter.cost.coefficients(),
+                    strict=True,
+                )
+            },
+        )
+
+    @staticmethod
+    async def _run(
+        engine: EngineCore, prompt: list[int], max_tokens: int, tag: str, i: int
+    ) -> None:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        stream = engine.add_request(prompt, sampling, f"profile-{tag}-{i}")
+        async for _ in stream:
+            pass
 
 
 class LoadMeter:
@@ -38,56 +179,45 @@ class LoadMeter:
         engine: Callable[[], EngineCore | None],
         draining: Callable[[], bool],
         clock: Callable[[], float],
+        costs: CostMeter | None = None,
     ) -> None:
         self._role = role
         self._api_addr = api_addr
         self._engine = engine
         self._draining = draining
         self._clock = clock
-        # Seconds per engine step (moving average); 0 until measured.
-        self.step_s = 0.0
-        # Start of the current busy window: (time, engine.num_steps), or None.
-        self._busy_since: tuple[float, int] | None = None
+        self.costs = costs
 
     def __call__(self) -> LocalState:
         engine = self._engine()
         if engine is None:
             return LocalState(role=self._role, api_addr=self._api_addr, draining=self._draining())
         load = engine.load
-        queued, decode = load.queued_prefill_tokens, load.running_decode_batch
-        self._measure_step(engine.num_steps, busy=bool(queued or decode))
-        predicted = predicted_queue_s(
-            queued, decode, engine.config.scheduler.max_num_batched_tokens, self.step_s
+        costs = self.costs.costs() if self.costs is not None else NodeCosts()
+        prefill_raw, decode_raw = engine.scheduler.work()
+        prefill = [PrefillWork(n, c) for n, c in prefill_raw]
+        decoding = [DecodeWork(*d) for d in decode_raw]
+        running = sum(1 for _ in decoding)
+        forecast = (
+            forecast_decode(costs, decoding, self.costs.lengths)
+            if self.costs is not None
+            else DecodeForecast()
         )
+        predicted = predicted_queue_s(costs, prefill, decode_seqs=load.running_decode_batch)
         return LocalState(
             role=self._role,
             model_id=engine.model_id,
             api_addr=self._api_addr,
             draining=self._draining(),
             load=NodeLoad(
-                queued_prefill_tokens=queued,
-                running_decode_batch=decode,
+                queued_prefill_tokens=load.queued_prefill_tokens,
+                running_decode_batch=load.running_decode_batch,
                 # Rounded: gossip announces every change, and noise is no news.
                 kv_usage=round(load.kv_usage, 3),
                 predicted_queue_s=round(predicted, 3),
+                decode_context_tokens=sum(d.context_tokens for d in decoding),
+                pending_decode=running,
             ),
+            costs=costs,
+            forecast=forecast,
         )
-
-    def _measure_step(self, num_steps: int, *, busy: bool) -> None:
-        if not busy:
-            self._busy_since = None
-            return
-        now = self._clock()
-        since = self._busy_since
-        if since is None:
-            self._busy_since = (now, num_steps)
-            return
-        t0, steps0 = since
-        if num_steps <= steps0:
-            return  # one long step still running: widen the window
-        sample = (now - t0) / (num_steps - steps0)
-        if self.step_s == 0.0:
-            self.step_s = sample
-        else:
-            self.step_s += _STEP_EWMA_ALPHA * (sample - self.step_s)
-        self._busy_since = (now, num_steps)

@@ -2,28 +2,443 @@
 
 Kept free of I/O and clocks so the Conductor and a simulator can call them
 with any view, live or simulated.
+
+One linear model prices an engine step, whatever it mixes (chunked prefill
+and decode share steps)::
+
+    step_s = base + token * prefill_tokens + attn * prefill_pairs
+                  + seq * decode_seqs + ctx * decode_context_tokens
+
+``prefill_pairs`` counts the (query, key) pairs of the step's prefill
+chunks: a chunk of ``k`` tokens after ``p`` already-computed ones attends to
+``k * p + k * (k + 1) / 2`` keys, so a long cached prefix makes the rest of a
+prompt dearer to compute, and a prompt's cost grows with its square. A
+node fits the five coefficients to its own steps (profiled at start-up,
+refined online) and publishes them with its KV bytes per token and the
+bandwidth it measured pulling KV from each peer (``NodeCosts``). From them:
+the time of a prefill (summed over its chunks), of a decode step at a
+batch size and context, and of moving a prefix between two nodes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+# Links kept per node in gossip: a datagram must stay under the MTU.
+MAX_LINKS = 8
+# Forecast horizons (seconds ahead) of a decode node's batch, published in gossip.
+FORECAST_HORIZONS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
-def predicted_queue_s(
-    queued_prefill_tokens: int, running_decode_batch: int, step_budget: int, step_s: float
-) -> float:
-    """How long a new prefill waits before it starts, from a node's load.
+def prefill_pairs(num_tokens: int, start_pos: int) -> int:
+    """(query, key) pairs of a prefill chunk of ``num_tokens`` starting at ``start_pos``."""
+    return num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
 
-    A deliberately simple estimate: the prompt tokens waiting to be computed,
-    spread over the prefill share of the step budget (``step_budget`` tokens
-    a step, minus one per running decode), times the measured seconds per
-    step::
 
-        ceil(queued_prefill_tokens / (step_budget - running_decode_batch)) * step_s
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    """What an engine step computed: the inputs of the step-time model."""
 
-    0 when nothing is queued or the step time is not measured yet.
-    """
-    if queued_prefill_tokens <= 0 or step_s <= 0.0:
+    prefill_tokens: int = 0
+    prefill_pairs: int = 0
+    decode_seqs: int = 0
+    decode_ctx: int = 0
+
+    def vector(self) -> tuple[float, float, float, float, float]:
+        return (
+            1.0,
+            float(self.prefill_tokens),
+            float(self.prefill_pairs),
+            float(self.decode_seqs),
+            float(self.decode_ctx),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Seconds per engine step as a linear function of ``StepFeatures``."""
+
+    base_s: float = 0.0
+    token_s: float = 0.0
+    pair_s: float = 0.0
+    seq_s: float = 0.0
+    ctx_s: float = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.base_s > 0.0 or self.token_s > 0.0 or self.seq_s > 0.0
+
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        return (self.base_s, self.token_s, self.pair_s, self.seq_s, self.ctx_s)
+
+    def step_s(self, f: StepFeatures) -> float:
+        return sum(c * x for c, x in zip(self.coefficients(), f.vector(), strict=True))
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """One decode step of ``batch`` sequences holding ``context_tokens`` in all."""
+        if batch <= 0:
+            return 0.0
+        return self.base_s + self.seq_s * batch + self.ctx_s * context_tokens
+
+    def prefill_s(
+        self,
+        new_tokens: int,
+        cached_tokens: int = 0,
+        *,
+        chunk_tokens: int = 0,
+        decode_seqs: int = 0,
+        decode_ctx: int = 0,
+    ) -> float:
+        """Compute ``new_tokens`` of a prompt after ``cached_tokens`` already in KV.
+
+        Chunked as the scheduler does (``chunk_tokens`` a step, 0: one step),
+        each step also carrying ``decode_seqs`` decodes of a colocated engine.
+        """
+        if new_tokens <= 0:
+            return 0.0
+        chunk = chunk_tokens - decode_seqs if chunk_tokens > 0 else new_tokens
+        chunk = max(1, chunk)
+        total = 0.0
+        pos, left = cached_tokens, new_tokens
+        while left > 0:
+            k = min(chunk, left)
+            total += self.step_s(StepFeatures(k, prefill_pairs(k, pos), decode_seqs, decode_ctx))
+            pos += k
+            left -= k
+        return total
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCosts:
+    """A node's cost model as gossip spreads it (``to_list`` / ``from_list``)."""
+
+    step: StepCost = field(default_factory=StepCost)
+    # Bytes of KV (all layers, K and V) one token holds.
+    kv_bytes_per_token: int = 0
+    # Prompt tokens one step computes at most (the scheduler's token budget).
+    chunk_tokens: int = 0
+    # Sequences a step runs at most.
+    max_batch: int = 0
+    # Measured bytes/s pulling KV from a peer: (peer node id, bytes/s), best known first.
+    links: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def known(self) -> bool:
+        return self.step.known
+
+    def prefill_s(
+        self, new_tokens: int, cached_tokens: int = 0, *, decode_seqs: int = 0, decode_ctx: int = 0
+    ) -> float:
+        return self.step.prefill_s(
+            new_tokens,
+            cached_tokens,
+            chunk_tokens=self.chunk_tokens,
+            decode_seqs=decode_seqs,
+            decode_ctx=decode_ctx,
+        )
+
+    def link_bps(self, peer: str) -> float:
+        """Bytes/s measured from ``peer`` to this node; else the median of the
+        links measured; 0 when nothing was measured."""
+        for node, bps in self.links:
+            if node == peer:
+                return bps
+        if not self.links:
+            return 0.0
+        rates = sorted(bps for _, bps in self.links)
+        return rates[len(rates) // 2]
+
+    def to_list(self) -> list[object]:
+        return [
+            *self.step.coefficients(),
+            self.kv_bytes_per_token,
+            self.chunk_tokens,
+            self.max_batch,
+            [[node, bps] for node, bps in self.links[:MAX_LINKS]],
+        ]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "step": dataclasses.asdict(self.step),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "chunk_tokens": self.chunk_tokens,
+            "max_batch": self.max_batch,
+            "links": {node: bps for node, bps in self.links},
+        }
+
+
+def transfer_s(num_tokens: int, kv_bytes_per_token: int, bps: float, rtt_s: float = 0.0) -> float:
+    """Moving ``num_tokens`` of KV over a link of ``bps`` bytes/s (inf if unknown)."""
+    if num_tokens <= 0:
         return 0.0
-    prefill_share = max(1, step_budget - running_decode_batch)
-    return math.ceil(queued_prefill_tokens / prefill_share) * step_s
+    if bps <= 0.0:
+        return math.inf
+    return rtt_s + num_tokens * kv_bytes_per_token / bps
+
+
+# -- fitting ------------------------------------------------------------------------
+
+
+def fit_nonnegative(
+    rows: Sequence[Sequence[float]], ys: Sequence[float], *, relative: bool = True
+) -> tuple[float, ...]:
+    """Least squares with every coefficient >= 0.
+
+    Tries every subset of the columns (there are five), solving the normal
+    equations on each, and keeps the best fit whose coefficients are all
+    non-negative. ``relative`` weighs each row by 1/y, minimizing relative
+    error (what a latency forecast is judged by). Columns that never vary
+    from zero get a 0 coefficient.
+    """
+    if not rows:
+        raise ValueError("no samples to fit")
+    n = len(rows[0])
+    weights = [1.0 / y if relative and y > 0 else 1.0 for y in ys]
+    best: tuple[float, tuple[float, ...]] | None = None
+    for size in range(1, n + 1):
+        for cols in itertools.combinations(range(n), size):
+            coef = _solve_ls(rows, ys, weights, cols)
+            if coef is None or any(c < 0.0 for c in coef):
+                continue
+            full = [0.0] * n
+            for c, j in zip(coef, cols, strict=True):
+                full[j] = c
+            err = 0.0
+            for row, y, w in zip(rows, ys, weights, strict=True):
+                r = (sum(a * b for a, b in zip(full, row, strict=True)) - y) * w
+                err += r * r
+            if best is None or err < best[0] - 1e-15:
+                best = (err, tuple(full))
+    if best is None:
+        return tuple(0.0 for _ in range(n))
+    return best[1]
+
+
+def _solve_ls(
+    rows: Sequence[Sequence[float]],
+    ys: Sequence[float],
+    weights: Sequence[float],
+    cols: Sequence[int],
+) -> list[float] | None:
+    """Weighted least squares on ``cols`` by the normal equations; None if singular."""
+    k = len(cols)
+    # Columns are scaled to unit size first: token pairs reach 1e8 where the
+    # intercept is 1, and an unscaled system loses the small coefficients.
+    scale = []
+    for j in cols:
+        m = max(abs(r[j]) for r in rows)
+        scale.append(m if m > 0 else 1.0)
+    a = [[0.0] * k for _ in range(k)]
+    b = [0.0] * k
+    for row, y, w in zip(rows, ys, weights, strict=True):
+        x = [row[j] / s for j, s in zip(cols, scale, strict=True)]
+        w2 = w * w
+        for i in range(k):
+            b[i] += w2 * x[i] * y
+            for j in range(k):
+                a[i][j] += w2 * x[i] * x[j]
+    sol = _gauss(a, b)
+    if sol is None:
+        return None
+    return [v / s for v, s in zip(sol, scale, strict=True)]
+
+
+def _gauss(a: list[list[float]], b: list[float]) -> list[float] | None:
+    n = len(b)
+    m = [[*row[:], bv] for row, bv in zip(a, b, strict=True)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[piv][col]) < 1e-12:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                if f:
+                    for c in range(col, n + 1):
+                        m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+class StepFitter:
+    """Fits ``StepCost`` to measured steps: profiled ones kept for good, recent
+    online ones in a window, refitted every ``refit_every`` samples."""
+
+    def __init__(self, *, window: int = 512, refit_every: int = 64) -> None:
+        self._pinned: list[tuple[StepFeatures, float]] = []
+        self._recent: deque[tuple[StepFeatures, float]] = deque(maxlen=window)
+        self._refit_every = refit_every
+        self._since_fit = 0
+        self.cost = StepCost()
+        self.num_samples = 0
+
+    def add(self, features: StepFeatures, seconds: float, *, pinned: bool = False) -> None:
+        if seconds <= 0.0 or not math.isfinite(seconds):
+            return
+        (self._pinned if pinned else self._recent).append((features, seconds))
+        self.num_samples += 1
+        self._since_fit += 1
+        if self._since_fit >= self._refit_every:
+            self.refit()
+
+    def refit(self) -> StepCost:
+        self._since_fit = 0
+        samples = [*self._pinned, *self._recent]
+        if len(samples) < 3:
+            return self.cost
+        coef = fit_nonnegative([f.vector() for f, _ in samples], [s for _, s in samples])
+        self.cost = StepCost(*coef)
+        return self.cost
+
+    def median_relative_error(self) -> float:
+        """Median |predicted - measured| / measured over the samples kept."""
+        samples = [*self._pinned, *self._recent]
+        errs = sorted(abs(self.cost.step_s(f) - s) / s for f, s in samples)
+        return errs[len(errs) // 2] if errs else math.nan
+
+
+class LinkMeter:
+    """Bytes/s of KV pulled from each peer: a moving average per peer."""
+
+    def __init__(self, *, alpha: float = 0.3, min_bytes: int = 64 * 1024) -> None:
+        self._alpha = alpha
+        # Small transfers measure latency, not bandwidth.
+        self._min_bytes = min_bytes
+        self.rates: dict[str, float] = {}
+
+    def add(self, peer: str, nbytes: int, seconds: float) -> None:
+        if nbytes < self._min_bytes or seconds <= 0.0:
+            return
+        rate = nbytes / seconds
+        old = self.rates.get(peer)
+        self.rates[peer] = rate if old is None else old + self._alpha * (rate - old)
+
+    def links(self) -> tuple[tuple[str, float], ...]:
+        best = sorted(self.rates.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_LINKS]
+        return tuple((node, round(bps, -3)) for node, bps in best)
+
+
+# -- queues and forecasts -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillWork:
+    """A prompt waiting or being computed: tokens left, and tokens already in KV."""
+
+    new_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeWork:
+    """A request that decodes (or will, once its KV is in): its context so far,
+    its output tokens so far and the most it may still produce."""
+
+    context_tokens: int
+    output_tokens: int
+    max_more_tokens: int
+
+
+def predicted_queue_s(costs: NodeCosts, work: Iterable[PrefillWork], decode_seqs: int = 0) -> float:
+    """How long a prefill entering now waits before it starts: the prefill
+    work queued ahead of it, priced by the node's step model (0 if unknown)."""
+    if not costs.known:
+        return 0.0
+    return sum(
+        costs.prefill_s(w.new_tokens, w.cached_tokens, decode_seqs=decode_seqs) for w in work
+    )
+
+
+class OutputLengths:
+    """Output lengths of recent finished requests: what a decode is expected to
+    still produce, given what it has produced so far."""
+
+    def __init__(self, *, window: int = 512, default_tokens: int = 128) -> None:
+        self._recent: deque[int] = deque(maxlen=window)
+        self._default = default_tokens
+
+    def add(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._recent.append(num_tokens)
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def mean(self) -> float:
+        return sum(self._recent) / len(self._recent) if self._recent else float(self._default)
+
+    def expected_more(self, produced: int, max_more: int) -> float:
+        """E[L - produced | L > produced] over the recent lengths, capped at max_more."""
+        longer = [n - produced for n in self._recent if n > produced]
+        if longer:
+            more = sum(longer) / len(longer)
+        else:
+            # Past every length seen: as long again as the mean, a guess that
+            # errs towards keeping the request in the batch.
+            more = self.mean()
+        return max(1.0, min(float(max_more), more))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeForecast:
+    """A decode node's expected batch and context ``FORECAST_HORIZONS_S`` ahead."""
+
+    batch: tuple[float, ...] = ()
+    context_tokens: tuple[float, ...] = ()
+
+    def at(self, seconds: float, now_batch: int, now_ctx: int) -> tuple[float, float]:
+        """Batch and context expected ``seconds`` from now (linear between horizons)."""
+        if not self.batch or seconds <= 0.0:
+            return float(now_batch), float(now_ctx)
+        xs = (0.0, *FORECAST_HORIZONS_S)
+        bs = (float(now_batch), *self.batch)
+        cs = (float(now_ctx), *self.context_tokens)
+        if seconds >= xs[-1]:
+            return bs[-1], cs[-1]
+        for i in range(1, len(xs)):
+            if seconds <= xs[i]:
+                f = (seconds - xs[i - 1]) / (xs[i] - xs[i - 1])
+                return bs[i - 1] + f * (bs[i] - bs[i - 1]), cs[i - 1] + f * (cs[i] - cs[i - 1])
+        return bs[-1], cs[-1]
+
+
+def forecast_decode(
+    costs: NodeCosts, work: Sequence[DecodeWork], lengths: OutputLengths
+) -> DecodeForecast:
+    """Which of ``work`` will still decode at each horizon, and their context.
+
+    Each request is expected to run ``lengths.expected_more`` more steps; the
+    step time is the model's at the current batch (a batch only shrinks
+    here: arrivals are the entry nodes' to count).
+    """
+    if not work or not costs.known:
+        return DecodeForecast()
+    batch = len(work)
+    ctx = sum(w.context_tokens for w in work)
+    step = max(1e-6, costs.step.decode_step_s(batch, ctx))
+    ends = [(lengths.expected_more(w.output_tokens, w.max_more_tokens) * step, w) for w in work]
+    out_b: list[float] = []
+    out_c: list[float] = []
+    for h in FORECAST_HORIZONS_S:
+        alive = [(end, w) for end, w in ends if end > h]
+        out_b.append(float(len(alive)))
+        out_c.append(float(sum(w.context_tokens + h / step for _, w in alive)))
+    return DecodeForecast(tuple(out_b), tuple(round(c) for c in out_c))
+
+
+def predicted_tbt_s(
+    costs: NodeCosts, batch: float, context_tokens: float, *, queued_prefill_tokens: int = 0
+) -> float:
+    """Time between tokens of a decode step at ``batch`` and ``context_tokens``;
+    on a node that also prefills, a step carries a prefill chunk while prompts wait."""
+    b = max(1, math.ceil(batch))
+    t = costs.step.decode_step_s(b, round(context_tokens))
+    if queued_prefill_tokens > 0 and costs.chunk_tokens > 0:
+        k = max(1, min(queued_prefill_tokens, costs.chunk_tokens - b))
+        t += costs.step.token_s * k + costs.step.pair_s * prefill_pairs(k, 0)
+    return t

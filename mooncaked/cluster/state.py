@@ -44,6 +44,7 @@ import numpy as np
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES
 from mooncaked.cache.tiers import Tier
+from mooncaked.cluster.predict import DecodeForecast, NodeCosts
 
 
 class BlockOp(enum.StrEnum):
@@ -96,6 +97,10 @@ class NodeLoad:
     kv_usage: float = field(default=0.0, metadata={"max": 1.0})
     # The node's own forecast of how long a new prefill waits before it starts.
     predicted_queue_s: float = 0.0
+    # Context tokens held by the running decodes (what a decode step reads).
+    decode_context_tokens: int = 0
+    # Requests decoding or about to (KV on its way): the batch an arrival joins.
+    pending_decode: int = 0
 
     def to_list(self) -> list[int | float]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -114,6 +119,8 @@ class LocalState:
     api_addr: str = ""
     draining: bool = False
     load: NodeLoad = field(default_factory=NodeLoad)
+    costs: NodeCosts = field(default_factory=NodeCosts)
+    forecast: DecodeForecast = field(default_factory=DecodeForecast)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +146,8 @@ class NodeState:
     block_version: int
     num_blocks: int
     segments_version: int
+    costs: NodeCosts = field(default_factory=NodeCosts)
+    forecast: DecodeForecast = field(default_factory=DecodeForecast)
 
 
 @dataclass(slots=True)
@@ -692,4 +701,9 @@ def _state_json(st: NodeState) -> dict[str, Any]:
         "block_version": st.block_version,
         "num_blocks": st.num_blocks,
         "segments_version": st.segments_version,
+        "costs": st.costs.to_json(),
+        "forecast": {
+            "batch": list(st.forecast.batch),
+            "context_tokens": list(st.forecast.context_tokens),
+        },
     }

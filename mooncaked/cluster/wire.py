@@ -32,6 +32,13 @@ from typing import Any
 import orjson
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES
+from mooncaked.cluster.predict import (
+    FORECAST_HORIZONS_S,
+    MAX_LINKS,
+    DecodeForecast,
+    NodeCosts,
+    StepCost,
+)
 from mooncaked.cluster.state import ALL_TIERS_MASK, BlockDelta, NodeLoad, NodeState
 
 MAC_BYTES = 16
@@ -348,6 +355,8 @@ def state_to_json(st: NodeState) -> dict[str, Any]:
         "bver": st.block_version,
         "nblk": st.num_blocks,
         "sver": st.segments_version,
+        "costs": st.costs.to_list(),
+        "fc": [list(st.forecast.batch), list(st.forecast.context_tokens)],
     }
 
 
@@ -374,7 +383,55 @@ def state_from_json(obj: Mapping[str, Any]) -> NodeState:
         block_version=get_int(obj, "bver"),
         num_blocks=get_int(obj, "nblk"),
         segments_version=get_int(obj, "sver"),
+        costs=_costs_from_list(obj.get("costs")),
+        forecast=_forecast_from_list(obj.get("fc")),
     )
+
+
+# A cost coefficient above this (seconds per token, per pair...) is nonsense.
+_MAX_COEF = 1e6
+_COST_NAMES = ("base_s", "token_s", "pair_s", "seq_s", "ctx_s")
+
+
+def _costs_from_list(values: Any) -> NodeCosts:
+    """``NodeCosts.to_list`` back, every number bounded; absent: unknown costs."""
+    if values is None:
+        return NodeCosts()
+    if not isinstance(values, list) or len(values) != len(_COST_NAMES) + 4:
+        raise WireError(f"field 'costs' must be a list of {len(_COST_NAMES) + 4} items")
+    obj = dict(zip((*_COST_NAMES, "kvb", "chunk", "batch", "links"), values, strict=True))
+    step = StepCost(*(get_float(obj, name, maximum=_MAX_COEF) for name in _COST_NAMES))
+    links_in = obj["links"]
+    if not isinstance(links_in, list) or len(links_in) > MAX_LINKS:
+        raise WireError(f"field 'links' must be a list of at most {MAX_LINKS} links")
+    links: list[tuple[str, float]] = []
+    for item in links_in:
+        if not isinstance(item, list) or len(item) != 2:
+            raise WireError("a link must be [node id, bytes per second]")
+        link = {"node": item[0], "bps": item[1]}
+        links.append((get_str(link, "node"), get_float(link, "bps")))
+    return NodeCosts(
+        step=step,
+        kv_bytes_per_token=get_int(obj, "kvb"),
+        chunk_tokens=get_int(obj, "chunk"),
+        max_batch=get_int(obj, "batch"),
+        links=tuple(links),
+    )
+
+
+def _forecast_from_list(values: Any) -> DecodeForecast:
+    if values is None:
+        return DecodeForecast()
+    if (
+        not isinstance(values, list)
+        or len(values) != 2
+        or not all(isinstance(v, list) and len(v) in (0, len(FORECAST_HORIZONS_S)) for v in values)
+        or len(values[0]) != len(values[1])
+    ):
+        raise WireError(f"field 'fc' must be two lists of {len(FORECAST_HORIZONS_S)} numbers")
+    batch = tuple(get_float({"batch": v}, "batch") for v in values[0])
+    ctx = tuple(get_float({"ctx": v}, "ctx") for v in values[1])
+    return DecodeForecast(batch, ctx)
 
 
 def get_segments(obj: Mapping[str, Any], key: str) -> tuple[dict[str, Any], ...]:

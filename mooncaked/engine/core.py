@@ -148,6 +148,11 @@ class EngineCore:
             max_model_len=self.max_model_len,
         )
         self.load = EngineLoad()
+        # Called after every step with its plan and its seconds (cost models
+        # learn from them), and with every finished request.
+        self.step_listeners: list[Callable[[StepPlan, float], None]] = []
+        self.finish_listeners: list[Callable[[Request], None]] = []
+        self._step_started = 0.0
         self._pending_aborts: set[str] = set()
         self._wakeup = asyncio.Event()
         # One thread: forward passes are serialized, and torch uses its own
@@ -270,6 +275,7 @@ class EngineCore:
         kv_source: object | None = None,
         kv_sink: object | None = None,
         output_offset: int = 0,
+        peer_fetch: bool = True,
     ) -> RequestStream:
         """Queue a request; ``prompt_hashes`` are its full blocks' hashes if the
         caller computed them already (the entry node does, to place it).
@@ -277,7 +283,7 @@ class EngineCore:
         ``kv_source`` / ``kv_sink``: where its prompt's KV comes from or goes
         to (disaggregation; read by the KV connector); ``output_offset``: the
         tokens a resumed stream had sampled before (seeded sampling goes on
-        from there)."""
+        from there); ``peer_fetch``: whether its prefix may come from peers."""
         if self.failure is not None:
             raise EngineFailedError(f"the engine failed: {self.failure!r}")
         if self._closing or self._loop_task is None:
@@ -291,6 +297,7 @@ class EngineCore:
             kv_source=kv_source,
             kv_sink=kv_sink,
             output_offset=output_offset,
+            peer_fetch=peer_fetch,
         )
         num_full = len(prompt_token_ids) // self.block_size
         if prompt_hashes is not None and len(prompt_hashes) >= num_full:
@@ -373,6 +380,7 @@ class EngineCore:
 
     async def _run(self, plan: StepPlan) -> list[SampledToken | None] | None:
         loop = asyncio.get_running_loop()
+        self._step_started = time.perf_counter()
         try:
             return await loop.run_in_executor(
                 self._executor, self.runner.execute, plan, self.connector
@@ -385,6 +393,13 @@ class EngineCore:
 
     def _postprocess(self, plan: StepPlan, results: list[SampledToken | None]) -> None:
         self.num_steps += 1
+        if self.step_listeners:
+            seconds = time.perf_counter() - self._step_started
+            for listener in self.step_listeners:
+                try:
+                    listener(plan, seconds)
+                except Exception:
+                    log.exception("step listener failed")
         self._emit(self.scheduler.update(plan, results))
         self.connector.after_step()
 
@@ -397,6 +412,11 @@ class EngineCore:
                 req.first_token_time = now
         for req, reason in self.outputs.process(reqs):
             self.scheduler.finish(req, reason)
+            for listener in self.finish_listeners:
+                try:
+                    listener(req)
+                except Exception:
+                    log.exception("finish listener failed")
 
     async def _load(self, job: LoadJob) -> None:
         req = self.scheduler.requests.get(job.request_id)

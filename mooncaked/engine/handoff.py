@@ -146,6 +146,8 @@ class PrefillTarget:
     node_id: str
     # The prefill node's API, e.g. "http://10.0.0.5:8000".
     url: str
+    # Whether it may pull a longer prefix from peers (else it recomputes).
+    fetch: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -367,6 +367,40 @@ class Scheduler:
                 queued += left
         return queued, decode
 
+    def work(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+        """Plain data a cost forecast needs, split as ``load`` splits it.
+
+        Prompts still to compute, each as (tokens left, tokens computed), in
+        queue order; and requests that decode, or will once the KV they wait
+        for is in (a decode node's handoffs), each as (context tokens, output
+        tokens, most output tokens still allowed).
+        """
+        prefill: list[tuple[int, int]] = []
+        decode: list[tuple[int, int, int]] = []
+
+        def decoding(req: Request) -> tuple[int, int, int]:
+            out = req.output_offset + len(req.output_token_ids)
+            return (
+                req.num_tokens,
+                out,
+                max(1, req.sampling.max_tokens - len(req.output_token_ids)),
+            )
+
+        for req in self.running:
+            left = req.num_tokens - req.num_computed_tokens
+            if left <= 1 and req.output_token_ids:
+                decode.append(decoding(req))
+            else:
+                prefill.append((left, req.num_computed_tokens))
+        for req in self.loading.values():
+            decode.append(decoding(req))
+        for req in self.waiting:
+            if req.kv_source is not None and not req.num_computed_tokens:
+                decode.append(decoding(req))
+            else:
+                prefill.append((req.num_tokens - req.num_computed_tokens, req.num_computed_tokens))
+        return prefill, decode
+
     def block_tables(self) -> list[list[int]]:
         """Every live block table, for ``BlockPool.check_integrity``."""
         return [r.block_ids for r in self.requests.values() if r.block_ids]

@@ -11,7 +11,8 @@ import pytest
 from mooncaked.cache.tiers import Tier as StoreTier
 from mooncaked.cluster.events import BlockEventBatcher
 from mooncaked.cluster.holders import ClusterHolders
-from mooncaked.cluster.load import LoadMeter
+from mooncaked.cluster.load import CostMeter, LoadMeter
+from mooncaked.cluster.predict import StepFeatures, prefill_pairs
 from mooncaked.cluster.state import (
     BlockEvent,
     BlockLog,
@@ -80,12 +81,14 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
     )
     clock = FakeClock()
     draining = [False]
+    costs = CostMeter(engine)
     meter = LoadMeter(
         role="prefill",
         api_addr="127.0.0.1:8000",
         engine=lambda: engine,
         draining=lambda: draining[0],
         clock=clock,
+        costs=costs,
     )
     try:
         idle = meter()
@@ -95,20 +98,20 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
             "127.0.0.1:8000",
         )
         assert idle.load == NodeLoad() and not idle.draining
+        assert idle.costs.chunk_tokens == 64 and idle.costs.kv_bytes_per_token > 0
         req = Request("r", list(range(100)), SamplingParams())
         engine.scheduler.add_request(req)
         engine.publish_load()
         # Busy, but no step measured yet: no prediction.
-        assert meter().load == NodeLoad(queued_prefill_tokens=100)
-        clock.t += 1.0
-        engine.num_steps += 4
-        # 0.25 s a step; 100 tokens need two steps of a 64-token budget.
-        assert meter().load.predicted_queue_s == 0.5
-        clock.t += 1.0
-        engine.num_steps += 2
-        # The average moves 30% of the way to the new 0.5 s sample.
-        assert meter().load.predicted_queue_s == pytest.approx(2 * 0.325, abs=1e-3)
-        assert meter.step_s == pytest.approx(0.325)
+        assert meter().load.queued_prefill_tokens == 100
+        assert meter().load.predicted_queue_s == 0.0
+        # Steps that cost 10 ms + 1 ms a token, and nothing else.
+        for n in (16, 32, 64, 64, 48):
+            f = StepFeatures(n, prefill_pairs(n, 0), 0, 0)
+            costs.fitter.add(f, 0.010 + 0.001 * n, pinned=True)
+        costs.fitter.refit()
+        # 100 tokens in two steps of a 64-token budget: 2 * 10 ms + 100 * 1 ms.
+        assert meter().load.predicted_queue_s == pytest.approx(0.12, abs=1e-3)
         engine.scheduler.finish(req, FinishReason.ABORT)
         engine.publish_load()
         draining[0] = True

@@ -75,15 +75,17 @@ def test_a_both_entry_serves_what_enters_it() -> None:
     assert ids(place(view, request(), 0.0)) == ("a", ())
 
 
-def test_both_nodes_colocate_on_the_longest_prefix_then_the_shortest_queue() -> None:
+def test_both_nodes_colocate_on_the_least_work_queued_plus_uncached() -> None:
     # The entry cannot serve (draining): the best of the others does it all.
+    # Costs unknown: queued tokens + tokens to compute rank the nodes.
     view = ClusterView("e", clock=lambda: 0.0)
     add(view, "e", "both", draining=True)
     add(view, "a", "both", load=NodeLoad(queued_prefill_tokens=10))
-    add(view, "b", "both", load=NodeLoad(queued_prefill_tokens=500), cached=3)
-    add(view, "c", "both")
-    assert ids(place(view, request(), 0.0)) == ("b", ())
-    assert ids(place(view, request(), 0.0, exclude=frozenset({"b"}))) == ("c", ())
+    add(view, "b", "both", load=NodeLoad(queued_prefill_tokens=20), cached=3)
+    add(view, "c", "both", load=NodeLoad(queued_prefill_tokens=500), cached=3)
+    add(view, "d", "both")
+    assert ids(place(view, request(), 0.0)) == ("b", ())  # 20 + 16
+    assert ids(place(view, request(), 0.0, exclude=frozenset({"b"}))) == ("d", ())  # 0 + 64
 
 
 def test_dedicated_roles_disaggregate() -> None:

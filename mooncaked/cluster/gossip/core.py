@@ -219,6 +219,8 @@ class GossipCore:
             block_version=log_.version,
             num_blocks=len(log_.index),
             segments_version=self._segments_version,
+            costs=local.costs,
+            forecast=local.forecast,
         )
 
     def _bump_state(self) -> None:

@@ -1,0 +1,160 @@
+"""The Conductor seen from outside: ``/admin/explain``, its status section and metrics.
+
+``POST /admin/explain`` with ``{"prompt": "text" | [token ids], "max_tokens": n,
+"slo": {"ttft_ms": .., "tbt_ms": ..}}`` answers what this node would decide for
+that prompt now: every prefill candidate's cached prefix and TTFT terms,
+every decode candidate's predicted TBT, and the placement or the rejection
+with its reason. Nothing runs and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from mooncaked.api.admin import prompt_token_ids
+from mooncaked.api.limits import BadBody, read_json_object
+from mooncaked.api.openai import ApiError, json_response
+from mooncaked.cache.hashing import block_hashes
+from mooncaked.cluster.conductor import Slo
+from mooncaked.router import RouteError, Router
+
+if TYPE_CHECKING:
+    from mooncaked.cluster.load import CostMeter
+    from mooncaked.engine.core import EngineCore
+
+
+def _slo(body: dict[str, Any]) -> Slo | None:
+    v = body.get("slo")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise BadBody("'slo' must be an object with ttft_ms and/or tbt_ms")
+    out = []
+    for key in ("ttft_ms", "tbt_ms"):
+        ms = v.get(key, 0)
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms <= 3_600_000:
+            raise BadBody(f"'slo.{key}' must be a number of milliseconds in [0, 3600000]")
+        out.append(float(ms) / 1e3)
+    return Slo(out[0], out[1])
+
+
+class ConductorAPI:
+    def __init__(
+        self,
+        router: Router,
+        engine: Callable[[], EngineCore | None],
+        costs: Callable[[], CostMeter | None],
+    ) -> None:
+        self._router = router
+        self._engine = engine
+        self._costs = costs
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/admin/explain", self.explain)]
+
+    async def explain(self, request: web.Request) -> web.Response:
+        engine = self._engine()
+        if engine is None:
+            return ApiError(
+                503, "the model is still loading; retry shortly", type="service_unavailable"
+            ).response()
+        try:
+            body = await read_json_object(request)
+            ids = await prompt_token_ids(engine, body)
+            max_tokens = body.get("max_tokens", 16)
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+                raise BadBody("'max_tokens' must be an integer >= 1")
+            slo = _slo(body)
+        except BadBody as exc:
+            return ApiError(400, str(exc)).response()
+        hashes = block_hashes(ids, engine.block_size, engine.model_id)
+        try:
+            decision = self._router.decide(ids, hashes, max_tokens, slo=slo)
+        except RouteError as exc:
+            return ApiError(exc.status, exc.message, type="service_unavailable").response()
+        doc = decision.to_json()
+        doc["prompt_tokens"] = len(ids)
+        doc["prompt_blocks"] = len(hashes)
+        doc["entry_node"] = self._router.node_id
+        doc["slo"] = {
+            "ttft_s": (slo or self._router.slo).ttft_s,
+            "tbt_s": (slo or self._router.slo).tbt_s,
+        }
+        return json_response(doc)
+
+    def status_section(self) -> dict[str, Any]:
+        """The "conductor" section of /admin/status: policy, SLOs, this node's
+        cost model and how well it fits, and the decisions counted so far."""
+        r = self._router
+        costs = self._costs()
+        out: dict[str, Any] = {
+            "policy": r.params.policy.value,
+            "early_reject": r.params.early_reject.value,
+            "slo": {"ttft_s": r.slo.ttft_s, "tbt_s": r.slo.tbt_s},
+            "decisions": [
+                {"policy": p, "outcome": o, "count": n} for (p, o), n in sorted(r.decisions.items())
+            ],
+            "rejections": [
+                {"policy": p, "reason": o, "count": n} for (p, o), n in sorted(r.rejections.items())
+            ],
+            "pending_placements": len(r.ledger),
+        }
+        if costs is not None:
+            model = costs.costs()
+            out["costs"] = model.to_json()
+            out["cost_samples"] = costs.fitter.num_samples
+            err = costs.fitter.median_relative_error()
+            out["cost_median_relative_error"] = None if err != err else round(err, 4)
+            out["profiled"] = costs.profiled
+            out["expected_output_tokens"] = round(costs.lengths.mean(), 1)
+        return out
+
+
+class ConductorCollector:
+    """Decisions and rejections by policy, outcome and reason; the fitted costs."""
+
+    def __init__(self, router: Router, costs: Callable[[], CostMeter | None]) -> None:
+        self._router = router
+        self._costs = costs
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        r = self._router
+        decisions = CounterMetricFamily(
+            "mooncaked_conductor_decisions",
+            "Placement decisions by policy and outcome (colocated, disaggregated, fetch, "
+            "rejected).",
+            labels=["policy", "outcome"],
+        )
+        for (policy, outcome), n in sorted(r.decisions.items()):
+            decisions.add_metric([policy, outcome], n)
+        yield decisions
+        rejections = CounterMetricFamily(
+            "mooncaked_conductor_rejections",
+            "Requests rejected at admission, by policy and reason.",
+            labels=["policy", "reason"],
+        )
+        for (policy, reason), n in sorted(r.rejections.items()):
+            rejections.add_metric([policy, reason], n)
+        yield rejections
+        costs = self._costs()
+        if costs is not None:
+            step = costs.fitter.cost
+            coef = GaugeMetricFamily(
+                "mooncaked_cost_model_coefficient",
+                "This node's fitted step-time model (seconds per unit of each term).",
+                labels=["term"],
+            )
+            for term, value in zip(
+                ("base", "prefill_token", "prefill_pair", "decode_seq", "decode_ctx_token"),
+                step.coefficients(),
+                strict=True,
+            ):
+                coef.add_metric([term], value)
+            yield coef
