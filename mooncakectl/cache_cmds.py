@@ -149,7 +149,7 @@ def lookup_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
-def _token_ids(text: str) -> list[int]:
+def parse_token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
@@ -189,7 +189,7 @@ def cache(args: argparse.Namespace, env: Env) -> int:
         if args.token_ids:
             if args.prompt is not None:
                 raise ValueError("give the prompt as text or as --token-ids, not both")
-            prompt: str | list[int] = _token_ids(args.token_ids)
+            prompt: str | list[int] = parse_token_ids(args.token_ids)
         elif args.prompt:
             prompt = args.prompt
         else:

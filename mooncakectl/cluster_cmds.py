@@ -17,7 +17,17 @@ from mooncakectl.client import Client, DaemonUnreachable
 from mooncakectl.commands import print_fields, print_json
 from mooncakectl.registry import Env, ExitStatus, command
 
-NODE_COLUMNS = ("node", "role", "state", "load", "kv usage", "cached blocks", "last heard")
+NODE_COLUMNS = (
+    "node",
+    "role",
+    "state",
+    "load",
+    "kv usage",
+    "cached blocks",
+    "last heard",
+    "queue",
+    "cost model",
+)
 
 
 def _state(node: dict[str, Any]) -> str:
@@ -60,9 +70,34 @@ def node_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
                 "-" if kv is None else f"{100.0 * float(kv):.1f}%",
                 str(node.get("cached_blocks", 0)),
                 "-" if node.get("self") else _ago(float(node.get("last_heard_s", 0.0))),
+                _queue(st) if st else "-",
+                _cost_model(st) if st else "-",
             )
         )
     return rows
+
+
+def _queue(st: dict[str, Any]) -> str:
+    """The node's own forecast of a new prefill's wait."""
+    q = (st.get("load") or {}).get("predicted_queue_s")
+    return "-" if q is None else f"{float(q) * 1e3:.0f}ms"
+
+
+def _cost_model(st: dict[str, Any]) -> str:
+    """The fitted step model in two figures an operator can judge: a 1k-token
+    prefill and one decode step at batch 8 with 1k tokens of context each."""
+    step = (st.get("costs") or {}).get("step") or {}
+    base = float(step.get("base_s", 0.0))
+    if not base and not float(step.get("token_s", 0.0)):
+        return "not measured"
+    n = 1024
+    prefill = (
+        base
+        + n * float(step.get("token_s", 0.0))
+        + float(step.get("pair_s", 0.0)) * (n * (n + 1) / 2)
+    )
+    decode = base + 8 * float(step.get("seq_s", 0.0)) + 8 * n * float(step.get("ctx_s", 0.0))
+    return f"prefill 1k {prefill * 1e3:.0f}ms, decode@8 {decode * 1e3:.1f}ms"
 
 
 def _print_table(env: Env, title: str, rows: list[tuple[str, ...]]) -> None:
@@ -73,7 +108,7 @@ def _print_table(env: Env, title: str, rows: list[tuple[str, ...]]) -> None:
         table = Table(title=title)
         for col in NODE_COLUMNS:
             table.add_column(
-                col, justify="right" if col in ("kv usage", "cached blocks") else "left"
+                col, justify="right" if col in ("kv usage", "cached blocks", "queue") else "left"
             )
         for row in rows:
             style = None if row[2] in ("alive", "draining") else "red"
@@ -264,4 +299,110 @@ def drain(args: argparse.Namespace, env: Env) -> int:
         print_json(env, {**answer, "url": url, "stopped": True})
     else:
         env.stdout.write(f"{node_id} stopped\n")
+    return ExitStatus.OK
+
+
+# -- explain ------------------------------------------------------------------------
+
+PREFILL_COLUMNS = ("node", "cached", "remote", "queue", "transfer", "prefill", "ttft", "note")
+DECODE_COLUMNS = ("node", "batch now", "batch at join", "tbt", "within slo")
+
+
+def _ms(v: Any) -> str:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return "-"
+    return "inf" if f != f or f == float("inf") else f"{f * 1e3:.1f}ms"
+
+
+def explain_rows(doc: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+    chosen = doc.get("placement") or {}
+    first = (chosen.get("prefill") or [chosen.get("decode")])[0]
+    pre = []
+    for s in doc.get("prefill_candidates", []):
+        mark = " *" if s.get("node_id") == first else ""
+        remote = f"{s.get('remote_blocks')} on {s.get('holder')}" if s.get("holder") else "-"
+        pre.append(
+            (
+                f"{s.get('node_id')}{mark}",
+                f"{s.get('local_blocks')} blk",
+                remote,
+                _ms(s.get("queue_s")),
+                _ms(s.get("transfer_s")) if s.get("fetch") else "-",
+                _ms(s.get("prefill_s")),
+                _ms(s.get("ttft_s")),
+                ("fetch; " if s.get("fetch") else "")
+                + (s.get("note") or "")
+                + ("" if s.get("costs_known") else "costs not measured yet"),
+            )
+        )
+    dec = []
+    for s in doc.get("decode_candidates", []):
+        mark = " *" if s.get("node_id") == chosen.get("decode") else ""
+        dec.append(
+            (
+                f"{s.get('node_id')}{mark}",
+                str(s.get("batch_now")),
+                str(s.get("batch_at_join")),
+                _ms(s.get("tbt_s")) if s.get("costs_known") else "-",
+                "yes" if s.get("within_slo") else "no",
+            )
+        )
+    return pre, dec
+
+
+def _configure_explain(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", help="the prompt text")
+    p.add_argument("--token-ids", metavar="IDS", help="the prompt as comma-separated token ids")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens asked (default 16)")
+    p.add_argument("--ttft-ms", type=float, help="judge against this TTFT SLO (ms)")
+    p.add_argument("--tbt-ms", type=float, help="judge against this TBT SLO (ms)")
+
+
+@command(
+    "explain",
+    "where the Conductor would run a prompt now, and why: every candidate's cached "
+    "prefix, TTFT terms and predicted TBT",
+    configure=_configure_explain,
+)
+def explain(args: argparse.Namespace, env: Env) -> int:
+    from mooncakectl.cache_cmds import parse_token_ids
+
+    if args.token_ids:
+        if args.prompt is not None:
+            raise ValueError("give the prompt as text or as --token-ids, not both")
+        prompt: str | list[int] = parse_token_ids(args.token_ids)
+    elif args.prompt:
+        prompt = args.prompt
+    else:
+        raise ValueError("'explain' needs a prompt (text, or --token-ids)")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": args.max_tokens}
+    if args.ttft_ms is not None or args.tbt_ms is not None:
+        for flag, v in (("--ttft-ms", args.ttft_ms), ("--tbt-ms", args.tbt_ms)):
+            if v is not None and not 0 <= v <= 3_600_000:
+                raise ValueError(f"{flag} must be in [0, 3600000], got {v:g}")
+        body["slo"] = {"ttft_ms": args.ttft_ms or 0, "tbt_ms": args.tbt_ms or 0}
+    doc = env.client(args).post_json("/admin/explain", body)
+    if args.json:
+        print_json(env, doc)
+        return ExitStatus.OK
+    env.stdout.write(
+        f"entry {doc.get('entry_node')}, policy {doc.get('policy')}, "
+        f"prompt {doc.get('prompt_tokens')} tokens ({doc.get('prompt_blocks')} blocks)\n"
+    )
+    pre, dec = explain_rows(doc)
+    if pre:
+        env.stdout.write("\nprefill candidates (* chosen)\n")
+        _print_plain(env, PREFILL_COLUMNS, pre)
+    if dec:
+        env.stdout.write("\ndecode candidates (* chosen)\n")
+        _print_plain(env, DECODE_COLUMNS, dec)
+    rejected = doc.get("rejected")
+    if rejected:
+        env.stdout.write(f"\nrejected ({rejected.get('status')}): {rejected.get('reason')}\n")
+    else:
+        env.stdout.write(f"\n{doc.get('why')}\n")
     return ExitStatus.OK

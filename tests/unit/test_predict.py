@@ -1,0 +1,150 @@
+"""Cost models: the fit recovers known coefficients, forecasts and the wire form."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mooncaked.cluster.predict import (
+    DecodeWork,
+    LinkMeter,
+    NodeCosts,
+    OutputLengths,
+    PrefillWork,
+    StepCost,
+    StepFeatures,
+    StepFitter,
+    fit_nonnegative,
+    forecast_decode,
+    predicted_queue_s,
+    prefill_pairs,
+)
+from mooncaked.cluster.state import NodeLoad, NodeState
+from mooncaked.cluster.wire import WireError, state_from_json, state_to_json
+
+TRUE = StepCost(base_s=0.004, token_s=2e-4, pair_s=3e-8, seq_s=5e-4, ctx_s=2e-7)
+
+
+def test_prefill_pairs_count_queries_times_keys() -> None:
+    assert prefill_pairs(1, 0) == 1
+    assert prefill_pairs(4, 0) == 1 + 2 + 3 + 4
+    assert prefill_pairs(2, 10) == 11 + 12
+
+
+def test_the_fit_recovers_the_coefficients_of_mixed_steps() -> None:
+    rng = random.Random(1)
+    fitter = StepFitter(refit_every=10**9)
+    for _ in range(300):
+        n = rng.choice([0, 0, rng.randrange(2, 2048)])
+        start = rng.randrange(0, 2048)
+        seqs = rng.randrange(0, 32)
+        ctx = seqs * rng.randrange(1, 2048)
+        f = StepFeatures(n, prefill_pairs(n, start) if n else 0, seqs, ctx)
+        noise = 1.0 + rng.uniform(-0.02, 0.02)
+        fitter.add(f, TRUE.step_s(f) * noise)
+    got = fitter.refit()
+    for want, have in zip(TRUE.coefficients(), got.coefficients(), strict=True):
+        assert have == pytest.approx(want, rel=0.15)
+    assert fitter.median_relative_error() < 0.02
+
+
+def test_the_fit_never_goes_negative() -> None:
+    # Time falls with tokens in these samples: a negative slope fits best,
+    # but a cost cannot be negative.
+    rows = [(1.0, float(n), 0.0, 0.0, 0.0) for n in (10, 20, 30)]
+    coef = fit_nonnegative(rows, [0.3, 0.2, 0.1])
+    assert all(c >= 0.0 for c in coef) and coef[1] == 0.0
+
+
+def test_prefill_time_sums_the_chunks() -> None:
+    one = TRUE.prefill_s(1000, 0)
+    chunked = TRUE.prefill_s(1000, 0, chunk_tokens=256)
+    by_hand = sum(
+        TRUE.step_s(StepFeatures(k, prefill_pairs(k, pos), 0, 0))
+        for pos, k in ((0, 256), (256, 256), (512, 256), (768, 232))
+    )
+    assert chunked == pytest.approx(by_hand)
+    # Four step overheads instead of one; the same attention pairs.
+    assert chunked == pytest.approx(one + 3 * TRUE.base_s)
+    # A cached prefix makes the rest dearer (attention over it).
+    assert TRUE.prefill_s(500, 500) > TRUE.prefill_s(500, 0)
+    costs = NodeCosts(TRUE, 1000, 256, 64)
+    work = [PrefillWork(1000, 0), PrefillWork(10, 100)]
+    assert predicted_queue_s(costs, work) == pytest.approx(
+        chunked + TRUE.prefill_s(10, 100, chunk_tokens=256)
+    )
+    assert predicted_queue_s(NodeCosts(), work) == 0.0
+
+
+def test_output_lengths_condition_on_what_was_produced() -> None:
+    lengths = OutputLengths(default_tokens=50)
+    assert lengths.expected_more(0, 1000) == 50
+    for n in (10, 10, 100, 100):
+        lengths.add(n)
+    assert lengths.expected_more(0, 1000) == pytest.approx(55)
+    # Past 10 tokens only the long ones remain: 100 - 20.
+    assert lengths.expected_more(20, 1000) == pytest.approx(80)
+    assert lengths.expected_more(20, 30) == 30
+
+
+def test_the_decode_forecast_drops_requests_as_they_are_expected_to_end() -> None:
+    costs = NodeCosts(StepCost(base_s=0.01), 1000, 256, 64)
+    lengths = OutputLengths()
+    for _ in range(10):
+        lengths.add(100)
+    # Steps of 10 ms: with 10 tokens out, 90 to go (0.9 s); with 90 out, 10
+    # to go (0.1 s); past every length seen, as long again as the mean (1 s)
+    # unless capped by max_tokens (20 more: 0.2 s).
+    work = [
+        DecodeWork(500, 10, 1000),
+        DecodeWork(500, 90, 1000),
+        DecodeWork(500, 150, 1000),
+        DecodeWork(500, 150, 20),
+    ]
+    fc = forecast_decode(costs, work, lengths)
+    assert fc.batch[0] == 2  # at 0.5 s
+    assert fc.batch[1] == 0  # at 1 s
+    b, _ = fc.at(0.25, 4, 2000)
+    assert 2.0 < b < 4.0
+
+
+def test_link_meter_averages_and_ignores_small_transfers() -> None:
+    links = LinkMeter(alpha=0.5, min_bytes=1000)
+    links.add("a", 100, 0.001)
+    assert links.links() == ()
+    links.add("a", 10_000_000, 0.01)
+    links.add("a", 10_000_000, 0.02)
+    links.add("b", 10_000_000, 1.0)
+    assert links.links() == (("a", 750_000_000.0), ("b", 10_000_000.0))
+    costs = NodeCosts(links=links.links())
+    assert costs.link_bps("b") == 10_000_000.0
+    assert costs.link_bps("zzz") == 750_000_000.0  # the median of those measured
+
+
+def _state(costs: NodeCosts) -> NodeState:
+    return NodeState(
+        "n", 1, 1, "h:1", "prefill", "m", "h:2", False, NodeLoad(), 0, 0, 0, costs=costs
+    )
+
+
+def test_costs_and_forecast_cross_the_wire_and_bad_ones_are_refused() -> None:
+    costs = NodeCosts(TRUE, 1000, 256, 64, links=(("a", 1e9),))
+    st = _state(costs)
+    back = state_from_json(state_to_json(st))
+    assert back.costs == costs and back.forecast == st.forecast
+    for bad in (
+        [-1.0, 0, 0, 0, 0, 1, 1, 1, []],
+        [1e9, 0, 0, 0, 0, 1, 1, 1, []],
+        [0, 0, 0, 0, 0, 1, 1, 1, [["a", 1.0]] * 9],
+        [0, 0, 0, 0, 0, 1, 1, 1, [["", 1.0]]],
+        [0, 0, 0, 0, 0],
+    ):
+        doc = state_to_json(st)
+        doc["costs"] = bad
+        with pytest.raises(WireError):
+            state_from_json(doc)
+    doc = state_to_json(st)
+    doc["fc"] = [[1.0] * 6, [1.0] * 5]
+    with pytest.raises(WireError):
+        state_from_json(doc)
