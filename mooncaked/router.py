@@ -45,7 +45,7 @@ from mooncaked.cluster.conductor import (
     Slo,
     decide,
 )
-from mooncaked.cluster.predict import OutputLengths
+from mooncaked.cluster.predict import Calibration, OutputLengths
 from mooncaked.cluster.state import ClusterView
 from mooncaked.config import ConductorConfig, SloConfig
 from mooncaked.engine.core import EngineCore
@@ -118,6 +118,9 @@ class Submission:
         self._planned_prefill = False
         # The first placement (its predictions go back to the client).
         self.placement: Placement | None = None
+        self._first_token_at: float | None = None
+        self._tbt_from = 0
+        self._tbt_reported = False
 
     # -- iteration ---------------------------------------------------------------
 
@@ -170,6 +173,7 @@ class Submission:
             self._num_cached = out.num_cached_tokens
         if out.new_token_ids:
             self.phase = "decoding"
+            self._observe(len(self._tokens))
         if out.finished:
             self._done = True
         return dataclasses.replace(
@@ -180,6 +184,24 @@ class Submission:
             num_output_tokens=offset + len(out.new_token_ids),
             prefill_node=self.prefill_node,
         )
+
+    def _observe(self, num_tokens: int) -> None:
+        """Measured TTFT and time between tokens, against what was predicted."""
+        p = self.placement
+        if p is None or self._router.resumed_since(self):
+            return
+        now = self._router.clock()
+        if self._first_token_at is None:
+            self._first_token_at = now
+            if p.model_ttft_s > 0.0:
+                self._router.ttft_calibration.add(p.model_ttft_s, now - self.req.arrival)
+            self._tbt_from = num_tokens
+            return
+        # The mean gap over the tokens after the first, once enough arrived.
+        n = num_tokens - self._tbt_from
+        if n >= 8 and p.model_tbt_s > 0.0 and self._tbt_reported is False:
+            self._tbt_reported = True
+            self._router.tbt_calibration.add(p.model_tbt_s, (now - self._first_token_at) / n)
 
     # -- placement ---------------------------------------------------------------
 
@@ -385,6 +407,9 @@ class Router:
         self.slo = Slo(slo_cfg.ttft_s, slo_cfg.tbt_s)
         self._lengths = lengths
         self.ledger = PendingLedger()
+        # Forecasts corrected by what this entry measured of its requests.
+        self.ttft_calibration = Calibration()
+        self.tbt_calibration = Calibration()
         self._rng = random.Random()
         self._session: aiohttp.ClientSession | None = None
         self.inflight: dict[str, Submission] = {}
@@ -399,6 +424,14 @@ class Router:
     @property
     def node_id(self) -> str:
         return self._node_id()
+
+    def clock(self) -> float:
+        return self._clock()
+
+    def resumed_since(self, sub: Submission) -> bool:
+        """Whether ``sub`` ran on more than one decode node (its timing is no
+        measure of one placement's forecast)."""
+        return sub._attempts > 1
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -459,7 +492,14 @@ class Router:
             ),
             now,
             exclude=failed,
-            params=dataclasses.replace(self.params, block_size=engine.block_size),
+            params=dataclasses.replace(
+                self.params,
+                block_size=engine.block_size,
+                ttft_offset_s=self.ttft_calibration.offset_s,
+                ttft_scale=self.ttft_calibration.scale,
+                tbt_offset_s=self.tbt_calibration.offset_s,
+                tbt_scale=self.tbt_calibration.scale,
+            ),
             slo=self.slo,
             pending=self.ledger.pending(view, now),
             rng=self._rng,

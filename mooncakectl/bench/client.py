@@ -21,6 +21,8 @@ from mooncakectl.client import DaemonError, DaemonUnreachable
 
 PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
 DECODE_NODE_HEADER = "x-mooncaked-decode-node"
+PREDICTED_TTFT_HEADER = "x-mooncaked-predicted-ttft-ms"
+PREDICTED_TBT_HEADER = "x-mooncaked-predicted-tbt-ms"
 API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Error messages kept per record: enough to tell errors apart, not whole pages.
 _MAX_ERROR_CHARS = 300
@@ -31,6 +33,13 @@ class ServerInfo:
     model: str
     max_model_len: int | None
     vocab_size: int | None
+
+
+def _header_ms(v: str | None) -> float | None:
+    try:
+        return float(v) if v else None
+    except ValueError:
+        return None
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -192,6 +201,8 @@ async def send_request(
             rec.status = resp.status
             rec.prefill_node = resp.headers.get(PREFILL_NODE_HEADER)
             rec.decode_node = resp.headers.get(DECODE_NODE_HEADER)
+            rec.predicted_ttft_ms = _header_ms(resp.headers.get(PREDICTED_TTFT_HEADER))
+            rec.predicted_tbt_ms = _header_ms(resp.headers.get(PREDICTED_TBT_HEADER))
             if resp.status != 200:
                 raw = await resp.read()
                 rec.end_s = clock()

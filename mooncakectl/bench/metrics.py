@@ -62,6 +62,9 @@ class RequestRecord:
     cached_tokens: int | None = None
     prefill_node: str | None = None
     decode_node: str | None = None
+    # The server's own forecasts for the request (mooncaked's Conductor), ms.
+    predicted_ttft_ms: float | None = None
+    predicted_tbt_ms: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -102,6 +102,15 @@ class ConductorAPI:
                 {"policy": p, "reason": o, "count": n} for (p, o), n in sorted(r.rejections.items())
             ],
             "pending_placements": len(r.ledger),
+            # This entry's correction of the models by what it measured.
+            "calibration": {
+                name: {
+                    "offset_s": round(c.offset_s, 6),
+                    "scale": round(c.scale, 4),
+                    "samples": len(c),
+                }
+                for name, c in (("ttft", r.ttft_calibration), ("tbt", r.tbt_calibration))
+            },
         }
         if costs is not None:
             model = costs.costs()

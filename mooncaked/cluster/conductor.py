@@ -124,6 +124,20 @@ class ConductorParams:
     # Seconds per prompt token assumed of a node whose costs are unknown yet
     # (a ranking aid only: it never rejects).
     nominal_token_s: float = 1e-4
+    # The entry node's correction of the models' forecasts by what it
+    # measured (predict.Calibration): TTFT = offset + scale x model, TBT =
+    # tbt_offset + tbt_scale x model. Monotonic, so it never changes a
+    # ranking; it changes what is promised and what is rejected.
+    ttft_offset_s: float = 0.0
+    ttft_scale: float = 1.0
+    tbt_offset_s: float = 0.0
+    tbt_scale: float = 1.0
+
+    def ttft(self, model_s: float) -> float:
+        return self.ttft_offset_s + self.ttft_scale * model_s if model_s > 0.0 else model_s
+
+    def tbt(self, model_s: float) -> float:
+        return self.tbt_offset_s + self.tbt_scale * model_s if model_s > 0.0 else model_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,9 +180,12 @@ class Placement:
     # (False: recompute what it does not hold itself).
     fetch: bool = True
     # The Conductor's forecast, for the client's headers and for checking
-    # predictions against what happens (0: not predicted).
+    # predictions against what happens (0: not predicted); calibrated by
+    # what the entry measured, and as the cost models alone gave them.
     predicted_ttft_s: float = 0.0
     predicted_tbt_s: float = 0.0
+    model_ttft_s: float = 0.0
+    model_tbt_s: float = 0.0
 
     @property
     def colocated(self) -> bool:
@@ -264,6 +281,8 @@ class Decision:
                 "fetch": r.fetch,
                 "predicted_ttft_s": round(r.predicted_ttft_s, 6),
                 "predicted_tbt_s": round(r.predicted_tbt_s, 6),
+                "model_ttft_s": round(r.model_ttft_s, 6),
+                "model_tbt_s": round(r.model_tbt_s, 6),
             }
         else:
             out["rejected"] = {
@@ -444,18 +463,21 @@ def decide(
         placement = Placement(
             decode=d.cand,
             fetch=params.policy is Policy.CONDUCTOR,
-            predicted_ttft_s=0.0,
-            predicted_tbt_s=dbest.tbt_s,
+            predicted_tbt_s=params.tbt(dbest.tbt_s),
+            model_tbt_s=dbest.tbt_s,
         )
         why = "no prefill node alive: the decode node prefills itself"
         return Decision(placement, params.policy, tuple(scores), tuple(dscores), why)
     assert best is not None
+    model_ttft = best.ttft_s if best.costs_known else 0.0
     placement = Placement(
         decode=d.cand,
         prefill=tuple(n.cand for n in chosen),
         fetch=best.fetch,
-        predicted_ttft_s=best.ttft_s if best.costs_known else 0.0,
-        predicted_tbt_s=dbest.tbt_s,
+        predicted_ttft_s=params.ttft(model_ttft),
+        predicted_tbt_s=params.tbt(dbest.tbt_s),
+        model_ttft_s=model_ttft,
+        model_tbt_s=dbest.tbt_s,
     )
     return Decision(
         placement, params.policy, tuple(scores), tuple(dscores), _why(params, best, dbest)
@@ -490,11 +512,14 @@ def _colocated(
             code="tbt_slo",
         )
         return Decision(reject, params.policy, tuple(scores), (d,), reject.reason)
+    model_ttft = best.ttft_s if best.costs_known else 0.0
     placement = Placement(
         decode=node.cand,
         fetch=True,
-        predicted_ttft_s=best.ttft_s if best.costs_known else 0.0,
-        predicted_tbt_s=d.tbt_s,
+        predicted_ttft_s=params.ttft(model_ttft),
+        predicted_tbt_s=params.tbt(d.tbt_s),
+        model_ttft_s=model_ttft,
+        model_tbt_s=d.tbt_s,
     )
     return Decision(placement, params.policy, tuple(scores), (d,), "colocated: one engine")
 
@@ -631,15 +656,16 @@ def _check_ttft(params: ConductorParams, slo: Slo, best: PrefillScore | None) ->
         or params.early_reject is EarlyReject.OFF
         or slo.ttft_s <= 0.0
         or not best.costs_known
-        or best.ttft_s <= slo.ttft_s
+        or params.ttft(best.ttft_s) <= slo.ttft_s
     ):
         return None
+    ttft = params.ttft(best.ttft_s)
     return Reject(
         429,
-        f"predicted time to first token {best.ttft_s:.2f} s exceeds the SLO of "
+        f"predicted time to first token {ttft:.2f} s exceeds the SLO of "
         f"{slo.ttft_s:.2f} s (queue {best.queue_s:.2f} s on the best node, {best.node_id}); "
         "retry later",
-        retry_after_s=max(1.0, math.ceil(best.ttft_s - slo.ttft_s)),
+        retry_after_s=max(1.0, math.ceil(ttft - slo.ttft_s)),
         code="ttft_slo",
     )
 
@@ -671,7 +697,7 @@ def _decode_score(
         else 0.0
     )
     room = n.costs.max_batch <= 0 or batch + 1 <= n.costs.max_batch
-    within = room and (not known or slo.tbt_s <= 0.0 or tbt <= slo.tbt_s)
+    within = room and (not known or slo.tbt_s <= 0.0 or params.tbt(tbt) <= slo.tbt_s)
     return DecodeScore(n.cand.node_id, batch_now, round(batch, 3), tbt, within, known)
 
 

@@ -192,65 +192,58 @@ def fit_nonnegative(
     Tries every subset of the columns (there are five), solving the normal
     equations on each, and keeps the best fit whose coefficients are all
     non-negative. ``relative`` weighs each row by 1/y, minimizing relative
-    error (what a latency forecast is judged by). Columns that never vary
-    from zero get a 0 coefficient.
+    error (what a latency forecast is judged by). The weighted Gram matrix
+    is built once, in one pass over the samples; each subset then costs a
+    5x5 solve, so a refit is cheap enough for the event loop.
     """
     if not rows:
         raise ValueError("no samples to fit")
     n = len(rows[0])
-    weights = [1.0 / y if relative and y > 0 else 1.0 for y in ys]
+    # Columns scaled to unit size: token pairs reach 1e8 where the intercept
+    # is 1, and an unscaled system loses the small coefficients.
+    scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(n)]
+    gram = [[0.0] * n for _ in range(n)]
+    rhs = [0.0] * n
+    yy = 0.0
+    for row, y in zip(rows, ys, strict=True):
+        w2 = 1.0 / (y * y) if relative and y > 0 else 1.0
+        x = [row[j] / scale[j] for j in range(n)]
+        yy += w2 * y * y
+        for i in range(n):
+            wx = w2 * x[i]
+            rhs[i] += wx * y
+            gi = gram[i]
+            for j in range(i, n):
+                gi[j] += wx * x[j]
+    for i in range(n):
+        for j in range(i):
+            gram[i][j] = gram[j][i]
     best: tuple[float, tuple[float, ...]] | None = None
     for size in range(1, n + 1):
         for cols in itertools.combinations(range(n), size):
-            coef = _solve_ls(rows, ys, weights, cols)
+            a = [[gram[i][j] for j in cols] for i in cols]
+            b = [rhs[i] for i in cols]
+            coef = _gauss(a, b)
             if coef is None or any(c < 0.0 for c in coef):
                 continue
-            full = [0.0] * n
-            for c, j in zip(coef, cols, strict=True):
-                full[j] = c
-            err = 0.0
-            for row, y, w in zip(rows, ys, weights, strict=True):
-                r = (sum(a * b for a, b in zip(full, row, strict=True)) - y) * w
-                err += r * r
-            if best is None or err < best[0] - 1e-15:
+            # Weighted squared error from the Gram matrix: y'y - 2c'b + c'Ac.
+            err = yy - 2.0 * sum(c * bi for c, bi in zip(coef, b, strict=True))
+            err += sum(
+                coef[i] * a[i][j] * coef[j] for i in range(len(cols)) for j in range(len(cols))
+            )
+            if best is None or err < best[0] - 1e-12 * max(1.0, yy):
+                full = [0.0] * n
+                for c, j in zip(coef, cols, strict=True):
+                    full[j] = c / scale[j]
                 best = (err, tuple(full))
     if best is None:
         return tuple(0.0 for _ in range(n))
     return best[1]
 
 
-def _solve_ls(
-    rows: Sequence[Sequence[float]],
-    ys: Sequence[float],
-    weights: Sequence[float],
-    cols: Sequence[int],
-) -> list[float] | None:
-    """Weighted least squares on ``cols`` by the normal equations; None if singular."""
-    k = len(cols)
-    # Columns are scaled to unit size first: token pairs reach 1e8 where the
-    # intercept is 1, and an unscaled system loses the small coefficients.
-    scale = []
-    for j in cols:
-        m = max(abs(r[j]) for r in rows)
-        scale.append(m if m > 0 else 1.0)
-    a = [[0.0] * k for _ in range(k)]
-    b = [0.0] * k
-    for row, y, w in zip(rows, ys, weights, strict=True):
-        x = [row[j] / s for j, s in zip(cols, scale, strict=True)]
-        w2 = w * w
-        for i in range(k):
-            b[i] += w2 * x[i] * y
-            for j in range(k):
-                a[i][j] += w2 * x[i] * x[j]
-    sol = _gauss(a, b)
-    if sol is None:
-        return None
-    return [v / s for v, s in zip(sol, scale, strict=True)]
-
-
 def _gauss(a: list[list[float]], b: list[float]) -> list[float] | None:
     n = len(b)
-    m = [[*row[:], bv] for row, bv in zip(a, b, strict=True)]
+    m = [[*row, bv] for row, bv in zip(a, b, strict=True)]
     for col in range(n):
         piv = max(range(col, n), key=lambda r: abs(m[r][col]))
         if abs(m[piv][col]) < 1e-12:
@@ -269,7 +262,7 @@ class StepFitter:
     """Fits ``StepCost`` to measured steps: profiled ones kept for good, recent
     online ones in a window, refitted every ``refit_every`` samples."""
 
-    def __init__(self, *, window: int = 512, refit_every: int = 64) -> None:
+    def __init__(self, *, window: int = 256, refit_every: int = 16) -> None:
         self._pinned: list[tuple[StepFeatures, float]] = []
         self._recent: deque[tuple[StepFeatures, float]] = deque(maxlen=window)
         self._refit_every = refit_every
@@ -442,3 +435,42 @@ def predicted_tbt_s(
         k = max(1, min(queued_prefill_tokens, costs.chunk_tokens - b))
         t += costs.step.token_s * k + costs.step.pair_s * prefill_pairs(k, 0)
     return t
+
+
+class Calibration:
+    """Measured ≈ offset + scale × predicted, fitted on recent requests.
+
+    The step model prices compute; what a client waits for also holds the
+    hops between nodes, the handoff and the event loops' other work. An
+    entry node sees both the forecast and the outcome of every request it
+    placed, so it corrects its forecasts by a line fitted to the recent
+    pairs (relative least squares, both terms >= 0; scale kept within
+    ``max_scale``). Until ``min_samples`` pairs it is the identity.
+    """
+
+    def __init__(self, *, window: int = 128, min_samples: int = 8, max_scale: float = 20.0) -> None:
+        self._pairs: deque[tuple[float, float]] = deque(maxlen=window)
+        self._min = min_samples
+        self._max_scale = max_scale
+        self.offset_s = 0.0
+        self.scale = 1.0
+        self._since_fit = 0
+
+    def add(self, predicted_s: float, measured_s: float) -> None:
+        if predicted_s <= 0.0 or measured_s <= 0.0:
+            return
+        self._pairs.append((predicted_s, measured_s))
+        self._since_fit += 1
+        if len(self._pairs) >= self._min and self._since_fit >= 4:
+            self._since_fit = 0
+            offset, scale = fit_nonnegative(
+                [(1.0, p) for p, _ in self._pairs], [m for _, m in self._pairs]
+            )
+            if scale > 0.0:
+                self.offset_s, self.scale = offset, min(scale, self._max_scale)
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def apply(self, predicted_s: float) -> float:
+        return self.offset_s + self.scale * predicted_s if predicted_s > 0.0 else predicted_s

@@ -148,11 +148,16 @@ class EngineCore:
             max_model_len=self.max_model_len,
         )
         self.load = EngineLoad()
-        # Called after every step with its plan and its seconds (cost models
-        # learn from them), and with every finished request.
+        # Called with every step's plan and its seconds (cost models learn
+        # from them), and with every finished request. A step's seconds are
+        # the time from its start to the next step's start while the engine
+        # stays busy (what a request waiting on steps sees: the forward pass
+        # plus scheduling, outputs and the event loop's other work), or to
+        # its own end before an idle wait.
         self.step_listeners: list[Callable[[StepPlan, float], None]] = []
         self.finish_listeners: list[Callable[[Request], None]] = []
-        self._step_started = 0.0
+        # The last step run: (its plan, its start, its end), until reported.
+        self._last_step: tuple[StepPlan, float, float] | None = None
         self._pending_aborts: set[str] = set()
         self._wakeup = asyncio.Event()
         # One thread: forward passes are serialized, and torch uses its own
@@ -371,6 +376,7 @@ class EngineCore:
         return plan
 
     async def _idle(self) -> None:
+        self._report_step(None)
         if not len(self.outputs) and self._checked_at_step != self.num_steps:
             # Idle: a cheap moment for the pool's self-check.
             self._checked_at_step = self.num_steps
@@ -380,7 +386,9 @@ class EngineCore:
 
     async def _run(self, plan: StepPlan) -> list[SampledToken | None] | None:
         loop = asyncio.get_running_loop()
-        self._step_started = time.perf_counter()
+        self._report_step(time.perf_counter())
+        started = time.perf_counter()
+        self._last_step = (plan, started, started)
         try:
             return await loop.run_in_executor(
                 self._executor, self.runner.execute, plan, self.connector
@@ -393,15 +401,25 @@ class EngineCore:
 
     def _postprocess(self, plan: StepPlan, results: list[SampledToken | None]) -> None:
         self.num_steps += 1
-        if self.step_listeners:
-            seconds = time.perf_counter() - self._step_started
-            for listener in self.step_listeners:
-                try:
-                    listener(plan, seconds)
-                except Exception:
-                    log.exception("step listener failed")
+        last = self._last_step
+        if last is not None and last[0] is plan:
+            self._last_step = (plan, last[1], time.perf_counter())
         self._emit(self.scheduler.update(plan, results))
         self.connector.after_step()
+
+    def _report_step(self, next_start: float | None) -> None:
+        """Tell the step listeners of the last step: its period up to
+        ``next_start``, or (before an idle wait) its own duration."""
+        last, self._last_step = self._last_step, None
+        if last is None or not self.step_listeners:
+            return
+        plan, started, ended = last
+        seconds = (next_start if next_start is not None else ended) - started
+        for listener in self.step_listeners:
+            try:
+                listener(plan, seconds)
+            except Exception:
+                log.exception("step listener failed")
 
     def _emit(self, reqs: list[Request]) -> None:
         """Send what new tokens add; take out the requests they finished."""

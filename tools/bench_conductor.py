@@ -1,0 +1,387 @@
+"""The Conductor's policies side by side on a loopback cluster replaying a trace.
+
+    python tools/bench_conductor.py --trace ../shared/data/traces/conversation_trace.jsonl
+    python tools/bench_conductor.py --trace T --count 150 --time-scale 2 --overload 3
+
+For each policy (``--policies``, default random, load_balance, local_cache,
+conductor) a fresh cluster of ``--prefill`` prefill + ``--decode`` decode
+``python -m mooncaked`` daemons starts with ``[conductor] policy`` set, waits
+until every node's profiled costs have reached the entry node by gossip, and
+``mooncakectl bench trace`` replays the same slice of the trace at its
+timestamps (``--time-scale`` stretches them to fit the machine) against the
+entry (the decode node). Printed per policy: mean and p90 TTFT, SLO
+attainment (requests meeting ``--slo-ttft-ms`` and ``--slo-tbt-ms`` over all
+sent), goodput (requests/s meeting both), rejections; and ratios against
+``load_balance``.
+
+Prediction accuracy: every response carries the Conductor's predicted TTFT
+and TBT (headers); over the requests of the ``conductor`` run, the median of
+|predicted - measured| / measured for each.
+
+``--overload F`` adds an overload comparison: the same slice F times faster
+with ``[slo]`` set, early rejection on the current decode load vs on the
+load forecast for when the prefill ends: rejected requests, and the share of
+admitted ones meeting both SLOs.
+
+The machine may be shared and small: compare the ratios of one run, not
+absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import itertools
+
+from bench_disagg import SECRET, Cluster, free_port
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+POLICIES = ("random", "load_balance", "local_cache", "conductor")
+
+
+def _sections(args: argparse.Namespace, node_id: str, role: str) -> dict[str, dict[str, Any]]:
+    return {
+        "node": {"id": node_id, "role": role, "cluster_secret": SECRET},
+        "server": {"host": "127.0.0.1", "port": 0, "drain_timeout_s": 5.0},
+        "model": {"cpu_threads": args.cpu_threads, "path": args.model},
+        "kv": {"num_blocks": args.kv_blocks},
+        "scheduler": {"max_num_batched_tokens": args.max_batched_tokens},
+        "store": {"dram_bytes": args.dram_mb << 20},
+        "log": {"level": "warning", "format": "json"},
+    }
+
+
+async def _costs_everywhere(session: aiohttp.ClientSession, url: str, n: int) -> None:
+    """Until the entry's view holds ``n`` nodes, each with a measured cost model."""
+    deadline = time.monotonic() + 180.0
+    while True:
+        try:
+            async with session.get(f"{url}/admin/cluster") as resp:
+                doc = await resp.json()
+            known = [
+                node
+                for node in doc.get("nodes", [])
+                if node.get("status") == "alive"
+                and ((node.get("state") or {}).get("costs") or {}).get("step", {}).get("base_s", 0)
+                > 0
+            ]
+            if len(known) >= n:
+                return
+        except (aiohttp.ClientError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}: the cluster's costs did not all arrive within 180 s")
+        await asyncio.sleep(0.5)
+
+
+async def run_policy(
+    args: argparse.Namespace,
+    workdir: Path,
+    label: str,
+    conductor: dict[str, Any],
+    slo: dict[str, Any],
+    time_scale: float,
+) -> dict[str, Any]:
+    ns = argparse.Namespace(**vars(args))
+    cluster = Cluster(ns, workdir)
+    try:
+        gossip = free_port()
+        daemons = []
+        for i in range(args.prefill):
+            s = _sections(args, f"{label}-p{i}", "prefill")
+            s["conductor"] = conductor
+            s["slo"] = slo
+            s["cluster"] = (
+                {"gossip_port": gossip, "gossip_interval_s": 0.1}
+                if i == 0
+                else {"seeds": [f"127.0.0.1:{gossip}"], "gossip_interval_s": 0.1}
+            )
+            daemons.append(await cluster.start(f"{label}-p{i}", s))
+        entry = None
+        for i in range(args.decode):
+            s = _sections(args, f"{label}-d{i}", "decode")
+            s["conductor"] = conductor
+            s["slo"] = slo
+            s["cluster"] = {"seeds": [f"127.0.0.1:{gossip}"], "gossip_interval_s": 0.1}
+            d = await cluster.start(f"{label}-d{i}", s)
+            entry = entry or d
+            daemons.append(d)
+        assert entry is not None
+        async with aiohttp.ClientSession() as session:
+            await _costs_everywhere(session, entry.url, len(daemons))
+        out = workdir / f"{label}.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "mooncakectl",
+            "bench",
+            "trace",
+            args.trace,
+            "--url",
+            entry.url,
+            "--trace-start",
+            str(args.start),
+            "--trace-count",
+            str(args.count),
+            "--trace-block-tokens",
+            str(args.block_tokens),
+            "--output-scale",
+            str(args.output_scale),
+            "--time-scale",
+            str(time_scale),
+            "--goodput",
+            f"ttft:{args.slo_ttft_ms}",
+            f"tpot:{args.slo_tbt_ms}",
+            "--result-json",
+            str(out),
+            "--label",
+            label,
+        ]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO_ROOT
+        )
+        _stdout, stderr = await proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"bench for {label} failed ({proc.returncode}):\n{stderr.decode()[-2000:]}"
+            )
+        result = json.loads(out.read_text())
+        # The nodes' own view of their costs after the run.
+        async with aiohttp.ClientSession() as session:
+            result["node_costs"] = {}
+            for d in daemons:
+                async with session.get(f"{d.url}/admin/status") as resp:
+                    result["node_costs"][d.node_id] = (await resp.json()).get("conductor")
+        return result
+    finally:
+        await cluster.stop()
+
+
+def _ttft_ms(rec: dict[str, Any]) -> float | None:
+    chunks = rec.get("chunk_s") or []
+    if rec.get("error_kind") is not None or not chunks:
+        return None
+    return (chunks[0] - rec["start_s"]) * 1e3
+
+
+def _tbt_ms(rec: dict[str, Any]) -> float | None:
+    chunks = rec.get("chunk_s") or []
+    if rec.get("error_kind") is not None or len(chunks) < 3:
+        return None
+    gaps = [b - a for a, b in itertools.pairwise(chunks)]
+    return statistics.fmean(gaps) * 1e3
+
+
+def summarize(result: dict[str, Any], slo_ttft_ms: float, slo_tbt_ms: float) -> dict[str, Any]:
+    recs = [r for r in result.get("requests", []) if not r.get("warmup")]
+    ttfts = sorted(t for r in recs if (t := _ttft_ms(r)) is not None)
+    rejected = sum(1 for r in recs if r.get("error_kind") == "rejected")
+    errors = sum(1 for r in recs if r.get("error_kind") not in (None, "rejected"))
+    admitted = [r for r in recs if r.get("error_kind") is None]
+
+    def good(r: dict[str, Any]) -> bool:
+        t, g = _ttft_ms(r), _tbt_ms(r)
+        return t is not None and t <= slo_ttft_ms and (g is None or g <= slo_tbt_ms)
+
+    num_good = sum(1 for r in admitted if good(r))
+    ends = [r["end_s"] for r in recs if r.get("end_s") is not None]
+    duration = max(ends) if ends else 0.0
+    return {
+        "sent": len(recs),
+        "completed": len(admitted),
+        "rejected": rejected,
+        "errors": errors,
+        "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else None,
+        "p90_ttft_ms": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+        "slo_attainment": num_good / len(recs) if recs else None,
+        "admitted_meeting_slo": num_good / len(admitted) if admitted else None,
+        "goodput_rps": num_good / duration if duration else None,
+        "cached_tokens": sum(r.get("cached_tokens") or 0 for r in admitted),
+    }
+
+
+def accuracy(result: dict[str, Any]) -> dict[str, Any]:
+    """Median |predicted - measured| / measured of TTFT and TBT over a run."""
+    ttft: list[tuple[float, float]] = []
+    tbt: list[tuple[float, float]] = []
+    for r in result.get("requests", []):
+        t, p = _ttft_ms(r), r.get("predicted_ttft_ms")
+        if t and p:
+            ttft.append((p, t))
+        g, q = _tbt_ms(r), r.get("predicted_tbt_ms")
+        if g and q:
+            tbt.append((q, g))
+
+    def med(pairs: list[tuple[float, float]], f: Any) -> float | None:
+        return statistics.median(f(p, m) for p, m in pairs) if pairs else None
+
+    return {
+        "ttft_samples": len(ttft),
+        "ttft_median_rel_error": med(ttft, lambda p, m: abs(p - m) / m),
+        # Predicted / measured: below 1, the model is optimistic.
+        "ttft_median_ratio": med(ttft, lambda p, m: p / m),
+        "tbt_samples": len(tbt),
+        "tbt_median_rel_error": med(tbt, lambda p, m: abs(p - m) / m),
+        "tbt_median_ratio": med(tbt, lambda p, m: p / m),
+        "pairs_ms": {"ttft": ttft, "tbt": tbt},
+    }
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(rows: dict[str, dict[str, Any]], base: str) -> None:
+    cols = (
+        "policy",
+        "sent",
+        "done",
+        "rejected",
+        "mean TTFT ms",
+        "p90 TTFT ms",
+        "SLO attain.",
+        "goodput r/s",
+        "goodput vs " + base,
+        "mean TTFT vs " + base,
+    )
+    b = rows.get(base, {})
+    lines = [cols]
+    for name, s in rows.items():
+        gp = (
+            s["goodput_rps"] / b["goodput_rps"]
+            if b.get("goodput_rps") and s.get("goodput_rps") is not None
+            else None
+        )
+        tt = (
+            s["mean_ttft_ms"] / b["mean_ttft_ms"]
+            if b.get("mean_ttft_ms") and s.get("mean_ttft_ms") is not None
+            else None
+        )
+        lines.append(
+            (
+                name,
+                str(s["sent"]),
+                str(s["completed"]),
+                str(s["rejected"]),
+                _fmt(s["mean_ttft_ms"], ".1f"),
+                _fmt(s["p90_ttft_ms"], ".1f"),
+                _fmt(s["slo_attainment"], ".1%"),
+                _fmt(s["goodput_rps"], ".3f"),
+                _fmt(gp, ".2f") + ("x" if gp is not None else ""),
+                _fmt(tt, ".2f") + ("x" if tt is not None else ""),
+            )
+        )
+    widths = [max(len(r[i]) for r in lines) for i in range(len(cols))]
+    for r in lines:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
+    slo = {"ttft_s": args.slo_ttft_ms / 1e3, "tbt_s": args.slo_tbt_ms / 1e3}
+    with tempfile.TemporaryDirectory(prefix="bench-conductor-") as tmp:
+        workdir = Path(tmp)
+        results: dict[str, dict[str, Any]] = {}
+        summaries: dict[str, dict[str, Any]] = {}
+        for policy in args.policies:
+            # Admission off: every policy serves every request, so the
+            # comparison is of placement alone.
+            conductor = {"policy": policy, "early_reject": "off"}
+            started = time.monotonic()
+            results[policy] = await run_policy(
+                args, workdir, policy, conductor, slo, args.time_scale
+            )
+            summaries[policy] = summarize(results[policy], args.slo_ttft_ms, args.slo_tbt_ms)
+            print(
+                f"  {policy}: {time.monotonic() - started:.0f} s, "
+                f"mean TTFT {_fmt(summaries[policy]['mean_ttft_ms'], '.1f')} ms",
+                file=sys.stderr,
+            )
+        print(
+            f"\npolicies, {args.prefill}P+{args.decode}D, {args.count} trace records from "
+            f"{args.start}, time scale {args.time_scale}, SLO TTFT {args.slo_ttft_ms} ms "
+            f"TBT {args.slo_tbt_ms} ms"
+        )
+        base = "load_balance" if "load_balance" in summaries else next(iter(summaries))
+        print_table(summaries, base)
+        out["policies"] = summaries
+        if "conductor" in results:
+            acc = accuracy(results["conductor"])
+            out["prediction"] = acc
+            out["node_costs"] = results["conductor"].get("node_costs")
+            print(
+                f"\nprediction (conductor run): TTFT median |error| "
+                f"{_fmt(acc['ttft_median_rel_error'], '.1%')} over {acc['ttft_samples']}, "
+                f"TBT median |error| {_fmt(acc['tbt_median_rel_error'], '.1%')} "
+                f"over {acc['tbt_samples']} (median predicted/measured: TTFT "
+                f"{_fmt(acc['ttft_median_ratio'], '.2f')}, TBT {_fmt(acc['tbt_median_ratio'], '.2f')})"
+            )
+        if args.overload:
+            over: dict[str, dict[str, Any]] = {}
+            for mode in ("off", "current", "predicted"):
+                label = f"overload-{mode}"
+                res = await run_policy(
+                    args,
+                    workdir,
+                    label,
+                    {"policy": "conductor", "early_reject": mode},
+                    slo,
+                    args.time_scale / args.overload,
+                )
+                over[mode] = summarize(res, args.slo_ttft_ms, args.slo_tbt_ms)
+            print(f"\noverload: the same slice {args.overload:g}x faster, SLOs enforced")
+            print("early rejection  sent  rejected  admitted meeting SLOs  goodput r/s")
+            for mode, s in over.items():
+                print(
+                    f"{mode:<16} {s['sent']:<5} {s['rejected']:<9} "
+                    f"{_fmt(s['admitted_meeting_slo'], '.1%'):<22} {_fmt(s['goodput_rps'], '.3f')}"
+                )
+            out["overload"] = over
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--trace", required=True, help="a Mooncake trace (JSONL)")
+    p.add_argument("--start", type=int, default=0, help="trace records to skip")
+    p.add_argument("--count", type=int, default=120, help="trace records to replay")
+    p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash id")
+    p.add_argument("--output-scale", type=float, default=0.1)
+    p.add_argument("--time-scale", type=float, default=1.0, help="stretches the arrival gaps")
+    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--cpu-threads", type=int, default=1)
+    p.add_argument("--kv-blocks", type=int, default=4096)
+    p.add_argument("--max-batched-tokens", type=int, default=1024)
+    p.add_argument("--dram-mb", type=int, default=256)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tbt-ms", type=float, default=100.0)
+    p.add_argument("--overload", type=float, default=0.0, help="also run F times faster")
+    p.add_argument("--json", help="write every figure here")
+    args = p.parse_args()
+    bad = [x for x in args.policies if x not in POLICIES]
+    if bad:
+        p.error(f"--policies: unknown {bad}; known {list(POLICIES)}")
+    if not Path(args.trace).is_file():
+        p.error(f"--trace: no file {args.trace!r}")
+    out = asyncio.run(main_async(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
