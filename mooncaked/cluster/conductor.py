@@ -515,7 +515,10 @@ def _colocated(
     model_ttft = best.ttft_s if best.costs_known else 0.0
     placement = Placement(
         decode=node.cand,
-        fetch=True,
+        # One engine: the node's store pulls what peers hold ahead of the
+        # request (a prefetch it cancels past its deadline), as it always
+        # did; the policies without a global cache view never fetch.
+        fetch=params.policy is Policy.CONDUCTOR,
         predicted_ttft_s=params.ttft(model_ttft),
         predicted_tbt_s=params.tbt(d.tbt_s),
         model_ttft_s=model_ttft,

@@ -122,8 +122,8 @@ class CostMeter:
         engine = self._engine
         rng = random.Random(seed)
         vocab = max(2, engine.loaded.arch.vocab_size)
-        longest = max(16, min(2048, engine.max_model_len // 2))
-        lengths = [n for n in (16, 64, 256, 1024, 2048) if n <= longest] or [longest]
+        longest = max(16, min(1024, engine.max_model_len // 2))
+        lengths = [n for n in (16, 64, 256, 1024) if n <= longest] or [longest]
         self._profiling = True
         try:
             for n in lengths:
@@ -131,7 +131,7 @@ class CostMeter:
             batch = min(16, engine.config.scheduler.max_num_seqs)
             await asyncio.gather(
                 *(
-                    self._run(engine, [rng.randrange(1, vocab) for _ in range(32)], 24, "dec", i)
+                    self._run(engine, [rng.randrange(1, vocab) for _ in range(32)], 16, "dec", i)
                     for i in range(batch)
                 )
             )

@@ -22,6 +22,7 @@ batch size and context, and of moving a prefix between two nodes.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
@@ -354,10 +355,25 @@ class OutputLengths:
     def __init__(self, *, window: int = 512, default_tokens: int = 128) -> None:
         self._recent: deque[int] = deque(maxlen=window)
         self._default = default_tokens
+        # The recent lengths sorted, and suffix sums over them; rebuilt on
+        # the first question after a change (a forecast asks once per request).
+        self._sorted: list[int] = []
+        self._suffix: list[int] = [0]
+        self._dirty = False
 
     def add(self, num_tokens: int) -> None:
         if num_tokens > 0:
             self._recent.append(num_tokens)
+            self._dirty = True
+
+    def _index(self) -> None:
+        if self._dirty:
+            self._sorted = sorted(self._recent)
+            suffix = [0] * (len(self._sorted) + 1)
+            for i in range(len(self._sorted) - 1, -1, -1):
+                suffix[i] = suffix[i + 1] + self._sorted[i]
+            self._suffix = suffix
+            self._dirty = False
 
     def __len__(self) -> int:
         return len(self._recent)
@@ -367,9 +383,11 @@ class OutputLengths:
 
     def expected_more(self, produced: int, max_more: int) -> float:
         """E[L - produced | L > produced] over the recent lengths, capped at max_more."""
-        longer = [n - produced for n in self._recent if n > produced]
-        if longer:
-            more = sum(longer) / len(longer)
+        self._index()
+        i = bisect.bisect_right(self._sorted, produced)
+        count = len(self._sorted) - i
+        if count:
+            more = (self._suffix[i] - produced * count) / count
         else:
             # Past every length seen: as long again as the mean, a guess that
             # errs towards keeping the request in the batch.
