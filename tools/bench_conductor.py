@@ -108,55 +108,62 @@ async def run_policy(
                 else {"seeds": [f"127.0.0.1:{gossip}"], "gossip_interval_s": 0.1}
             )
             daemons.append(await cluster.start(f"{label}-p{i}", s))
-        entry = None
         for i in range(args.decode):
             s = _sections(args, f"{label}-d{i}", "decode")
             s["conductor"] = conductor
             s["slo"] = slo
             s["cluster"] = {"seeds": [f"127.0.0.1:{gossip}"], "gossip_interval_s": 0.1}
-            d = await cluster.start(f"{label}-d{i}", s)
-            entry = entry or d
-            daemons.append(d)
-        assert entry is not None
+            daemons.append(await cluster.start(f"{label}-d{i}", s))
         async with aiohttp.ClientSession() as session:
-            await _costs_everywhere(session, entry.url, len(daemons))
-        out = workdir / f"{label}.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "mooncakectl",
-            "bench",
-            "trace",
-            args.trace,
-            "--url",
-            entry.url,
-            "--trace-start",
-            str(args.start),
-            "--trace-count",
-            str(args.count),
-            "--trace-block-tokens",
-            str(args.block_tokens),
-            "--output-scale",
-            str(args.output_scale),
-            "--time-scale",
-            str(time_scale),
-            "--goodput",
-            f"ttft:{args.slo_ttft_ms}",
-            f"tpot:{args.slo_tbt_ms}",
-            "--result-json",
-            str(out),
-            "--label",
-            label,
-        ]
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO_ROOT
-        )
-        _stdout, stderr = await proc.communicate()
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"bench for {label} failed ({proc.returncode}):\n{stderr.decode()[-2000:]}"
+            for d in daemons:
+                await _costs_everywhere(session, d.url, len(daemons))
+        # One client per entry node, each replaying every n-th record of the
+        # slice at its own timestamps (equal hash ids still make equal tokens).
+        entries = daemons[-1:] if args.entries == 1 else daemons[: args.entries]
+        lines: list[str] = args.lines
+        procs = []
+        for i, d in enumerate(entries):
+            part = workdir / f"{label}-{i}.jsonl"
+            part.write_text("".join(lines[i :: len(entries)]))
+            out = workdir / f"{label}-{i}.json"
+            cmd = [
+                sys.executable,
+                "-m",
+                "mooncakectl",
+                "bench",
+                "trace",
+                str(part),
+                "--url",
+                d.url,
+                "--trace-block-tokens",
+                str(args.block_tokens),
+                "--output-scale",
+                str(args.output_scale),
+                "--time-scale",
+                str(time_scale),
+                "--goodput",
+                f"ttft:{args.slo_ttft_ms}",
+                f"tpot:{args.slo_tbt_ms}",
+                "--result-json",
+                str(out),
+                "--label",
+                label,
+            ]
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=REPO_ROOT,
             )
-        result = json.loads(out.read_text())
+            procs.append((proc, out))
+        result: dict[str, Any] = {"requests": []}
+        for proc, out in procs:
+            _stdout, stderr = await proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"bench for {label} failed ({proc.returncode}):\n{stderr.decode()[-2000:]}"
+                )
+            result["requests"].extend(json.loads(out.read_text())["requests"])
         # The nodes' own view of their costs after the run.
         async with aiohttp.ClientSession() as session:
             result["node_costs"] = {}
@@ -288,7 +295,9 @@ def print_table(rows: dict[str, dict[str, Any]], base: str) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "json"}}
+    out: dict[str, Any] = {
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "lines")}
+    }
     slo = {"ttft_s": args.slo_ttft_ms / 1e3, "tbt_s": args.slo_tbt_ms / 1e3}
     with tempfile.TemporaryDirectory(prefix="bench-conductor-") as tmp:
         workdir = Path(tmp)
@@ -309,7 +318,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
             )
         print(
-            f"\npolicies, {args.prefill}P+{args.decode}D, {args.count} trace records from "
+            f"\npolicies, {args.prefill}P+{args.decode}D, {args.entries} entry node(s), "
+            f"{args.count} trace records from "
             f"{args.start}, time scale {args.time_scale}, SLO TTFT {args.slo_ttft_ms} ms "
             f"TBT {args.slo_tbt_ms} ms"
         )
@@ -370,6 +380,13 @@ def main() -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument("--overload", type=float, default=0.0, help="also run F times faster")
+    p.add_argument(
+        "--entries",
+        type=int,
+        default=1,
+        help="nodes the clients enter at (1: the decode node; n: the first n nodes, "
+        "each its share of the records), to compare decisions on different views",
+    )
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args()
     bad = [x for x in args.policies if x not in POLICIES]
@@ -377,6 +394,8 @@ def main() -> int:
         p.error(f"--policies: unknown {bad}; known {list(POLICIES)}")
     if not Path(args.trace).is_file():
         p.error(f"--trace: no file {args.trace!r}")
+    with open(args.trace) as f:
+        args.lines = [ln for ln in f if ln.strip()][args.start : args.start + args.count]
     out = asyncio.run(main_async(args))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -1,0 +1,60 @@
+"""tools/bench_conductor.py's figures from a result of known requests."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load() -> ModuleType:
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_conductor", REPO_ROOT / "tools/bench_conductor.py"
+    )
+    if spec is None or spec.loader is None:
+        raise RuntimeError("cannot load tools/bench_conductor.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bc = _load()
+
+
+def rec(start: float, chunks: list[float], **kw: Any) -> dict[str, Any]:
+    return {"start_s": start, "chunk_s": chunks, "end_s": chunks[-1] if chunks else None, **kw}
+
+
+def test_summary_counts_slo_attainment_over_all_sent_and_goodput() -> None:
+    result = {
+        "requests": [
+            # TTFT 0.5 s, gaps of 50 ms: meets 1 s / 100 ms.
+            rec(0.0, [0.5, 0.55, 0.60, 0.65], predicted_ttft_ms=400.0, predicted_tbt_ms=50.0),
+            # TTFT 2 s: misses.
+            rec(0.0, [2.0, 2.05, 2.10], predicted_ttft_ms=1000.0, predicted_tbt_ms=25.0),
+            # Rejected.
+            {"start_s": 0.1, "chunk_s": [], "end_s": None, "error_kind": "rejected"},
+            # Meets; ends last, at 4 s.
+            rec(3.0, [3.2, 3.3, 3.4, 4.0]),
+        ]
+    }
+    s = bc.summarize(result, slo_ttft_ms=1000.0, slo_tbt_ms=100.0)
+    # The last one's gaps: 100, 100, 600 ms -> mean 266 ms: misses TBT.
+    assert (s["sent"], s["completed"], s["rejected"], s["errors"]) == (4, 3, 1, 0)
+    assert s["slo_attainment"] == pytest.approx(1 / 4)
+    assert s["admitted_meeting_slo"] == pytest.approx(1 / 3)
+    assert s["goodput_rps"] == pytest.approx(1 / 4.0)
+    assert s["mean_ttft_ms"] == pytest.approx((500 + 2000 + 200) / 3)
+    acc = bc.accuracy(result)
+    # |400-500|/500 = 0.2 and |1000-2000|/2000 = 0.5: median 0.35.
+    assert acc["ttft_samples"] == 2 and acc["ttft_median_rel_error"] == pytest.approx(0.35)
+    assert acc["ttft_median_ratio"] == pytest.approx((0.8 + 0.5) / 2)
+    # TBT: 50 vs 50 (0) and 25 vs 50 (0.5).
+    assert acc["tbt_median_rel_error"] == pytest.approx(0.25)
