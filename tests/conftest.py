@@ -46,6 +46,11 @@ drain_timeout_s = 20.0
 [kv]
 num_blocks = 512
 
+# The start-up cost profile costs seconds a daemon; tests that need the
+# cost model turn it back on.
+[conductor]
+profile = false
+
 [log]
 level = "info"
 format = "json"
@@ -55,9 +60,13 @@ _START_TIMEOUT_S = 60.0
 
 
 def make_config(**sections: dict[str, Any]) -> Config:
-    """Defaults for an in-process Node: ephemeral port, small KV pool."""
+    """Defaults for an in-process Node: ephemeral port, small KV pool, no
+    start-up cost profile (seconds a node; tests of the cost model ask for it)."""
     base = with_overrides(
-        Config(), server={"port": 0, "drain_timeout_s": 20.0}, kv={"num_blocks": 512}
+        Config(),
+        server={"port": 0, "drain_timeout_s": 20.0},
+        kv={"num_blocks": 512},
+        conductor={"profile": False},
     )
     return with_overrides(base, **sections) if sections else base
 

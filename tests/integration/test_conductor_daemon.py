@@ -32,7 +32,7 @@ def costs_known_everywhere(cluster: Cluster) -> bool:
 async def test_costs_gossip_placement_explain_and_slo_rejection(
     cluster_factory: ClusterFactory,
 ) -> None:
-    cluster = await cluster_factory(["prefill", "decode"])
+    cluster = await cluster_factory(["prefill", "decode"], conductor={"profile": True})
     prefill, decode = cluster.nodes
     await wait_until(lambda: costs_known_everywhere(cluster), "costs gossiped to every node", 30)
 
@@ -132,7 +132,9 @@ async def test_costs_gossip_placement_explain_and_slo_rejection(
 
 
 async def test_a_single_node_rejects_what_its_tbt_slo_cannot_keep() -> None:
-    node = Node(make_config(slo={"tbt_s": 1e-6}, conductor={"early_reject": "current"}))
+    node = Node(
+        make_config(slo={"tbt_s": 1e-6}, conductor={"early_reject": "current", "profile": True})
+    )
     await node.start()
     try:
         await wait_until(
