@@ -290,7 +290,7 @@ def test_wire_roundtrip_of_state_and_blocks() -> None:
         wire.Codec(b"another-secret", "x").open(packet, 1400)
     with pytest.raises(wire.WireError, match="exceeds"):
         codec.open(packet, 10)
-    bad = dict(wire.state_to_json(st), load=[1, 2, "x", 4])
+    bad = dict(wire.state_to_json(st), load=[1, 2, "x", 4, 0, 0])
     with pytest.raises(wire.WireError):
         wire.state_from_json(bad)
     with pytest.raises(ValueError):

@@ -602,9 +602,9 @@ def _state_of(net: SimNet, node_id: str, **changes: object) -> dict[str, object]
         lambda net: _state_of(net, "n1", ver=10**6, bver=TOP),
         lambda net: _state_of(net, "n1", ver=10**6, nblk=TOP),
         lambda net: _state_of(net, "n1", ver=10**6, sver=TOP),
-        lambda net: _state_of(net, "n1", ver=10**6, load=[TOP, 0, 0.5, 0.0]),
-        lambda net: _state_of(net, "n1", ver=10**6, load=[0, 0, 7.5, 0.0]),
-        lambda net: _state_of(net, "n1", ver=10**6, load=[0, 0, 0.5, -1.0]),
+        lambda net: _state_of(net, "n1", ver=10**6, load=[TOP, 0, 0.5, 0.0, 0, 0]),
+        lambda net: _state_of(net, "n1", ver=10**6, load=[0, 0, 7.5, 0.0, 0, 0]),
+        lambda net: _state_of(net, "n1", ver=10**6, load=[0, 0, 0.5, -1.0, 0, 0]),
     ],
 )
 def test_out_of_range_fields_are_dropped_counted_and_never_applied(make) -> None:
