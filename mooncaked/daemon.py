@@ -64,7 +64,7 @@ from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.auth import auth_middleware
-from mooncaked.api.disagg import DisaggAPI, PrefillClient, TransferKVWriter
+from mooncaked.api.disagg import DisaggAPI, PrefillClient, TransferKVWriter, TransferWriteGrants
 from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus, StepHistograms
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
 from mooncaked.api.limits import BODY_TIMEOUT_S
@@ -92,7 +92,7 @@ from mooncaked.engine.store_connector import TieredStoreConnector
 from mooncaked.notify import Notifier
 from mooncaked.router import Router
 from mooncaked.secrets import is_loopback
-from mooncaked.transfer import TransferEngine
+from mooncaked.transfer import Access, TransferEngine
 
 EngineFactory = Callable[[Config], EngineCore]
 
@@ -437,9 +437,9 @@ class Node:
                 # The KV cache in shared memory the transfer engine exposes:
                 # prefill nodes write a prompt's KV straight into its blocks
                 # (over shm on this host, tcp or rdma elsewhere).
-                return torch.frombuffer(
-                    transfer.allocate(KV_SEGMENT, nbytes).view.cast("B"), dtype=torch.uint8
-                )
+                # Peers write into it only blocks granted to them (Access.GRANTED).
+                segment = transfer.allocate(KV_SEGMENT, nbytes, Access.GRANTED)
+                return torch.frombuffer(segment.view.cast("B"), dtype=torch.uint8)
 
         # Loading reads weights and builds tensors for seconds or minutes:
         # off the loop, so /health keeps answering meanwhile.
@@ -452,7 +452,9 @@ class Node:
         if transfer.segment(KV_SEGMENT) is None:
             # Device memory, or an engine built by a custom factory: reachable
             # over tcp (through a bounce buffer for device memory).
-            transfer.register(KV_SEGMENT, engine.runner.kv_buffer.view(-1).view(torch.uint8))
+            transfer.register(
+                KV_SEGMENT, engine.runner.kv_buffer.view(-1).view(torch.uint8), Access.GRANTED
+            )
         self._log.info("model loaded", load_s=round(self._clock() - t0, 3))
         return engine
 
@@ -474,6 +476,7 @@ class Node:
                 layout=layout,
                 prefill=prefill_client.prefill,
                 grant_ttl_s=cfg.disagg.grant_ttl_s,
+                write_grants=TransferWriteGrants(transfer),
             )
             sender = KVSender(
                 TransferKVWriter(transfer),
@@ -541,7 +544,11 @@ class Node:
         if num_slots:
             # Shared memory registered with the transfer engine: peers read the
             # slots they lease, over shm when on this host, else tcp or rdma.
-            backing = transfer.allocate(DRAM_SEGMENT, num_slots * layout.block_bytes).view
+            # Read-only to peers: they fetch from it, none may write (a write
+            # would be served to clients as cached KV).
+            backing = transfer.allocate(
+                DRAM_SEGMENT, num_slots * layout.block_bytes, Access.READ
+            ).view
         # A node listed among its own peers would only ever miss.
         self._peer_urls = tuple(u for u in cfg.peers if u.rstrip("/") != self.url)
         async with contextlib.AsyncExitStack() as stack:

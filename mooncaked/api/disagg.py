@@ -54,7 +54,7 @@ from mooncaked.request import (
     sampling_to_dict,
 )
 from mooncaked.rpc import SIGNATURE_HEADER, derive_key, sign, verify
-from mooncaked.transfer import TransferEngine, TransferOp
+from mooncaked.transfer import TransferEngine, TransferOp, WriteGrant
 
 log = structlog.get_logger(__name__)
 
@@ -279,6 +279,29 @@ class TransferKVWriter:
             return False, failures[0][1] if failures else "transfer failed"
         except Exception as exc:  # the transfer engine refused the batch
             return False, repr(exc)
+
+
+class TransferWriteGrants:
+    """The KV receiver's ``WriteGrants`` over the transfer engine: a grant's
+    blocks, in every layer's K and V plane of the KV segment, open to one peer."""
+
+    def __init__(self, transfer: TransferEngine) -> None:
+        self._transfer = transfer
+
+    def open(self, grant: KVGrant, peer: str, ttl_s: float) -> WriteGrant:
+        lay = grant.layout
+        return self._transfer.grant_write(
+            grant.segment,
+            peer,
+            block_bytes=lay.block_bytes,
+            blocks_per_plane=lay.num_blocks,
+            block_ids=grant.block_ids,
+            ttl_s=ttl_s,
+        )
+
+    def close(self, handle: object) -> None:
+        if isinstance(handle, WriteGrant):
+            self._transfer.revoke(handle)
 
 
 class PrefillClient:
