@@ -11,7 +11,6 @@ import asyncio
 import fcntl
 import mmap
 import os
-import socket
 import stat
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -24,7 +23,7 @@ from mooncaked.transfer import protocol as p
 from mooncaked.transfer.access import GrantTable, WriteGrant, parse_access
 from mooncaked.transfer.rdma import mr_access_flags
 from mooncaked.transfer.segment import SegmentDescriptor
-from mooncaked.transfer.tcp import parse_address
+from tests.transfer_attack import raw_write
 
 SECRET = b"access-unit-secret"
 TCP = TransferConfig(transports=("tcp",))
@@ -118,31 +117,15 @@ async def victim() -> AsyncIterator[TransferEngine]:
         yield engine
 
 
-def raw_write(address: str, node_id: str, segment: str, offset: int, data: bytes) -> int:
-    """Authenticate as ``node_id`` and send one WRITE frame by hand; its status."""
-    host, port = parse_address(address)
-    with socket.create_connection((host, port), timeout=5.0) as sock:
-        p.client_handshake(sock, SECRET, node_id, p.Channel.STREAM)
-        p.send_control(sock, p.FrameKind.LOOKUP, {"names": [segment]})
-        reply = p.recv_control(sock, p.FrameKind.LOOKUP)
-        seg_id = reply["segments"][0]["id"]  # type: ignore[index]
-        record = p.OP_RECORD.pack(p.OpCode.WRITE, seg_id, offset, len(data))
-        sock.sendall(p.FRAME.pack(p.FrameKind.DATA, 1, 0, len(data)) + record + data)
-        head = p.recv_exact(sock, p.FRAME.size + p.STATUS_RECORD.size)
-        status, _aux = p.STATUS_RECORD.unpack_from(head, p.FRAME.size)
-        # The connection still serves: the refused payload was swallowed.
-        p.send_control(sock, p.FrameKind.LOOKUP, {"names": [segment]})
-        assert p.recv_control(sock, p.FrameKind.LOOKUP)
-        return int(status)
-
-
 async def test_writing_into_a_read_only_segment_is_refused_and_counted(
     victim: TransferEngine,
 ) -> None:
     seg = victim.allocate("dram", 4096)  # Access.READ: the default
     assert seg.access is Access.READ
     seg.view[:] = bytes(range(256)) * 16
-    status = await asyncio.to_thread(raw_write, victim.address, "evil", "dram", 0, b"\0" * 4096)
+    status, _ = await asyncio.to_thread(
+        raw_write, victim.address, SECRET, "evil", "dram", 0, b"\0" * 4096
+    )
     assert status == p.Status.FORBIDDEN
     assert bytes(seg.view) == bytes(range(256)) * 16
     m = victim.metrics()
