@@ -216,6 +216,8 @@ class StoreConfig:
     peer_max_fetches: int = 8
     # DRAM leases granted to peers at once; beyond this lookups find nothing.
     peer_max_leases: int = 256
+    # Of those, leases one reader may hold at once, so no peer takes them all.
+    peer_max_leases_per_reader: int = 32
 
     def __post_init__(self) -> None:
         _check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
@@ -235,6 +237,7 @@ class StoreConfig:
         _check(self.peer_fetch_timeout_s > 0, "peer_fetch_timeout_s", "must be > 0")
         _check(self.peer_max_fetches > 0, "peer_max_fetches", "must be > 0")
         _check(self.peer_max_leases > 0, "peer_max_leases", "must be > 0")
+        _check(self.peer_max_leases_per_reader > 0, "peer_max_leases_per_reader", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
