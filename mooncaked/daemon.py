@@ -71,7 +71,7 @@ from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
 from mooncaked.api.recent import RecentRequests
-from mooncaked.api.server import server_kwargs, with_expect_handler
+from mooncaked.api.server import CappedTCPSite, server_kwargs, with_expect_handler
 from mooncaked.api.ui import ui_routes
 from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher
@@ -140,6 +140,8 @@ class Node:
         self._failure: BaseException | None = None
         self._failed = asyncio.Event()
         self._runner: web.AppRunner | None = None
+        # The API's listening site (its refused-connection count), while serving.
+        self.http_site: CappedTCPSite | None = None
         self._port: int | None = None
         self._stack: AsyncExitStack | None = None
         self._stopping = False
@@ -403,8 +405,15 @@ class Node:
         await runner.setup()
         try:
             cfg = self._config.server
-            site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+            site = CappedTCPSite(
+                runner,
+                cfg.host,
+                cfg.port,
+                max_connections=cfg.max_connections,
+                reuse_address=True,
+            )
             await site.start()
+            self.http_site = site
             self._runner = runner
             self._port = _bound_port(runner, cfg.port)
             self._log = self._log.bind(node=self.node_id)
@@ -418,6 +427,7 @@ class Node:
             yield
         finally:
             self._runner = None
+            self.http_site = None
             await runner.cleanup()
 
     async def _build_engine(self, transfer: TransferEngine) -> EngineCore:

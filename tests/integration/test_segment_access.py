@@ -55,6 +55,8 @@ async def test_writing_into_a_holders_dram_tier_is_refused_and_its_kv_served_int
         st = await get_json(s, holder.url + "/admin/cache/stats?check=1")
         assert st["transfer"]["served_forbidden"] == 2
         assert st["integrity"] == "ok"
+        metrics = await (await s.get(holder.url + "/metrics")).text()
+        assert "mooncaked_transfer_ops_refused_total 2.0" in metrics
 
         warm = await complete(s, reader.url, ids)
         assert cached(warm) == 10 * BLOCK
