@@ -302,7 +302,12 @@ class KVReceiver(KVConnector):
         hold = self._hold(job.block_ids)
         for i, target in enumerate(source.targets):
             t0 = self._clock()
-            opened = self._open_grant(grant, target.node_id)
+            try:
+                opened = self._open_grant(grant, target.node_id)
+            except ValueError as exc:
+                # Nothing could write the blocks: no node is worth asking.
+                log.error("cannot open a KV grant; computing it here", error=str(exc))
+                break
             try:
                 reply = await self._prefill(target, req, grant)
             except PrefillError as exc:
