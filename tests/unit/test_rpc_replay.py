@@ -17,8 +17,9 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
-from mooncaked.api.internal import LOOKUP_PATH, MAX_LOOKUP_BYTES, RELEASE_PATH
+from mooncaked.api.internal import LOOKUP_PATH, MAX_LOOKUP_BYTES, RELEASE_PATH, InternalAPI
 from mooncaked.cache.peer import LeaseDesk
 from mooncaked.rpc import (
     NONCE_HEADER,
@@ -148,15 +149,22 @@ async def raw_request(url: str, head: str) -> bytes:
         writer.close()
 
 
-async def test_unsigned_or_oversized_calls_are_refused_before_their_body(
-    tmp_path: Path,
-) -> None:
-    async with AsyncExitStack() as stack:
-        holder = await make(stack, "holder", tmp_path)
+async def test_unsigned_or_oversized_calls_are_refused_before_their_body() -> None:
+    api = InternalAPI(secret=SECRET, node_id=lambda: "holder", holding=lambda: None)
+    app = web.Application()
+    app.add_routes(api.routes())
+    # aiohttp drains an unread body for lingering_time after answering; short
+    # here so the test's server closes at once.
+    runner = web.AppRunner(app, lingering_time=0.1)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         big = MAX_LOOKUP_BYTES + 1
         # No body follows either head: an answer proves it was never waited for.
         unsigned = f"POST {LOOKUP_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {big}\r\n\r\n"
-        assert (await raw_request(holder.url, unsigned)).startswith(b"HTTP/1.1 401")
+        assert (await raw_request(url, unsigned)).startswith(b"HTTP/1.1 401")
         ts = f"{time.time():.3f}"
         nonce = "ab" * 16
         signature = sign(KEY, "POST", LOOKUP_PATH, ts, nonce, b"")
@@ -165,7 +173,10 @@ async def test_unsigned_or_oversized_calls_are_refused_before_their_body(
             f"{TIMESTAMP_HEADER}: {ts}\r\n{NONCE_HEADER}: {nonce}\r\n"
             f"{SIGNATURE_HEADER}: {signature}\r\n\r\n"
         )
-        assert (await raw_request(holder.url, oversized)).startswith(b"HTTP/1.1 413")
+        assert (await raw_request(url, oversized)).startswith(b"HTTP/1.1 413")
+        assert api.num_unauthorized == 1
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.parametrize("per_reader", [1, 2])
