@@ -139,6 +139,8 @@ class ServerConfig:
     # A connection with no complete request for this long is closed: an idle
     # keep-alive, or headers that trickle in (slow clients holding sockets).
     idle_timeout_s: float = 75.0
+    # Connections served at once; one more is answered 503 and closed unread.
+    max_connections: int = 1024
     # Keys /v1 accepts as "Authorization: Bearer <key>"; empty: /v1 is open.
     api_keys: tuple[str, ...] = ()
     # Token /admin needs as "Authorization: Bearer <token>"; empty: /admin is open.
@@ -151,6 +153,7 @@ class ServerConfig:
         _check(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
         _check(self.body_timeout_s > 0, "body_timeout_s", "must be > 0")
         _check(self.idle_timeout_s > 0, "idle_timeout_s", "must be > 0")
+        _check(self.max_connections > 0, "max_connections", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +219,8 @@ class StoreConfig:
     peer_max_fetches: int = 8
     # DRAM leases granted to peers at once; beyond this lookups find nothing.
     peer_max_leases: int = 256
+    # Of those, leases one reader may hold at once, so no peer takes them all.
+    peer_max_leases_per_reader: int = 32
 
     def __post_init__(self) -> None:
         _check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
@@ -235,6 +240,7 @@ class StoreConfig:
         _check(self.peer_fetch_timeout_s > 0, "peer_fetch_timeout_s", "must be > 0")
         _check(self.peer_max_fetches > 0, "peer_max_fetches", "must be > 0")
         _check(self.peer_max_leases > 0, "peer_max_leases", "must be > 0")
+        _check(self.peer_max_leases_per_reader > 0, "peer_max_leases_per_reader", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,12 +392,22 @@ class Config:
     # Where the config came from, for messages; not a TOML key.
     source: str = field(default="<defaults>", compare=False)
 
+    def __post_init__(self) -> None:
+        # The node's files live under its state directory: a relative SSD tier
+        # path is taken from there, not from wherever the daemon was started.
+        ssd = self.store.ssd_path
+        if ssd and not os.path.isabs(ssd):
+            store = dataclasses.replace(self.store, ssd_path=str(self.data_dir / ssd))
+            object.__setattr__(self, "store", store)
+
     @property
     def node_id(self) -> str:
         return self.node.id or f"{socket.gethostname()}-{self.server.port}"
 
     @property
     def data_dir(self) -> Path:
+        """``node.data_dir``, or a per-user, per-node directory under the system
+        temp dir; the parent of a relative ``store.ssd_path``."""
         if self.node.data_dir:
             return Path(self.node.data_dir)
         import tempfile

@@ -65,14 +65,14 @@ from aiohttp import web
 from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.auth import auth_middleware
 from mooncaked.api.conductor_api import ConductorAPI, ConductorCollector
-from mooncaked.api.disagg import DisaggAPI, PrefillClient, TransferKVWriter
+from mooncaked.api.disagg import DisaggAPI, PrefillClient, TransferKVWriter, TransferWriteGrants
 from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus, StepHistograms
 from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
 from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
 from mooncaked.api.recent import RecentRequests
-from mooncaked.api.server import server_kwargs, with_expect_handler
+from mooncaked.api.server import CappedTCPSite, server_kwargs, with_expect_handler
 from mooncaked.api.ui import ui_routes
 from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher
@@ -93,7 +93,7 @@ from mooncaked.engine.store_connector import TieredStoreConnector
 from mooncaked.notify import Notifier
 from mooncaked.router import Router
 from mooncaked.secrets import is_loopback
-from mooncaked.transfer import TransferEngine
+from mooncaked.transfer import Access, TransferEngine
 
 EngineFactory = Callable[[Config], EngineCore]
 
@@ -141,6 +141,8 @@ class Node:
         self._failure: BaseException | None = None
         self._failed = asyncio.Event()
         self._runner: web.AppRunner | None = None
+        # The API's listening site (its refused-connection count), while serving.
+        self.http_site: CappedTCPSite | None = None
         self._port: int | None = None
         self._stack: AsyncExitStack | None = None
         self._stopping = False
@@ -414,8 +416,15 @@ class Node:
         await runner.setup()
         try:
             cfg = self._config.server
-            site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+            site = CappedTCPSite(
+                runner,
+                cfg.host,
+                cfg.port,
+                max_connections=cfg.max_connections,
+                reuse_address=True,
+            )
             await site.start()
+            self.http_site = site
             self._runner = runner
             self._port = _bound_port(runner, cfg.port)
             self._log = self._log.bind(node=self.node_id)
@@ -429,6 +438,7 @@ class Node:
             yield
         finally:
             self._runner = None
+            self.http_site = None
             await runner.cleanup()
 
     async def _build_engine(self, transfer: TransferEngine) -> EngineCore:
@@ -448,9 +458,9 @@ class Node:
                 # The KV cache in shared memory the transfer engine exposes:
                 # prefill nodes write a prompt's KV straight into its blocks
                 # (over shm on this host, tcp or rdma elsewhere).
-                return torch.frombuffer(
-                    transfer.allocate(KV_SEGMENT, nbytes).view.cast("B"), dtype=torch.uint8
-                )
+                # Peers write into it only blocks granted to them (Access.GRANTED).
+                segment = transfer.allocate(KV_SEGMENT, nbytes, Access.GRANTED)
+                return torch.frombuffer(segment.view.cast("B"), dtype=torch.uint8)
 
         # Loading reads weights and builds tensors for seconds or minutes:
         # off the loop, so /health keeps answering meanwhile.
@@ -463,7 +473,9 @@ class Node:
         if transfer.segment(KV_SEGMENT) is None:
             # Device memory, or an engine built by a custom factory: reachable
             # over tcp (through a bounce buffer for device memory).
-            transfer.register(KV_SEGMENT, engine.runner.kv_buffer.view(-1).view(torch.uint8))
+            transfer.register(
+                KV_SEGMENT, engine.runner.kv_buffer.view(-1).view(torch.uint8), Access.GRANTED
+            )
         self._log.info("model loaded", load_s=round(self._clock() - t0, 3))
         return engine
 
@@ -485,6 +497,7 @@ class Node:
                 layout=layout,
                 prefill=prefill_client.prefill,
                 grant_ttl_s=cfg.disagg.grant_ttl_s,
+                write_grants=TransferWriteGrants(transfer),
             )
             sender = KVSender(
                 TransferKVWriter(transfer),
@@ -559,7 +572,11 @@ class Node:
         if num_slots:
             # Shared memory registered with the transfer engine: peers read the
             # slots they lease, over shm when on this host, else tcp or rdma.
-            backing = transfer.allocate(DRAM_SEGMENT, num_slots * layout.block_bytes).view
+            # Read-only to peers: they fetch from it, none may write (a write
+            # would be served to clients as cached KV).
+            backing = transfer.allocate(
+                DRAM_SEGMENT, num_slots * layout.block_bytes, Access.READ
+            ).view
         # A node listed among its own peers would only ever miss.
         self._peer_urls = tuple(u for u in cfg.peers if u.rstrip("/") != self.url)
         async with contextlib.AsyncExitStack() as stack:

@@ -56,7 +56,7 @@ from mooncaked.request import (
     output_from_dict,
     sampling_to_dict,
 )
-from mooncaked.rpc import SIGNATURE_HEADER, derive_key, sign
+from mooncaked.rpc import derive_key, signed_headers
 
 log = structlog.get_logger(__name__)
 
@@ -321,7 +321,7 @@ class _RemoteStream:
         session = self._router.session()
         headers = {
             "Content-Type": "application/json",
-            SIGNATURE_HEADER: sign(self._router.key, "POST", GENERATE_PATH, self._body),
+            **signed_headers(self._router.key, "POST", GENERATE_PATH, self._body),
         }
         try:
             resp = await session.post(

@@ -67,13 +67,14 @@ def _quiet_logs() -> None:
 
 async def run_target(args: argparse.Namespace) -> int:
     from mooncaked.config import TransferConfig
-    from mooncaked.transfer import TransferEngine
+    from mooncaked.transfer import Access, TransferEngine
 
     _quiet_logs()
     config = TransferConfig(host="127.0.0.1", port=args.port, streams_per_peer=args.streams)
     engine = TransferEngine(config, "bench-target", SECRET)
     await engine.start()
-    segment = engine.allocate("bench", args.buffer_size)
+    # The benchmark's clients write as well as read.
+    segment = engine.allocate("bench", args.buffer_size, Access.READ_WRITE)
     assert segment.view is not None
     # Touch every page once so the first run does not pay the page faults.
     _touch(segment.view)

@@ -28,6 +28,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
 from mooncaked.engine.core import (
     EngineClosedError,
     EngineCore,
@@ -53,8 +54,8 @@ from mooncaked.request import (
     sampling_from_dict,
     sampling_to_dict,
 )
-from mooncaked.rpc import SIGNATURE_HEADER, derive_key, sign, verify
-from mooncaked.transfer import TransferEngine, TransferOp
+from mooncaked.rpc import Verifier, derive_key, signed_headers
+from mooncaked.transfer import TransferEngine, TransferOp, WriteGrant
 
 log = structlog.get_logger(__name__)
 
@@ -62,21 +63,9 @@ GENERATE_PATH = "/internal/generate"
 PREFILL_PATH = "/internal/prefill"
 # Largest prompt a node-to-node call carries (token ids).
 MAX_PROMPT_TOKENS = 1 << 20
-
-
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=orjson.dumps({"error": {"message": message, "type": "internal_rpc_error"}}),
-        status=status,
-        headers=headers,
-        content_type="application/json",
-    )
-
-
-class _Bad(Exception):
-    def __init__(self, response: web.Response) -> None:
-        super().__init__(response.status)
-        self.response = response
+# Largest body of either call: the prompt's ids (at most 8 bytes each as
+# JSON), a grant of as many block ids, the sampling parameters.
+MAX_CALL_BYTES = 16 * MAX_PROMPT_TOKENS + (1 << 20)
 
 
 def _token_ids(raw: Any) -> list[int]:
@@ -106,38 +95,29 @@ class DisaggAPI:
         sender: Callable[[], KVSender | None],
         draining: Callable[[], bool],
     ) -> None:
-        self._key = derive_key(secret)
+        self.verifier = Verifier(secret)
         self._node_id = node_id
         self._role = role
         self._engine = engine
         self._sender = sender
         self._draining = draining
-        self.num_unauthorized = 0
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post(GENERATE_PATH, self.generate), web.post(PREFILL_PATH, self.prefill)]
 
+    @property
+    def num_unauthorized(self) -> int:
+        return self.verifier.num_unauthorized
+
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        got = request.headers.get(SIGNATURE_HEADER, "")
-        if not got:
-            raise _Bad(_error(401, "missing signature (is the cluster secret the same?)"))
-        raw = await request.read()
-        if not verify(self._key, request.method, request.path, raw, got):
-            self.num_unauthorized += 1
-            log.warning("internal.unauthorized", path=request.path, remote=request.remote)
-            raise _Bad(_error(401, "bad signature (is the cluster secret the same?)"))
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise _Bad(_error(400, "body is not JSON")) from None
-        if not isinstance(data, dict):
-            raise _Bad(_error(400, "body must be a JSON object"))
-        return data
+        return await read_signed_json(request, self.verifier, max_bytes=MAX_CALL_BYTES)
 
     def _ready_engine(self) -> EngineCore:
         engine = self._engine()
         if engine is None or self._draining():
-            raise _Bad(_error(503, "this node is not serving (starting, draining or stopping)"))
+            raise Rejected(
+                rpc_error(503, "this node is not serving (starting, draining or stopping)")
+            )
         return engine
 
     # -- decode node -------------------------------------------------------------
@@ -146,7 +126,7 @@ class DisaggAPI:
         try:
             data = await self._body(request)
             if self._role == "prefill":
-                raise _Bad(_error(409, "this node only prefills; it does not decode"))
+                raise Rejected(rpc_error(409, "this node only prefills; it does not decode"))
             engine = self._ready_engine()
             try:
                 rid = _request_id(data.get("request_id"))
@@ -162,7 +142,7 @@ class DisaggAPI:
                     for t in data.get("prefill") or []
                 )
             except (ValueError, KeyError, TypeError) as exc:
-                raise _Bad(_error(400, str(exc))) from None
+                raise Rejected(rpc_error(400, str(exc))) from None
             try:
                 stream = engine.add_request(
                     prompt,
@@ -172,14 +152,14 @@ class DisaggAPI:
                     output_offset=offset,
                 )
             except QueueFullError as exc:
-                raise _Bad(
-                    _error(429, str(exc), {"Retry-After": str(max(1, int(exc.retry_after_s)))})
+                raise Rejected(
+                    rpc_error(429, str(exc), {"Retry-After": str(max(1, int(exc.retry_after_s)))})
                 ) from None
             except EngineClosedError as exc:
-                raise _Bad(_error(503, str(exc))) from None
+                raise Rejected(rpc_error(503, str(exc))) from None
             except ValueError as exc:  # PromptTooLongError included
-                raise _Bad(_error(400, str(exc))) from None
-        except _Bad as bad:
+                raise Rejected(rpc_error(400, str(exc))) from None
+        except Rejected as bad:
             return bad.response
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         try:
@@ -198,11 +178,11 @@ class DisaggAPI:
         try:
             data = await self._body(request)
             if self._role == "decode":
-                raise _Bad(_error(409, "this node only decodes; it does not prefill"))
+                raise Rejected(rpc_error(409, "this node only decodes; it does not prefill"))
             engine = self._ready_engine()
             sender = self._sender()
             if sender is None:
-                raise _Bad(_error(503, "this node cannot send KV (no transfer engine)"))
+                raise Rejected(rpc_error(503, "this node cannot send KV (no transfer engine)"))
             try:
                 rid = _request_id(data.get("request_id"))
                 prompt = _token_ids(data.get("prompt_token_ids"))
@@ -212,7 +192,7 @@ class DisaggAPI:
                 if not isinstance(peer_fetch, bool):
                     raise ValueError("'peer_fetch' must be a boolean")
             except (ValueError, TypeError) as exc:
-                raise _Bad(_error(400, str(exc))) from None
+                raise Rejected(rpc_error(400, str(exc))) from None
             # One token: the first of the completion, sampled exactly as the
             # decode node would; stop conditions are the decode node's to check.
             first = dataclasses.replace(sampling, max_tokens=1, stop=(), stop_token_ids=())
@@ -222,12 +202,12 @@ class DisaggAPI:
                     prompt, first, local_id, kv_sink=grant, peer_fetch=peer_fetch
                 )
             except QueueFullError as exc:
-                raise _Bad(_error(503, str(exc))) from None
+                raise Rejected(rpc_error(503, str(exc))) from None
             except (EngineClosedError, EngineFailedError) as exc:
-                raise _Bad(_error(503, str(exc))) from None
+                raise Rejected(rpc_error(503, str(exc))) from None
             except (PromptTooLongError, ValueError) as exc:
-                raise _Bad(_error(400, str(exc))) from None
-        except _Bad as bad:
+                raise Rejected(rpc_error(400, str(exc))) from None
+        except Rejected as bad:
             return bad.response
         last = None
         try:
@@ -238,10 +218,10 @@ class DisaggAPI:
         outcome = sender.take_outcome(local_id)
         if last is None or last.error is not None or not last.new_token_ids:
             why = last.error if last is not None and last.error else "the prefill was aborted"
-            return _error(502, why)
+            return rpc_error(502, why)
         failed, nbytes = outcome if outcome is not None else ("no handoff state", 0)
         if failed is not None:
-            return _error(502, failed)
+            return rpc_error(502, failed)
         token = last.new_token_ids[-1]
         logprob = last.logprobs[-1] if last.logprobs else None
         log.info(
@@ -288,6 +268,29 @@ class TransferKVWriter:
             return False, repr(exc)
 
 
+class TransferWriteGrants:
+    """The KV receiver's ``WriteGrants`` over the transfer engine: a grant's
+    blocks, in every layer's K and V plane of the KV segment, open to one peer."""
+
+    def __init__(self, transfer: TransferEngine) -> None:
+        self._transfer = transfer
+
+    def open(self, grant: KVGrant, peer: str, ttl_s: float) -> WriteGrant:
+        lay = grant.layout
+        return self._transfer.grant_write(
+            grant.segment,
+            peer,
+            block_bytes=lay.block_bytes,
+            blocks_per_plane=lay.num_blocks,
+            block_ids=grant.block_ids,
+            ttl_s=ttl_s,
+        )
+
+    def close(self, handle: object) -> None:
+        if isinstance(handle, WriteGrant):
+            self._transfer.revoke(handle)
+
+
 class PrefillClient:
     """The decode node's side of ``/internal/prefill``."""
 
@@ -322,7 +325,7 @@ class PrefillClient:
         )
         headers = {
             "Content-Type": "application/json",
-            SIGNATURE_HEADER: sign(self._key, "POST", PREFILL_PATH, body),
+            **signed_headers(self._key, "POST", PREFILL_PATH, body),
         }
         url = target.url.rstrip("/") + PREFILL_PATH
         try:

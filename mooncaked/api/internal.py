@@ -13,10 +13,13 @@ Endpoints (every request signed, see below; anything else gets 401):
 - ``POST /internal/cache/release`` ``{"lease_id": n}`` -> ``{"released": bool}``;
   false means the lease had lapsed and what the reader read must be discarded.
 
-Authentication: ``X-Mooncaked-Signature`` carries a keyed BLAKE2b over the
-method, the path and the body, keyed with a key derived from the cluster
-secret, so only cluster members can lease slots, and a body signed for one
-path is refused on another.
+Authentication: every call is signed with a key derived from the cluster
+secret, over the method, the path, a timestamp, a nonce and the body
+(``mooncaked.rpc``), so only cluster members can lease slots, a body signed
+for one path is refused on another, and a captured call replayed is refused
+(401) before it takes a lease. A reader holds at most
+``store.peer_max_leases_per_reader`` leases at once, so one peer cannot take
+every slot of ``peer_max_leases``.
 
 ``InternalClient`` (the ``PeerClient`` of ``mooncaked.cache.peer``) makes
 these calls; ``TransferBlockReader`` (its ``BlockReader``) reads the leased
@@ -35,9 +38,10 @@ import orjson
 import structlog
 from aiohttp import web
 
+from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
 from mooncaked.cache.hashing import BlockHash, parse_hex_hashes
 from mooncaked.cache.peer import LeaseDesk, Offer, PeerError
-from mooncaked.rpc import SIGNATURE_HEADER, derive_key, sign, verify
+from mooncaked.rpc import Verifier, derive_key, signed_headers
 from mooncaked.transfer import OpStatus, TransferEngine, TransferOp
 
 log = structlog.get_logger(__name__)
@@ -46,20 +50,9 @@ LOOKUP_PATH = "/internal/cache/lookup"
 RELEASE_PATH = "/internal/cache/release"
 # Most hashes one lookup may name (a 1M-token prompt in 16-token blocks).
 MAX_LOOKUP_HASHES = 65536
-
-
-class _Rejected(Exception):
-    def __init__(self, response: web.Response) -> None:
-        super().__init__(response.status)
-        self.response = response
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.Response(
-        body=orjson.dumps({"error": {"message": message, "type": "internal_rpc_error"}}),
-        status=status,
-        content_type="application/json",
-    )
+# Largest body of each call: a lookup of MAX_LOOKUP_HASHES hex hashes, a release.
+MAX_LOOKUP_BYTES = MAX_LOOKUP_HASHES * 40 + 4096
+MAX_RELEASE_BYTES = 4096
 
 
 def _parse_hashes(raw: Any) -> list[BlockHash]:
@@ -93,36 +86,21 @@ class InternalAPI:
         node_id: Callable[[], str],
         holding: Callable[[], Holding | None],
     ) -> None:
-        self._key = derive_key(secret)
+        self.verifier = Verifier(secret)
         self._node_id = node_id
         self._holding = holding
-        self.num_unauthorized = 0
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post(LOOKUP_PATH, self.lookup), web.post(RELEASE_PATH, self.release)]
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        """The request's JSON object once its signature checks; raises a response."""
-        raw = await request.read()
-        got = request.headers.get(SIGNATURE_HEADER, "")
-        if not verify(self._key, request.method, request.path, raw, got):
-            self.num_unauthorized += 1
-            log.warning("internal.unauthorized", path=request.path, remote=request.remote)
-            raise _Rejected(
-                _error(401, "missing or bad signature (is the cluster secret the same?)")
-            )
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise _Rejected(_error(400, "body is not JSON")) from None
-        if not isinstance(data, dict):
-            raise _Rejected(_error(400, "body must be a JSON object"))
-        return data
+    @property
+    def num_unauthorized(self) -> int:
+        return self.verifier.num_unauthorized
 
     async def lookup(self, request: web.Request) -> web.Response:
         try:
-            data = await self._body(request)
-        except _Rejected as exc:
+            data = await read_signed_json(request, self.verifier, max_bytes=MAX_LOOKUP_BYTES)
+        except Rejected as exc:
             return exc.response
         try:
             hashes = _parse_hashes(data.get("hashes"))
@@ -133,14 +111,14 @@ class InternalAPI:
             if not isinstance(reader, str) or not reader:
                 raise ValueError("'reader' must be the reader's node id")
         except ValueError as exc:
-            return _error(400, str(exc))
+            return rpc_error(400, str(exc))
         holding = self._holding()
         if holding is None:
-            return _error(503, "the KV cache is not running (starting or stopping)")
+            return rpc_error(503, "the KV cache is not running (starting or stopping)")
         if data.get("block_bytes") != holding.block_bytes or data.get("layout") != (
             holding.layout.hex()
         ):
-            return _error(
+            return rpc_error(
                 409,
                 f"block layout differs: this node stores {holding.block_bytes}-byte blocks "
                 f"of layout {holding.layout.hex()}",
@@ -159,15 +137,15 @@ class InternalAPI:
 
     async def release(self, request: web.Request) -> web.Response:
         try:
-            data = await self._body(request)
-        except _Rejected as exc:
+            data = await read_signed_json(request, self.verifier, max_bytes=MAX_RELEASE_BYTES)
+        except Rejected as exc:
             return exc.response
         lease_id = data.get("lease_id")
         if isinstance(lease_id, bool) or not isinstance(lease_id, int) or lease_id <= 0:
-            return _error(400, "'lease_id' must be a positive integer")
+            return rpc_error(400, "'lease_id' must be a positive integer")
         holding = self._holding()
         if holding is None:
-            return _error(503, "the KV cache is not running (starting or stopping)")
+            return rpc_error(503, "the KV cache is not running (starting or stopping)")
         released = holding.desk.release(lease_id)
         return web.Response(
             body=orjson.dumps({"released": released}), content_type="application/json"
@@ -212,7 +190,7 @@ class InternalClient:
         raw = orjson.dumps(body)
         headers = {
             "Content-Type": "application/json",
-            SIGNATURE_HEADER: sign(self._key, "POST", path, raw),
+            **signed_headers(self._key, "POST", path, raw),
         }
         url = peer.rstrip("/") + path
         try:

@@ -269,6 +269,13 @@ CACHE_METRICS: tuple[Spec, ...] = (
         _of("transfer", "ops_failed"),
         counter=True,
     ),
+    Spec(
+        "mooncaked_transfer_ops_refused",
+        "Peers' transfer ops refused by a segment's access rights (a write into a "
+        "read-only segment, or outside a live grant).",
+        _of("transfer", "served_forbidden"),
+        counter=True,
+    ),
 )
 
 

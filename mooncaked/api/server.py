@@ -1,5 +1,11 @@
-"""How the daemon's HTTP server treats connections: idle timeouts and the log
-of requests that are not HTTP.
+"""How the daemon's HTTP server treats connections: a cap on how many it
+serves at once, idle timeouts and the log of requests that are not HTTP.
+
+``CappedTCPSite`` serves at most ``server.max_connections`` connections at
+once; one more is answered 503 with Retry-After and closed before a byte of
+its request is read, so clients that open sockets and sit on them (or trickle
+headers in) run out of connections, not the daemon out of file descriptors
+and memory. The idle timeout then frees what they hold.
 
 aiohttp logs a request it cannot parse (a bad header, a broken chunked
 body) as an ERROR with a traceback; that is the client's fault and says
@@ -9,10 +15,14 @@ line and passes every other record through.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import orjson
+import structlog
 from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
@@ -34,6 +44,112 @@ class ServerLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
             )
             return
         self.error(msg, *args, exc_info=exc_info, **kwargs)
+
+
+log = structlog.get_logger(__name__)
+
+# A refused connection is logged at most this often (a flood would be a log flood).
+_REFUSED_LOG_INTERVAL_S = 10.0
+
+
+def _refusal(max_connections: int) -> bytes:
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": f"this server is serving its limit of {max_connections} "
+                "connections; retry shortly",
+                "type": "service_unavailable",
+                "code": "too_many_connections",
+            }
+        }
+    )
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\n"
+        "Content-Type: application/json\r\n"
+        "Retry-After: 1\r\n"
+        "Connection: close\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+class _Refused(asyncio.Protocol):
+    """A connection over the cap: answered 503 and closed, its request unread."""
+
+    def __init__(self, answer: bytes) -> None:
+        self._answer = answer
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if isinstance(transport, asyncio.Transport):
+            transport.write(self._answer)
+        transport.close()
+
+
+class CappedTCPSite(web.TCPSite):
+    """A TCPSite that serves at most ``max_connections`` connections at once."""
+
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        *,
+        max_connections: int,
+        clock: Callable[[], float] = time.monotonic,
+        **kwargs: Any,
+    ) -> None:
+        if max_connections <= 0:
+            raise ValueError(f"max_connections must be > 0, got {max_connections}")
+        super().__init__(runner, host, port, **kwargs)
+        self.max_connections = max_connections
+        self.num_refused = 0
+        self._answer = _refusal(max_connections)
+        self._clock = clock
+        self._logged_at = -_REFUSED_LOG_INTERVAL_S
+
+    async def start(self) -> None:
+        # TCPSite.start, with the runner's protocol factory behind the cap.
+        await web.BaseSite.start(self)
+        server = self._runner.server
+        if server is None:
+            raise RuntimeError("the runner is not set up; call setup() first")
+
+        def protocol() -> asyncio.BaseProtocol:
+            # Connections register as they are made and leave once their
+            # handler is done, so this counts every socket still held.
+            if len(server.connections) < self.max_connections:
+                return server()
+            self._refused()
+            return _Refused(self._answer)
+
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            protocol,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+
+    @property
+    def num_connections(self) -> int:
+        """Connections served now."""
+        server = self._runner.server
+        return 0 if server is None else len(server.connections)
+
+    def _refused(self) -> None:
+        self.num_refused += 1
+        now = self._clock()
+        if now - self._logged_at >= _REFUSED_LOG_INTERVAL_S:
+            self._logged_at = now
+            log.warning(
+                "http connection limit reached; refusing new connections",
+                limit=self.max_connections,
+                refused=self.num_refused,
+            )
 
 
 def server_kwargs(idle_timeout_s: float) -> dict[str, Any]:

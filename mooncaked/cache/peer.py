@@ -88,6 +88,8 @@ class LeaseStats:
     empty: int = 0
     # Lookups turned away because peer_max_leases leases were out.
     refused: int = 0
+    # Lookups turned away because their reader held peer_max_leases_per_reader.
+    refused_reader: int = 0
     released: int = 0
     # Leases whose time ran out before their release (the reader was told).
     lapsed: int = 0
@@ -99,12 +101,23 @@ class LeaseDesk:
     """Leases DRAM blocks to readers on other nodes; bounded, each with a deadline."""
 
     def __init__(
-        self, store: TieredStore, *, max_leases: int, clock: Clock = time.monotonic
+        self,
+        store: TieredStore,
+        *,
+        max_leases: int,
+        max_leases_per_reader: int | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
+        """``max_leases_per_reader`` (default ``max_leases``) keeps one reader from
+        holding every lease and starving the others."""
         if max_leases <= 0:
             raise ValueError(f"max_leases must be > 0, got {max_leases}")
+        per_reader = max_leases if max_leases_per_reader is None else max_leases_per_reader
+        if per_reader <= 0:
+            raise ValueError(f"max_leases_per_reader must be > 0, got {per_reader}")
         self._store = store
         self._max_leases = max_leases
+        self._max_per_reader = per_reader
         self._clock = clock
         self._leases: dict[int, Lease] = {}
         self._stats = LeaseStats()
@@ -119,6 +132,12 @@ class LeaseDesk:
             self._stats.refused += 1
             return None
         owner = f"peer:{reader}"
+        if sum(1 for lease in self._leases.values() if lease.owner == owner) >= (
+            self._max_per_reader
+        ):
+            self._stats.refused_reader += 1
+            log.warning("peer.reader_lease_cap", reader=reader, limit=self._max_per_reader)
+            return None
         # Peers read DRAM slots only: blocks on the SSD come up first.
         await self._store.promote(hashes, owner=owner)
         ttl = min(ttl_s, self._store.config.lease_timeout_s)

@@ -44,7 +44,11 @@ class KVCache:
     ) -> None:
         self.config = config
         self.store = TieredStore(layout, config, dram_backing=dram_backing, on_failure=on_failure)
-        self.desk = LeaseDesk(self.store, max_leases=config.peer_max_leases)
+        self.desk = LeaseDesk(
+            self.store,
+            max_leases=config.peer_max_leases,
+            max_leases_per_reader=config.peer_max_leases_per_reader,
+        )
         self.fetcher = PeerFetcher(
             self.store,
             locator,

@@ -11,9 +11,15 @@ the request then joins the decode batch. A prefill node that fails, times
 out or is draining is replaced by the next candidate; when none is left the
 load delivers nothing and this node computes the prompt itself.
 
-Blocks a prefill node was granted stay held (a reference on each) until it
-can no longer write them: at once when it answered, else until the grant has
-expired; a request whose prefill failed computes into fresh blocks instead.
+The grant is enforced where the bytes land: before asking a prefill node,
+the receiver opens the granted blocks to that node's writes alone
+(``WriteGrants``, the transfer engine's write grants), and closes them the
+moment the call ends, answered or not; a write outside them, from another
+node, or later, is refused. Blocks a prefill node was granted also stay held
+(a reference on each) until it can no longer write them: at once when it
+answered, else until the grant has expired (a peer that mapped the memory
+over shm or RDMA while its grant was live is bounded by that); a request whose
+prefill failed computes into fresh blocks instead.
 
 The prefill node's side, ``KVSender``: a request that carries a ``KVGrant``
 is computed as usual (reusing this node's caches), and after each layer's
@@ -53,6 +59,7 @@ __all__ = [
     "PrefillTarget",
     "StepObserver",
     "StepSend",
+    "WriteGrants",
 ]
 
 # A prefill node's late writes land by the grant's deadline; this much more
@@ -186,6 +193,18 @@ class KVWriter(Protocol):
         ...
 
 
+class WriteGrants(Protocol):
+    """Opens a grant's blocks of this node's KV segment to one peer's writes
+    (the transfer engine, adapted by the daemon)."""
+
+    def open(self, grant: KVGrant, peer: str, ttl_s: float) -> object:
+        """Let ``peer`` write the granted blocks for ``ttl_s`` seconds; a handle."""
+        ...
+
+    def close(self, handle: object) -> None:
+        """End an opened grant now (idempotent)."""
+
+
 # (target, request, grant) -> the reply; raises PrefillError.
 PrefillCall = Callable[[PrefillTarget, Request, KVGrant], Awaitable[PrefillReply]]
 
@@ -238,14 +257,18 @@ class KVReceiver(KVConnector):
         layout: KVLayout,
         prefill: PrefillCall,
         grant_ttl_s: float = 30.0,
+        write_grants: WriteGrants | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``write_grants`` opens the granted blocks to the asked node's writes;
+        None where nothing enforces grants (tests of the engine alone)."""
         self.node_id = node_id
         self.transfer_address = transfer_address
         self.segment = segment
         self.layout = layout
         self._prefill = prefill
         self.grant_ttl_s = grant_ttl_s
+        self._write_grants = write_grants
         self._clock = clock
         # Requests whose handoff ran already (a failed one is computed here).
         self._tried: set[str] = set()
@@ -282,6 +305,12 @@ class KVReceiver(KVConnector):
         for i, target in enumerate(source.targets):
             t0 = self._clock()
             try:
+                opened = self._open_grant(grant, target.node_id)
+            except ValueError as exc:
+                # Nothing could write the blocks: no node is worth asking.
+                log.error("cannot open a KV grant; computing it here", error=str(exc))
+                break
+            try:
                 reply = await self._prefill(target, req, grant)
             except PrefillError as exc:
                 log.warning(
@@ -298,6 +327,12 @@ class KVReceiver(KVConnector):
                 self.stats.cancelled += 1
                 self._release_later(hold)
                 raise
+            finally:
+                # Whatever the outcome, this node writes no more: a late write
+                # (a timed-out node still sending) is refused, not landed in
+                # blocks the next node or this one now fills.
+                if opened is not None and self._write_grants is not None:
+                    self._write_grants.close(opened)
             self._release(hold)
             self.stats.ok += 1
             log.info(
@@ -320,6 +355,12 @@ class KVReceiver(KVConnector):
         # grant expires: compute into fresh blocks and keep those held.
         self._swap_blocks(req, job, hold)
         return LoadResult(0, prefill_node=self.node_id)
+
+    def _open_grant(self, grant: KVGrant, peer: str) -> object | None:
+        if self._write_grants is None:
+            return None
+        # As long as the blocks stay held for a node that failed.
+        return self._write_grants.open(grant, peer, self.grant_ttl_s + _GRANT_GRACE_S)
 
     def _swap_blocks(self, req: Request, job: LoadJob, hold: int) -> None:
         pool = self.ctx.pool

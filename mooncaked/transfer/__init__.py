@@ -1,6 +1,7 @@
 """Transfer engine: batched READ/WRITE of registered memory between nodes over
 TCP, shared memory (same host) and RDMA (where a NIC exists)."""
 
+from mooncaked.transfer.access import Access, WriteGrant
 from mooncaked.transfer.batch import (
     Batch,
     OpKind,
@@ -18,6 +19,7 @@ from mooncaked.transfer.segment import (
 )
 
 __all__ = [
+    "Access",
     "Batch",
     "OpKind",
     "OpStatus",
@@ -29,4 +31,5 @@ __all__ = [
     "TransferError",
     "TransferMetrics",
     "TransferOp",
+    "WriteGrant",
 ]

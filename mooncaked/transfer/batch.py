@@ -112,6 +112,9 @@ class TransferMetrics:
     served_bytes_written: int = 0
     served_ops: int = 0
     served_errors: int = 0
+    # Remote ops refused by a segment's access rights (a write into a
+    # read-only segment, or outside a live grant): each one an attack or a bug.
+    served_forbidden: int = 0
     handshakes_refused: int = 0
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
     # A gauge, filled in by TransferEngine.metrics().
@@ -132,6 +135,7 @@ class TransferMetrics:
                 self.served_bytes_written,
                 self.served_ops,
                 self.served_errors,
+                self.served_forbidden,
                 self.handshakes_refused,
                 dict(self.bytes_by_transport),
                 self.queued_slices,

@@ -2,12 +2,16 @@
 
     engine = TransferEngine(config, node_id="a", secret=b"...")
     await engine.start()
-    engine.allocate("kv", 1 << 30)            # or engine.register("kv", tensor)
+    engine.allocate("kv", 1 << 30, Access.READ)   # or engine.register("kv", tensor, ...)
     desc = engine.descriptor("kv")            # gossip this (desc.to_bytes())
     engine.add_peer("b", "10.0.0.2:7000")     # or engine.add_descriptor(desc_of_b)
     batch = await engine.submit([TransferOp.read("kv", 0, "b", "pool", 4096, 65536)])
     ok = await batch.wait()                   # per op: batch.status(i), batch.reason(i)
     await engine.close()
+
+Each segment carries its access rights (``Access``): READ (peers read, the
+default), GRANTED (peers write only blocks a live ``grant_write`` gives them)
+or READ_WRITE. The serving side refuses any other op, over every transport.
 
 Transport per op, chosen per peer and segment: ``local`` when the remote node
 is this one; ``shm`` when the peer proved over its unix endpoint that it
@@ -34,6 +38,7 @@ import structlog
 
 from mooncaked.config import TransferConfig
 from mooncaked.transfer import protocol as p
+from mooncaked.transfer.access import Access, GrantTable, WriteGrant
 from mooncaked.transfer.batch import (
     Batch,
     OpKind,
@@ -125,6 +130,7 @@ class TransferEngine:
         self._instance = os.urandom(8).hex()
         self._boot_id = boot_id()
         self._table = SegmentTable()
+        self._grants = GrantTable()
         self._metrics = TransferMetrics()
         self._registry: ShmRegistry | None = None
         self._rdma: Any = None
@@ -159,6 +165,7 @@ class TransferEngine:
             self._pool = ThreadPoolExecutor(COPY_WORKERS, thread_name_prefix="xfer-copy")
             self._server = TransferServer(
                 self._table,
+                self._grants,
                 self._secret,
                 self._metrics,
                 self._handshake_info,
@@ -229,18 +236,18 @@ class TransferEngine:
 
     # -- segments ----------------------------------------------------------
 
-    def register(self, name: str, buffer: Any) -> Segment:
-        """Make ``buffer`` reachable by peers as segment ``name``."""
-        segment = self._table.register(name, buffer)
+    def register(self, name: str, buffer: Any, access: Access = Access.READ) -> Segment:
+        """Make ``buffer`` reachable by peers as segment ``name``, as ``access`` allows."""
+        segment = self._table.register(name, buffer, access)
         self._attach(segment)
         return segment
 
-    def allocate(self, name: str, nbytes: int) -> Segment:
+    def allocate(self, name: str, nbytes: int, access: Access = Access.READ) -> Segment:
         """Register a new zeroed shared-memory buffer (reachable over shm by peers
-        on this host); ``segment.view`` is the memory."""
+        on this host, as ``access`` allows); ``segment.view`` is the memory."""
         buffer = SharedBuffer.create(nbytes, tag=name[:32])
         try:
-            segment = self._table.register(name, buffer)
+            segment = self._table.register(name, buffer, access)
         except BaseException:
             buffer.close()
             raise
@@ -253,7 +260,7 @@ class TransferEngine:
             self._registry.claim(segment.seg_id)
         if self._rdma is not None and segment.is_host:
             try:
-                self._rdma.register(segment.seg_id, segment.address, segment.length)
+                self._rdma.register(segment.seg_id, segment.address, segment.length, segment.access)
             except Exception as exc:
                 log.warning("rdma registration failed", segment=segment.name, error=str(exc))
 
@@ -271,7 +278,46 @@ class TransferEngine:
             self._registry.release(segment.seg_id)
         if self._rdma is not None:
             self._rdma.deregister(segment.seg_id)
+        self._grants.revoke_segment(name)
         self._table.unregister(name)
+
+    def grant_write(
+        self,
+        segment: str,
+        peer: str,
+        *,
+        block_bytes: int,
+        blocks_per_plane: int,
+        block_ids: Sequence[int],
+        ttl_s: float,
+    ) -> WriteGrant:
+        """Let ``peer`` write blocks ``block_ids`` of a GRANTED segment (in every
+        plane of ``blocks_per_plane`` blocks of ``block_bytes``) for ``ttl_s``
+        seconds, or until ``revoke``."""
+        seg = self._table.get(segment)
+        if seg is None:
+            raise SegmentError(f"segment {segment!r} is not registered")
+        if seg.access is not Access.GRANTED:
+            raise SegmentError(
+                f"segment {segment!r} is {seg.access.value}, not granted: grants open only "
+                "segments registered with Access.GRANTED"
+            )
+        return self._grants.grant(
+            segment,
+            peer,
+            block_bytes=block_bytes,
+            blocks_per_plane=blocks_per_plane,
+            block_ids=block_ids,
+            ttl_s=ttl_s,
+        )
+
+    def revoke(self, grant: WriteGrant) -> None:
+        """End a write grant now: the peer's later writes are refused."""
+        self._grants.revoke(grant)
+
+    @property
+    def num_grants(self) -> int:
+        return len(self._grants)
 
     def segment(self, name: str) -> Segment | None:
         return self._table.get(name)
@@ -297,6 +343,7 @@ class TransferEngine:
             location=segment.location,
             transports=tuple(transports),
             address=self.address,
+            access=segment.access,
         )
 
     # -- peers -------------------------------------------------------------
@@ -589,6 +636,15 @@ class TransferEngine:
             if remote is None:
                 batch.fail_op(i, f"segment {op.remote_segment!r} is not registered on node {node}")
                 continue
+            if not remote.allows(op.kind):
+                # Refused here too: a WRITE into a read-only shm mapping would
+                # fault this process, and the peer would refuse it anyway.
+                batch.fail_op(
+                    i,
+                    f"segment {op.remote_segment!r} on node {node} is {remote.access.describe}: "
+                    f"this node may not {op.kind.name.lower()} it",
+                )
+                continue
             if op.remote_offset + op.length > remote.length:
                 batch.fail_op(
                     i,
@@ -800,7 +856,10 @@ class TransferEngine:
         slot = registry.slot_of(segment.seg_id)
         if slot is None:
             return None
-        return segment.shm_fd, registry.fd, slot
+        fd = segment.peer_fd()
+        if fd < 0:
+            return None
+        return fd, registry.peer_fd, slot
 
     def _start_rdma(self) -> None:
         from mooncaked.transfer.rdma import RdmaContext, RdmaUnavailable

@@ -85,6 +85,8 @@ class Status(enum.IntEnum):
     OUT_OF_RANGE = 2
     BAD_OP = 3
     DEVICE_ERROR = 4
+    # The segment's access rights (or no live grant) do not allow the op.
+    FORBIDDEN = 5
 
 
 class ProtocolError(ConnectionError):

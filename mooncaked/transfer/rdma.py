@@ -34,6 +34,7 @@ from typing import Any
 import structlog
 
 from mooncaked.tasks import TaskSet
+from mooncaked.transfer.access import Access
 from mooncaked.transfer.batch import OpKind, Slice
 
 log = structlog.get_logger(__name__)
@@ -183,6 +184,23 @@ def plan_work_requests(
     return plan
 
 
+def mr_access_flags(enums: Any, access: Access) -> int:
+    """ibv_access_flags of a memory region for a segment of ``access``.
+
+    The NIC enforces these, whatever a peer holding the rkey posts: a READ
+    segment's region has no REMOTE_WRITE, so an RDMA WRITE into it fails with
+    a remote access error; a GRANTED one has no REMOTE_READ. LOCAL_WRITE is
+    always there: local READs land in our segments, and the verbs require it
+    with REMOTE_WRITE.
+    """
+    flags = enums.IBV_ACCESS_LOCAL_WRITE
+    if access.peers_read:
+        flags |= enums.IBV_ACCESS_REMOTE_READ
+    if access.peers_write:
+        flags |= enums.IBV_ACCESS_REMOTE_WRITE
+    return int(flags)
+
+
 class RdmaContext:
     """A device, its protection domain, one CQ, and the MRs of our segments."""
 
@@ -213,13 +231,14 @@ class RdmaContext:
         self.cq = CQ(self.ctx, 4 * MAX_OUTSTANDING_WR, None, None, 0)
         self._mrs: dict[int, Any] = {}
 
-    def register(self, seg_id: int, address: int, length: int) -> tuple[int, int]:
-        """Register a host segment; returns (lkey, rkey)."""
+    def register(
+        self, seg_id: int, address: int, length: int, access: Access = Access.READ
+    ) -> tuple[int, int]:
+        """Register a host segment with the remote rights ``access`` gives; returns
+        (lkey, rkey)."""
         from pyverbs.mr import MR
 
-        e = self._e
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
-        mr = MR(self.pd, length, access, address=address)
+        mr = MR(self.pd, length, mr_access_flags(self._e, access), address=address)
         self._mrs[seg_id] = mr
         return int(mr.lkey), int(mr.rkey)
 

@@ -29,7 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
+
+from mooncaked.transfer.access import Access, parse_access
 
 # Transports a descriptor can list.
 TRANSPORTS = ("shm", "rdma", "tcp")
@@ -40,10 +43,22 @@ class SegmentError(ValueError):
 
 
 def _view_address(view: memoryview) -> int:
-    """Address of the first byte of a writable, contiguous byte view."""
+    """Address of the first byte of a contiguous byte view."""
     if len(view) == 0:
         return 0
+    if view.readonly:
+        # ctypes wants a writable buffer; numpy reads the address of any.
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def read_only_fd(fd: int) -> int:
+    """A new read-only file description of ``fd``'s file (shared memory).
+
+    Passed to a peer instead of ``fd`` itself, it can only be mapped
+    PROT_READ: the kernel, not the peer's good manners, keeps it from writing.
+    """
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 # memcpy between raw addresses; ctypes drops the GIL for the call, so copies
@@ -56,19 +71,25 @@ class SharedBuffer:
 
     The fd travels to a peer on the same host over the authenticated unix
     channel (SCM_RIGHTS), so no name in /dev/shm can leak or be guessed, and
-    the memory is freed by the kernel when the last process lets go.
+    the memory is freed by the kernel when the last process lets go. The file
+    is the daemon user's only (mode 0600), so no other user can open it
+    through /proc either.
     """
 
-    __slots__ = ("_fd", "_map", "address", "nbytes", "view")
+    __slots__ = ("_fd", "_map", "address", "nbytes", "view", "writable")
 
-    def __init__(self, fd: int, nbytes: int, *, owns_fd: bool = True) -> None:
+    def __init__(
+        self, fd: int, nbytes: int, *, owns_fd: bool = True, writable: bool = True
+    ) -> None:
         if nbytes <= 0:
             raise SegmentError(f"a shared buffer needs a positive size, got {nbytes}")
         if not owns_fd:
             fd = os.dup(fd)
         self._fd = fd
         self.nbytes = nbytes
-        self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        self.writable = writable
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        self._map: mmap.mmap | None = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
         self.view = memoryview(self._map)
         self.address = _view_address(self.view)
 
@@ -78,6 +99,8 @@ class SharedBuffer:
             raise SegmentError(f"a shared buffer needs a positive size, got {nbytes}")
         fd = os.memfd_create(f"mooncaked-{tag}", os.MFD_CLOEXEC)
         try:
+            # memfds are born 0777: only the daemon's user may reopen this one.
+            os.fchmod(fd, 0o600)
             os.ftruncate(fd, nbytes)
             return cls(fd, nbytes)
         except BaseException:
@@ -85,12 +108,13 @@ class SharedBuffer:
             raise
 
     @classmethod
-    def attach(cls, fd: int, nbytes: int) -> SharedBuffer:
-        """Map an fd received from a peer; it must hold at least ``nbytes``."""
+    def attach(cls, fd: int, nbytes: int, *, writable: bool = True) -> SharedBuffer:
+        """Map an fd received from a peer; it must hold at least ``nbytes``.
+        ``writable=False`` maps it read-only (the only way a read-only fd maps)."""
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise SegmentError(f"shared memory holds {size} bytes, descriptor says {nbytes}")
-        return cls(fd, nbytes, owns_fd=True)
+        return cls(fd, nbytes, owns_fd=True, writable=writable)
 
     @property
     def fd(self) -> int:
@@ -124,6 +148,8 @@ class SegmentDescriptor:
     # host:port of the node's transfer endpoint; shm and rdma are negotiated
     # over the authenticated connection made there.
     address: str
+    # What peers may do with it (a hint for them: the owner enforces it).
+    access: Access = Access.READ
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -133,6 +159,7 @@ class SegmentDescriptor:
             "location": self.location,
             "transports": list(self.transports),
             "address": self.address,
+            "access": self.access.value,
         }
 
     def to_bytes(self) -> bytes:
@@ -153,7 +180,11 @@ class SegmentDescriptor:
             raise SegmentError(f"segment descriptor transports must be a subset of {TRANSPORTS}")
         if not isinstance(location, str) or not isinstance(address, str):
             raise SegmentError("segment descriptor location and address must be strings")
-        return cls(node_id, name, length, location, tuple(transports), address)
+        try:
+            access = parse_access(data.get("access", Access.READ.value))
+        except ValueError as exc:
+            raise SegmentError(f"segment descriptor: {exc}") from None
+        return cls(node_id, name, length, location, tuple(transports), address, access)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> SegmentDescriptor:
@@ -183,8 +214,13 @@ class Segment:
     address: int
     # Keeps the registered object alive as long as the segment is.
     owner: Any = field(repr=False)
+    # What peers may do with it; checked on every path they reach it by.
+    access: Access = Access.READ
     # The memfd that peers on this host map; -1 if not shared memory.
     shm_fd: int = -1
+    # A read-only description of shm_fd, what peers get of a segment they
+    # may not write; -1 if none.
+    shm_ro_fd: int = -1
     # shm_fd was opened by us (for a SharedMemory) and is ours to close.
     owns_fd: bool = False
     # A SharedBuffer the engine allocated and must close on unregister.
@@ -202,6 +238,10 @@ class Segment:
     @property
     def is_shared(self) -> bool:
         return self.shm_fd >= 0
+
+    def peer_fd(self) -> int:
+        """The fd a peer on this host gets: read-only unless peers may write."""
+        return self.shm_fd if self.access.peers_write else self.shm_ro_fd
 
     def check_range(self, offset: int, length: int) -> str | None:
         """Why [offset, offset+length) is not inside this segment, or None."""
@@ -259,7 +299,8 @@ def _host_view(buffer: Any) -> memoryview:
             "writable memoryview/mmap/numpy array, SharedBuffer or SharedMemory"
         ) from None
     if view.readonly:
-        raise SegmentError("cannot register read-only memory: peers may write to a segment")
+        # Local READs land in a segment, whatever peers may do with it.
+        raise SegmentError("cannot register read-only memory: transfers land in segments")
     if not view.c_contiguous:
         raise SegmentError("cannot register non-contiguous memory")
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
@@ -302,7 +343,9 @@ class SegmentTable:
     def by_id(self, seg_id: int) -> Segment | None:
         return self._by_id.get(seg_id)
 
-    def register(self, name: str, buffer: Any) -> Segment:
+    def register(self, name: str, buffer: Any, access: Access = Access.READ) -> Segment:
+        if not isinstance(access, Access):
+            raise SegmentError(f"segment access must be an Access, got {access!r}")
         if not name or len(name.encode()) > 255:
             raise SegmentError(f"segment name must be 1..255 bytes, got {name!r}")
         if name in self._by_name:
@@ -330,6 +373,14 @@ class SegmentTable:
         if length == 0:
             raise SegmentError(f"cannot register empty segment {name!r}")
         address = _view_address(view) if view is not None else 0
+        shm_ro_fd = -1
+        if shm_fd >= 0 and not access.peers_write:
+            try:
+                shm_ro_fd = read_only_fd(shm_fd)
+            except OSError:
+                if not isinstance(buffer, SharedBuffer):
+                    os.close(shm_fd)
+                shm_fd = -1  # still reachable over tcp, never writably mapped
         segment = Segment(
             name=name,
             seg_id=seg_id,
@@ -338,7 +389,9 @@ class SegmentTable:
             view=view,
             address=address,
             owner=owner,
+            access=access,
             shm_fd=shm_fd,
+            shm_ro_fd=shm_ro_fd,
             owns_fd=shm_fd >= 0 and not isinstance(buffer, SharedBuffer),
             device_bytes=device_bytes,
         )
@@ -358,6 +411,9 @@ class SegmentTable:
             )
         del self._by_name[name]
         del self._by_id[segment.seg_id]
+        if segment.shm_ro_fd >= 0:
+            os.close(segment.shm_ro_fd)
+            segment.shm_ro_fd = -1
         if segment.owns_fd:
             os.close(segment.shm_fd)
         if segment.view is not None:

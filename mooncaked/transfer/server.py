@@ -5,8 +5,10 @@ enabled, on an abstract unix socket (shared-memory fds for peers on this
 host). Each accepted connection is authenticated, then served by a thread of
 its own doing blocking I/O: WRITE payloads are received straight into the
 target segment and READs are sent straight from it. Every op is checked
-against its segment first; a bad op is answered with a status and the
-connection keeps serving.
+against its segment first (range, and the access rights: a WRITE lands only
+in a segment peers may write, and in a GRANTED one only inside a live grant
+to the connection's authenticated peer); a bad op is answered with a status,
+its payload is swallowed unwritten, and the connection keeps serving.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import structlog
 
 from mooncaked.tasks import TaskSet
 from mooncaked.transfer import protocol as p
+from mooncaked.transfer.access import Access, GrantTable
 from mooncaked.transfer.batch import TransferMetrics
 from mooncaked.transfer.segment import Segment, SegmentTable
 from mooncaked.transfer.threads import ThreadGroup
@@ -47,6 +50,7 @@ class TransferServer:
     def __init__(
         self,
         table: SegmentTable,
+        grants: GrantTable,
         secret: bytes,
         metrics: TransferMetrics,
         info: Callable[[], dict[str, Any]],
@@ -62,6 +66,7 @@ class TransferServer:
         ``on_failure`` hears of an accept loop that died (the node cannot serve
         transfers any more)."""
         self._table = table
+        self._grants = grants
         self._secret = secret
         self._metrics = metrics
         self._info = info
@@ -159,11 +164,11 @@ class TransferServer:
             while not self._closing:
                 kind, count, _reserved, payload = p.FRAME.unpack(p.recv_exact(conn, p.FRAME.size))
                 if kind == p.FrameKind.DATA and channel is p.Channel.STREAM:
-                    self._serve_data(conn, count, payload, scratch)
+                    self._serve_data(conn, peer, count, payload, scratch)
                 elif kind == p.FrameKind.LOOKUP:
-                    self._serve_lookup(conn, payload)
+                    self._serve_lookup(conn, peer, payload)
                 elif kind == p.FrameKind.SHM_OPEN and channel is p.Channel.SHM:
-                    self._serve_shm_open(conn, payload)
+                    self._serve_shm_open(conn, peer, payload)
                 elif kind == p.FrameKind.RDMA_CONNECT and self._rdma_accept is not None:
                     if payload > p.MAX_CONTROL_BYTES:
                         raise p.ProtocolError(f"rdma connect of {payload} bytes")
@@ -180,7 +185,15 @@ class TransferServer:
             self._conns.discard(conn)
             conn.close()
 
-    def _serve_lookup(self, conn: socket.socket, size: int) -> None:
+    def _offers_mapping(self, seg: Segment, peer: str) -> bool:
+        """Hand ``peer`` a mapping (shm fd, RDMA key) of ``seg``?
+
+        A GRANTED segment's mapping is writable, and a mapping cannot tell one
+        block from another: only a peer holding a live grant gets one.
+        """
+        return seg.access is not Access.GRANTED or self._grants.has_live(seg.name, peer)
+
+    def _serve_lookup(self, conn: socket.socket, peer: str, size: int) -> None:
         if size > p.MAX_CONTROL_BYTES:
             raise p.ProtocolError(f"lookup of {size} bytes")
         body = orjson.loads(bytes(p.recv_exact(conn, size)))
@@ -193,22 +206,32 @@ class TransferServer:
             if seg is None:
                 entries.append(None)
                 continue
+            mapped = self._offers_mapping(seg, peer)
             entries.append(
                 {
                     "name": seg.name,
                     "id": seg.seg_id,
                     "length": seg.length,
                     "location": seg.location,
-                    "shm": seg.is_shared and self._shm_fds is not None,
-                    "rdma": self._rdma_region(seg) if self._rdma_region is not None else None,
+                    "access": seg.access.value,
+                    "shm": mapped and seg.is_shared and self._shm_fds is not None,
+                    "rdma": (
+                        self._rdma_region(seg) if mapped and self._rdma_region is not None else None
+                    ),
                 }
             )
         p.send_control(conn, p.FrameKind.LOOKUP, {"segments": entries})
 
-    def _serve_shm_open(self, conn: socket.socket, size: int) -> None:
+    def _serve_shm_open(self, conn: socket.socket, peer: str, size: int) -> None:
+        if size > p.MAX_CONTROL_BYTES:
+            raise p.ProtocolError(f"shm open of {size} bytes")
         body = orjson.loads(bytes(p.recv_exact(conn, size)))
         seg_id = body.get("id") if isinstance(body, dict) else None
         seg = self._table.by_id(seg_id) if isinstance(seg_id, int) else None
+        if seg is not None and not self._offers_mapping(seg, peer):
+            self._forbidden(peer, seg, "shm open", 0, seg.length)
+            conn.sendall(SHM_REPLY.pack(p.Status.FORBIDDEN, 0, 0, 0))
+            return
         fds = self._shm_fds(seg) if (seg is not None and self._shm_fds is not None) else None
         if seg is None or fds is None:
             conn.sendall(SHM_REPLY.pack(p.Status.UNKNOWN_SEGMENT, 0, 0, 0))
@@ -218,8 +241,31 @@ class TransferServer:
             conn, [SHM_REPLY.pack(p.Status.OK, slot, seg.length, 0)], [seg_fd, registry_fd]
         )
 
+    def _forbidden(
+        self, peer: str, seg: Segment, what: str, offset: int, length: int, count: int = 1
+    ) -> None:
+        self._metrics.add("served_forbidden", count)
+        log.warning(
+            "transfer op refused by segment access",
+            peer=peer,
+            segment=seg.name,
+            access=seg.access.value,
+            op=what,
+            offset=offset,
+            length=length,
+            ops_refused=count,
+        )
+
+    def _allowed(self, seg: Segment, peer: str, op: int, offset: int, length: int) -> bool:
+        access = seg.access
+        if op == p.OpCode.READ:
+            return access.peers_read
+        if access is Access.GRANTED:
+            return self._grants.allows(seg.name, peer, offset, length)
+        return access.peers_write
+
     def _serve_data(
-        self, conn: socket.socket, count: int, payload: int, scratch: memoryview
+        self, conn: socket.socket, peer: str, count: int, payload: int, scratch: memoryview
     ) -> None:
         if count == 0 or count > p.MAX_FRAME_OPS:
             raise p.ProtocolError(f"data frame with {count} ops")
@@ -232,6 +278,9 @@ class TransferServer:
         write_total = 0
         read_total = 0
         errors = 0
+        # The first op refused by access rights, logged once per frame.
+        refused: tuple[Segment, str, int, int] | None = None
+        num_refused = 0
         table = self._table
         for i, (op, seg_id, offset, length) in enumerate(p.OP_RECORD.iter_unpack(raw)):
             if length > p.MAX_RECORD_BYTES:
@@ -246,6 +295,11 @@ class TransferServer:
             elif offset + length > seg.length:
                 status = p.Status.OUT_OF_RANGE
                 aux = seg.length
+            elif not self._allowed(seg, peer, op, offset, length):
+                status = p.Status.FORBIDDEN
+                if refused is None:
+                    refused = (seg, p.OpCode(op).name, offset, length)
+                num_refused += 1
             if op == p.OpCode.WRITE:
                 write_total += length
                 if status is p.Status.OK:
@@ -283,6 +337,8 @@ class TransferServer:
             raise p.ProtocolError(
                 f"frame announces {payload} payload bytes, ops need {write_total}"
             )
+        if refused is not None:
+            self._forbidden(peer, *refused, count=num_refused)
         if write_views:
             p.recv_into_views(conn, write_views)
         for commit in commits:

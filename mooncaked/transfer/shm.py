@@ -28,7 +28,7 @@ import structlog
 
 from mooncaked.transfer import protocol as p
 from mooncaked.transfer.batch import OpKind, Slice
-from mooncaked.transfer.segment import SharedBuffer, memmove
+from mooncaked.transfer.segment import SharedBuffer, memmove, read_only_fd
 from mooncaked.transfer.server import SHM_REPLY
 from mooncaked.transfer.tcp import CONNECT_TIMEOUT_S, PeerLink, RemoteSegment
 
@@ -47,10 +47,12 @@ def boot_id() -> str:
 
 
 class ShmRegistry:
-    """Slots of live shared segment ids, in shared memory peers map read-only in spirit."""
+    """Slots of live shared segment ids, in shared memory peers map read-only."""
 
     def __init__(self, slots: int = REGISTRY_SLOTS) -> None:
         self._buffer = SharedBuffer.create(slots * 8, tag="registry")
+        # What peers get: they can only map it read-only.
+        self.peer_fd = read_only_fd(self._buffer.fd)
         self._slots = self._buffer.view.cast("Q")
         self._free = list(range(slots - 1, -1, -1))
         self._slot_of: dict[int, int] = {}
@@ -88,6 +90,7 @@ class ShmRegistry:
             self._slot_of.clear()
             self._slots.release()
             self._buffer.close()
+            os.close(self.peer_fd)
 
 
 @dataclass(slots=True, eq=False)
@@ -201,10 +204,13 @@ class ShmPeer:
                     raise p.ProtocolError(
                         f"shared segment is {length} bytes, lookup said {remote.length}"
                     )
-                buffer = SharedBuffer.attach(fds[0], length)
+                # A segment peers may not write comes as a read-only fd.
+                buffer = SharedBuffer.attach(fds[0], length, writable=remote.access.peers_write)
                 fds[0] = -1
                 if self._registry is None:
-                    self._registry = SharedBuffer.attach(fds[1], os.fstat(fds[1]).st_size)
+                    self._registry = SharedBuffer.attach(
+                        fds[1], os.fstat(fds[1]).st_size, writable=False
+                    )
                     fds[1] = -1
                     self._registry_slots = self._registry.view.cast("Q")
                 mapping = ShmMapping(remote, buffer, slot)
@@ -259,6 +265,11 @@ class ShmPeer:
                     self.forget(mapping)
                     self.link.invalidate(s.remote_name)
                 mapping = None
+                continue
+            if s.kind is OpKind.WRITE and not mapping.buffer.writable:
+                s.batch.slice_failed(
+                    s, f"segment {s.remote_name!r} on node {node} is read-only to this node"
+                )
                 continue
             if s.remote_offset + s.length > mapping.buffer.nbytes:
                 s.batch.slice_failed(

@@ -23,6 +23,7 @@ import structlog
 
 from mooncaked.config import TransferConfig
 from mooncaked.transfer import protocol as p
+from mooncaked.transfer.access import Access, parse_access
 from mooncaked.transfer.batch import Batch, OpKind, Slice, TransferMetrics
 from mooncaked.transfer.server import tune_socket
 from mooncaked.transfer.threads import ThreadGroup
@@ -44,6 +45,12 @@ class RemoteSegment:
     shm: bool
     # (addr, rkey) of its RDMA memory region, when the peer serves RDMA.
     rdma: tuple[int, int] | None = None
+    access: Access = Access.READ
+
+    def allows(self, kind: OpKind) -> bool:
+        """The peer lets us do ``kind`` to it at all (a GRANTED segment's
+        writes are checked against grants there)."""
+        return self.access.peers_read if kind is OpKind.READ else self.access.peers_write
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -182,6 +189,10 @@ class PeerLink:
                     self._segments.pop(name, None)
                     found[name] = None
                     continue
+                try:
+                    access = parse_access(entry.get("access"))
+                except ValueError as exc:
+                    raise p.ProtocolError(f"malformed lookup reply: {exc}") from None
                 seg = RemoteSegment(
                     name=name,
                     seg_id=int(entry["id"]),
@@ -189,6 +200,7 @@ class PeerLink:
                     location=str(entry["location"]),
                     shm=bool(entry.get("shm")),
                     rdma=_rdma_region(entry.get("rdma")),
+                    access=access,
                 )
                 self._segments[name] = seg
                 found[name] = seg
@@ -503,6 +515,14 @@ class TcpPeer:
                     s,
                     f"range [{s.remote_offset}, {s.remote_offset + s.length}) is outside "
                     f"segment {s.remote_name!r} of {aux} bytes on node {link.node_id}",
+                )
+            elif status == p.Status.FORBIDDEN:
+                what = "write" if s.kind is OpKind.WRITE else "read"
+                s.batch.slice_failed(
+                    s,
+                    f"node {link.node_id} refused to let this node {what} "
+                    f"[{s.remote_offset}, {s.remote_offset + s.length}) of segment "
+                    f"{s.remote_name!r}: no access right or live grant covers it",
                 )
             else:
                 s.batch.slice_failed(

@@ -124,6 +124,12 @@ async def test_greedy_output_is_identical_across_topologies_and_transports(
             assert n.transfer is not None
             used |= {t for t, b in n.transfer.metrics().bytes_by_transport.items() if b}
         assert used == {transports[0]}, used
+        # Every write landed inside a grant to its prefill node, and every
+        # grant was closed when its prefill call ended.
+        for n in cluster.nodes:
+            assert n.transfer is not None
+            assert n.transfer.metrics().served_forbidden == 0
+            assert n.transfer.num_grants == 0
         cluster.assert_clean()
     print(f"largest logprob difference: {worst:.2e}")
     solo.assert_clean()

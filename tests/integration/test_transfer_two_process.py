@@ -30,7 +30,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from mooncaked.config import TransferConfig  # noqa: E402
-from mooncaked.transfer import OpStatus, TransferEngine, TransferOp  # noqa: E402
+from mooncaked.transfer import Access, OpStatus, TransferEngine, TransferOp  # noqa: E402
 from mooncaked.transfer import protocol as p  # noqa: E402
 
 SECRET = b"two-process-test-secret"
@@ -75,9 +75,9 @@ async def _serve(node_id: str, port: int, transports: tuple[str, ...]) -> None:
             op = cmd["cmd"]
             if op == "alloc":
                 if cmd.get("shared", True):
-                    seg = engine.allocate(cmd["name"], cmd["nbytes"])
+                    seg = engine.allocate(cmd["name"], cmd["nbytes"], Access.READ_WRITE)
                 else:
-                    seg = engine.register(cmd["name"], bytearray(cmd["nbytes"]))
+                    seg = engine.register(cmd["name"], bytearray(cmd["nbytes"]), Access.READ_WRITE)
                 assert seg.view is not None
                 seg.view[:] = memoryview(pattern(cmd["seed"], cmd["nbytes"]))
                 reply({"ok": True, "transports": list(engine.descriptor(cmd["name"]).transports)})

@@ -131,6 +131,22 @@ def test_node_id_defaults_to_host_and_port() -> None:
     assert with_overrides(Config(), node={"id": "n1"}).node_id == "n1"
 
 
+def test_a_relative_ssd_path_lives_under_the_data_dir(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    path = write(tmp_path, f'[node]\ndata_dir = "{state}"\n[store]\nssd_path = "kv-ssd"\n')
+    config = load_config(str(path))
+    assert config.data_dir == state
+    assert config.store.ssd_path == str(state / "kv-ssd")
+    # Resolved once: overriding something else keeps it where it is.
+    assert with_overrides(config, server={"port": 1}).store.ssd_path == str(state / "kv-ssd")
+    # An absolute path stays; no data_dir: a per-node dir under the temp dir.
+    absolute = with_overrides(Config(), store={"ssd_path": str(tmp_path / "elsewhere")})
+    assert absolute.store.ssd_path == str(tmp_path / "elsewhere")
+    default = with_overrides(Config(), node={"id": "n7"}, store={"ssd_path": "kv-ssd"})
+    assert Path(default.store.ssd_path).parts[-2:] == ("n7", "kv-ssd")
+    assert with_overrides(Config(), node={"data_dir": str(state)}).store.ssd_path == ""
+
+
 def test_flags_override_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, '[server]\nhost = "127.0.0.1"\nport = 9000\n[node]\nrole = "decode"\n')
     args = _parser().parse_args(

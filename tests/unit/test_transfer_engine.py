@@ -12,6 +12,7 @@ import torch
 
 from mooncaked.config import TransferConfig
 from mooncaked.transfer import (
+    Access,
     OpStatus,
     SegmentDescriptor,
     SegmentError,
@@ -102,7 +103,7 @@ async def test_tensors_move_between_engines(pair: tuple[TransferEngine, Transfer
     for i, t in enumerate(src):
         a.register(f"kv.{i}", t)
     for i, t in enumerate(dst):
-        b.register(f"kv.{i}", t)
+        b.register(f"kv.{i}", t, access=Access.READ_WRITE)
     a.add_descriptor(SegmentDescriptor.from_bytes(b.descriptor("kv.0").to_bytes()))
     block_bytes = block_elems * 2
     ops = [
@@ -127,7 +128,7 @@ async def test_tensors_move_between_engines(pair: tuple[TransferEngine, Transfer
 
 async def test_big_op_is_sliced_and_striped(pair: tuple[TransferEngine, TransferEngine]) -> None:
     a, b = pair  # a slices at 64 KiB
-    remote = b.allocate("pool", 4 * MiB)
+    remote = b.allocate("pool", 4 * MiB, access=Access.READ_WRITE)
     remote.view[:] = np.random.default_rng(1).integers(0, 256, 4 * MiB, dtype=np.uint8).tobytes()
     local = a.allocate("buf", 4 * MiB)
     a.add_peer("b", b.address)
@@ -146,7 +147,7 @@ async def test_cancel_settles_and_frees_the_segment(
     pair: tuple[TransferEngine, TransferEngine],
 ) -> None:
     a, b = pair
-    b.allocate("pool", 8 * MiB)
+    b.allocate("pool", 8 * MiB, access=Access.READ_WRITE)
     a.allocate("buf", 8 * MiB)
     a.add_peer("b", b.address)
     ops = [
@@ -188,7 +189,7 @@ async def test_peers_in_one_process_use_shared_memory(
     _, b = pair
     # a is tcp-only; an engine with shm reaches b's shared segment over shm.
     async with TransferEngine(TransferConfig(), "c", SECRET) as c:
-        remote = b.allocate("pool", MiB)
+        remote = b.allocate("pool", MiB, access=Access.READ_WRITE)
         remote.view[:10] = b"0123456789"
         local = c.allocate("buf", MiB)
         c.add_peer("b", b.address)
@@ -221,7 +222,7 @@ async def test_zero_length_ops_are_done_without_moving_bytes(
 
 async def test_segments_registered_before_start_are_served_over_shm() -> None:
     early = TransferEngine(TransferConfig(), "early", SECRET)
-    seg = early.allocate("pool", 4096)
+    seg = early.allocate("pool", 4096, access=Access.READ_WRITE)
     seg.view[:4] = b"ping"
     await early.start()
     try:

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from mooncaked.config import TransferConfig
-from mooncaked.transfer import OpKind, TransferEngine, TransferOp
+from mooncaked.transfer import Access, OpKind, TransferEngine, TransferOp
 from mooncaked.transfer.rdma import (
     QpInfo,
     RdmaUnavailable,
@@ -80,7 +80,7 @@ async def test_engine_configured_for_rdma_falls_back_without_it() -> None:
         TransferEngine(config, "a", b"rdma-fallback-secret") as a,
         TransferEngine(config, "b", b"rdma-fallback-secret") as b,
     ):
-        b.register("pool", bytearray(b"x" * 4096))
+        b.register("pool", bytearray(b"x" * 4096), access=Access.READ_WRITE)
         local = a.register("buf", bytearray(4096))
         assert b.descriptor("pool").transports == ("tcp",)
         a.add_peer("b", b.address)
@@ -97,7 +97,7 @@ async def test_rdma_read_and_write_between_two_engines() -> None:
         TransferEngine(config, "a", b"rdma-hardware-secret") as a,
         TransferEngine(config, "b", b"rdma-hardware-secret") as b,
     ):
-        remote = b.register("pool", bytearray(range(256)) * 4096)
+        remote = b.register("pool", bytearray(range(256)) * 4096, access=Access.READ_WRITE)
         local = a.register("buf", bytearray(256 * 4096))
         a.add_peer("b", b.address)
         batch = await a.submit([TransferOp.read("buf", 0, "b", "pool", 0, 256 * 4096)])
