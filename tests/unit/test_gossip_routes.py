@@ -119,8 +119,13 @@ async def test_mooncakectl_renders_table_summary_and_json(
         "BLOCKS",
         "LAST",
         "HEARD",
+        "QUEUE",
+        "COST",
+        "MODEL",
     ]
     assert row.split()[:4] == ["solo", "*", "decode", "alive"]
+    # A service without an engine measured nothing.
+    assert row.rstrip().endswith("not measured")
     assert "512 tok, 3 dec" in row and "25.0%" in row
     status, text = await ctl(url, "nodes", tty=True)
     assert status == 0 and "solo" in text and "decode" in text
