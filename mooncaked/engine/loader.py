@@ -21,6 +21,7 @@ import torch
 
 from mooncaked.config import ModelConfig
 from mooncaked.engine.model import CausalLM, ModelArch
+from mooncaked.engine.quant import linear_factory
 from mooncaked.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -37,6 +38,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+    # model.quantization: "none", "int8" or "int4".
+    quantization: str = "none"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -113,26 +116,33 @@ def load_model(config: ModelConfig, progress: IO[str] | None = None) -> LoadedMo
     """``progress``: where a progress bar goes (default stderr); drawn only on a terminal."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    # Refused before minutes of loading, not after.
+    linear_factory(config.quantization, device)
     if config.path.startswith(BUILTIN_PREFIX):
         loaded = _load_builtin(config, device, dtype)
     elif config.path.endswith(".gguf"):
         loaded = _load_gguf(config, device, dtype, sys.stderr if progress is None else progress)
     else:
         loaded = _load_hf_dir(config, device, dtype)
-    loaded.model_id += precision_tag(dtype)
+    make = linear_factory(config.quantization, device)
+    if make is not None:
+        loaded.model.replace_linears(make)
+        loaded.quantization = config.quantization
+    loaded.model_id += precision_tag(dtype, config.quantization)
     return loaded
 
 
-def precision_tag(dtype: torch.dtype) -> str:
-    """Suffix of the model id for a precision other than float32.
+def precision_tag(dtype: torch.dtype, quantization: str = "none") -> str:
+    """Suffix of the model id for a precision other than float32 dense weights.
 
     The model id seeds block hashes, which key every cache tier and the
     cluster index: K/V computed in another precision are other bytes (and
     another block size) and must never be served for the float32 model's.
     """
-    if dtype == torch.float32:
-        return ""
-    return "#" + str(dtype).removeprefix("torch.")
+    tags = [] if dtype == torch.float32 else [str(dtype).removeprefix("torch.")]
+    if quantization != "none":
+        tags.append(quantization)
+    return "".join("#" + t for t in tags)
 
 
 @contextmanager
