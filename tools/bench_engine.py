@@ -188,7 +188,7 @@ def hf_model(loaded: LoadedModel) -> torch.nn.Module:
     # With tied embeddings lm_head.weight may be absent on either side.
     if [k for k in missing if k != "lm_head.weight"] or unexpected:
         raise RuntimeError(f"weights do not map onto HF: {missing} {unexpected}")
-    return model.to(torch.float32).eval()
+    return model.to(device=loaded.device, dtype=torch.float32).eval()
 
 
 def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], n: int) -> torch.Tensor:
@@ -198,10 +198,11 @@ def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], n: int) -> to
     for row, p in enumerate(prompts):
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
+    device = next(model.parameters()).device
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
