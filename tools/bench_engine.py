@@ -299,6 +299,14 @@ async def prefix_bench(loaded: LoadedModel, cfg: Config, runs: int, seed: int) -
     print(f"  speedup (uncached / cached): {u / c:.2f}x   (goal >= 5x)")
 
 
+def _line(f: Figures) -> str:
+    """One side's figures as soon as they are measured: a cut-short run still tells."""
+    return (
+        f"decode {f.decode_tps:.1f} tok/s, prompt {f.prefill_tps:.1f} tok/s, "
+        f"throughput {f.throughput_tps:.1f} tok/s {f.note}"
+    )
+
+
 def _ratio(ours: float, base: float) -> str:
     return f"{ours / base:5.2f}x" if ours > 0 and base > 0 else "    -"
 
@@ -387,6 +395,7 @@ def main() -> None:
             model = hf_model(fp32)
             hf_rows[n_threads] = measure_hf(model, args, wl, fp32.arch.vocab_size)
             rows.append(("HF generate float32", n_threads, hf_rows[n_threads]))
+            print(f"  {_line(hf_rows[n_threads])}", flush=True)
             del model
         for precision in precisions:
             print(f"ours {precision}, {n_threads} threads", flush=True)
@@ -398,6 +407,7 @@ def main() -> None:
                 same = sum(1 for a, b in zip(f.outputs, base.outputs, strict=True) if a == b)
                 f.note = f"greedy = HF for {same}/{len(f.outputs)}"
             rows.append((f"ours {precision}", n_threads, f))
+            print(f"  {_line(f)}", flush=True)
             del loaded
             gc.collect()
     for n_threads in threads:
