@@ -71,6 +71,9 @@ class ModelConfig:
     # Name clients pass as "model"; empty: derived from the path.
     served_name: str = ""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Weight-only quantized linear layers (CPU): weights stored in 8 or 4
+    # bits, read 4x or 8x faster than float32 in a bandwidth-bound decode.
+    quantization: Literal["none", "int8", "int4"] = "none"
     device: str = "auto"
     # 0: the model's own limit.
     max_model_len: int = 0

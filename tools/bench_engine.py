@@ -1,58 +1,101 @@
-"""Engine throughput vs HF transformers, and TTFT with vs without a cached prefix.
+"""Engine speed vs HF transformers, per precision, and TTFT with vs without a cached prefix.
 
-One command, both sides in the same process on the same weights (the builtin
-model's, loaded into HF ``LlamaForCausalLM`` as well):
+One command, every side in the same process on the same weights (``--model``:
+builtin:tiny, a Hugging Face directory or a GGUF file; HF ``LlamaForCausalLM``
+gets our float32 weights):
 
-    python tools/bench_engine.py
+    python tools/bench_engine.py --model PATH --precisions float32,int8,int4
 
-1. Throughput: N requests (prompt lengths uniform in [min, max], M output
-   tokens each, greedy, EOS ignored). Ours: all submitted at once to an
-   EngineCore. HF: ``generate`` over left-padded batches of prompts sorted by
-   length (least padding), at each batch size of ``--hf-batch-sizes``; the best
-   one is the baseline. Prints output tokens/s of each and the ratio.
-2. Prefix reuse: TTFT of a 1,024-token prompt whose first 960 tokens are in
-   the prefix cache vs the same-length prompt with nothing cached; medians of
-   several alternating runs, and the ratio.
+For each precision of ``--precisions`` (float32, bfloat16, float16, int8,
+int4; the quantized ones keep float32 elsewhere) and each torch thread count
+of ``--threads``, ours is measured in process through an EngineCore:
+
+1. Single-stream decode, tokens/s: one request, ``--decode-tokens`` tokens
+   after the first (medians of ``--repeats``).
+2. Prompt processing, tokens/s: a ``--prompt-tokens`` prompt (512) with
+   nothing cached, time to its first token.
+3. Throughput, output tokens/s: ``--requests`` requests submitted at once,
+   prompt lengths uniform in [min, max], output lengths drawn from the
+   output lengths of Kimi's conversation trace (its quantiles are built in),
+   scaled so the trace's longest becomes ``--max-output-len``; EOS ignored.
+   HF: ``generate`` over left-padded batches of prompts sorted by length at
+   each batch size of ``--hf-batch-sizes``; a batch runs until its longest
+   output. Its best batch size is the baseline, and ours in float32 must be
+   token-identical to it.
+
+HF float32 is measured the same way (1., 2., 3.) and every figure is printed
+with its ratio to HF's. Then, unless ``--skip-prefix``: TTFT of a 1,024-token
+prompt whose first 960 tokens are cached vs nothing cached.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mooncaked.config import Config, with_overrides
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import LoadedModel, load_model
-from mooncaked.process import tune_process
+from mooncaked.process import keep_large_allocations_mapped
 from mooncaked.request import SamplingParams
+
+# Output lengths of the conversation trace (12,031 requests): its 64 quantiles
+# at (i + 0.5) / 64. Drawing uniformly among them follows the trace's
+# distribution: a mass of long answers and a tail of very short ones.
+TRACE_OUTPUT_QUANTILES = (
+    3, 3, 8, 11, 15, 20, 25, 29, 36, 45, 60, 78, 95, 112, 129, 146,
+    168, 187, 203, 217, 230, 243, 257, 270, 280, 290, 301, 311, 319, 328, 337, 346,
+    355, 363, 369, 377, 385, 393, 400, 407, 414, 422, 429, 438, 445, 453, 460, 467,
+    476, 486, 496, 508, 519, 532, 544, 558, 574, 595, 618, 648, 683, 740, 849, 1249,
+)  # fmt: skip
+TRACE_MAX_OUTPUT = 2000
+
+PRECISIONS = {
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "float16": ("float16", "none"),
+    "int8": ("float32", "int8"),
+    "int4": ("float32", "int4"),
+}
 
 
 @dataclass(slots=True)
 class Workload:
     prompts: list[list[int]]
-    output_len: int
+    output_lens: list[int]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.prompts) * self.output_len
+        return sum(self.output_lens)
 
 
-def make_workload(n: int, lo: int, hi: int, output_len: int, seed: int) -> Workload:
+def trace_output_lengths(n: int, max_len: int, rng: random.Random) -> list[int]:
+    """``n`` lengths drawn from the trace's distribution, scaled so its longest is ``max_len``."""
+    scale = max_len / TRACE_MAX_OUTPUT
+    return [max(1, round(rng.choice(TRACE_OUTPUT_QUANTILES) * scale)) for _ in range(n)]
+
+
+def make_workload(n: int, lo: int, hi: int, max_output_len: int, seed: int, vocab: int) -> Workload:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(32, 127) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-    return Workload(prompts, output_len)
+    # Ids of ordinary tokens in any vocabulary this bench loads (the builtin's
+    # printable bytes, a real model's common sub-words).
+    top = min(vocab, 1000)
+    prompts = [[rng.randrange(32, top) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    return Workload(prompts, trace_output_lengths(n, max_output_len, rng))
 
 
-def engine_config(args: argparse.Namespace) -> Config:
+def engine_config(args: argparse.Namespace, precision: str) -> Config:
+    dtype, quantization = PRECISIONS[precision]
     return with_overrides(
         Config(),
-        model={"cpu_threads": args.cpu_threads},
+        model={"path": args.model, "dtype": dtype, "quantization": quantization},
         scheduler={
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -61,25 +104,63 @@ def engine_config(args: argparse.Namespace) -> Config:
     )
 
 
-async def run_ours(loaded: LoadedModel, cfg: Config, wl: Workload) -> tuple[float, list[list[int]]]:
+@dataclass(slots=True)
+class Figures:
+    """One side's measurements; 0.0 where not measured."""
+
+    decode_tps: float = 0.0
+    prefill_tps: float = 0.0
+    throughput_tps: float = 0.0
+    outputs: list[list[int]] = field(default_factory=list)
+    note: str = ""
+
+
+async def _generate(engine: EngineCore, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Token ids and the time each arrived."""
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    ids: list[int] = []
+    times: list[float] = []
+    async for out in engine.add_request(prompt, sp):
+        ids += out.new_token_ids
+        times += [time.perf_counter()] * len(out.new_token_ids)
+    return ids, times
+
+
+async def measure_ours(
+    loaded: LoadedModel, cfg: Config, args: argparse.Namespace, wl: Workload | None
+) -> Figures:
     engine = EngineCore(cfg, loaded)
     await engine.start()
-    sp = SamplingParams(max_tokens=wl.output_len, temperature=0.0, ignore_eos=True)
-    # Warm-up outside the timed region (first-call allocations, thread start).
-    async for _ in engine.add_request(wl.prompts[0][:16], SamplingParams(max_tokens=4)):
-        pass
+    rng = random.Random(args.seed + 7)
+    vocab_top = min(loaded.arch.vocab_size, 1000)
 
-    async def one(prompt: list[int]) -> list[int]:
-        ids: list[int] = []
-        async for out in engine.add_request(prompt, sp):
-            ids += out.new_token_ids
-        return ids
+    def fresh(n: int) -> list[int]:
+        # Never cached: every prompt is new random ids.
+        return [rng.randrange(32, vocab_top) for _ in range(n)]
 
-    t0 = time.perf_counter()
-    outputs = await asyncio.gather(*(one(p) for p in wl.prompts))
-    elapsed = time.perf_counter() - t0
-    await engine.close()
-    return elapsed, list(outputs)
+    figures = Figures()
+    try:
+        await _generate(engine, fresh(16), 4)  # warm-up: first-call allocations, threads
+        decode: list[float] = []
+        prefill: list[float] = []
+        for _ in range(args.repeats):
+            _ids, times = await _generate(engine, fresh(32), args.decode_tokens + 1)
+            decode.append(args.decode_tokens / (times[-1] - times[0]))
+            t0 = time.perf_counter()
+            _ids, times = await _generate(engine, fresh(args.prompt_tokens), 1)
+            prefill.append(args.prompt_tokens / (times[0] - t0))
+        figures.decode_tps = statistics.median(decode)
+        figures.prefill_tps = statistics.median(prefill)
+        if wl is not None:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(
+                *(_generate(engine, p, n) for p, n in zip(wl.prompts, wl.output_lens, strict=True))
+            )
+            figures.throughput_tps = wl.num_output_tokens / (time.perf_counter() - t0)
+            figures.outputs = [ids for ids, _times in results]
+    finally:
+        await engine.close()
+    return figures
 
 
 def hf_model(loaded: LoadedModel) -> torch.nn.Module:
@@ -107,36 +188,82 @@ def hf_model(loaded: LoadedModel) -> torch.nn.Module:
     # With tied embeddings lm_head.weight may be absent on either side.
     if [k for k in missing if k != "lm_head.weight"] or unexpected:
         raise RuntimeError(f"weights do not map onto HF: {missing} {unexpected}")
-    return model.to(torch.float32).eval()
+    return model.to(device=loaded.device, dtype=torch.float32).eval()
 
 
-def run_hf(
-    model: torch.nn.Module, wl: Workload, batch_size: int
-) -> tuple[float, dict[int, list[int]]]:
+def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], n: int) -> torch.Tensor:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[:, width:]
+
+
+def run_hf(model: torch.nn.Module, wl: Workload, batch_size: int) -> tuple[float, list[list[int]]]:
+    """Static batches of prompts sorted by length; each runs to its longest output."""
     order = sorted(range(len(wl.prompts)), key=lambda i: len(wl.prompts[i]))
-    outputs: dict[int, list[int]] = {}
+    outputs: list[list[int]] = [[] for _ in wl.prompts]
     t0 = time.perf_counter()
     for start in range(0, len(order), batch_size):
         idx = order[start : start + batch_size]
-        width = max(len(wl.prompts[i]) for i in idx)
-        ids = torch.zeros((len(idx), width), dtype=torch.long)
-        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        out = _hf_generate(model, [wl.prompts[i] for i in idx], max(wl.output_lens[i] for i in idx))
         for row, i in enumerate(idx):
-            p = wl.prompts[i]
-            ids[row, width - len(p) :] = torch.tensor(p)
-            mask[row, width - len(p) :] = 1
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                max_new_tokens=wl.output_len,
-                min_new_tokens=wl.output_len,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        for row, i in enumerate(idx):
-            outputs[i] = out[row, width:].tolist()
+            outputs[i] = out[row, : wl.output_lens[i]].tolist()
     return time.perf_counter() - t0, outputs
+
+
+def measure_hf(
+    model: torch.nn.Module, args: argparse.Namespace, wl: Workload | None, vocab: int
+) -> Figures:
+    rng = random.Random(args.seed + 7)
+    top = min(vocab, 1000)
+    figures = Figures()
+    _hf_generate(model, [[rng.randrange(32, top) for _ in range(16)]], 4)  # warm-up
+    decode: list[float] = []
+    prefill: list[float] = []
+    for _ in range(args.repeats):
+        prompt = [rng.randrange(32, top) for _ in range(32)]
+        t0 = time.perf_counter()
+        _hf_generate(model, [prompt], 1)
+        t1 = time.perf_counter()
+        _hf_generate(model, [prompt], args.decode_tokens + 1)
+        t2 = time.perf_counter()
+        # The second run repeats the first one's prefill and first token.
+        decode.append(args.decode_tokens / ((t2 - t1) - (t1 - t0)))
+        prompt = [rng.randrange(32, top) for _ in range(args.prompt_tokens)]
+        t0 = time.perf_counter()
+        _hf_generate(model, [prompt], 1)
+        prefill.append(args.prompt_tokens / (time.perf_counter() - t0))
+    figures.decode_tps = statistics.median(decode)
+    figures.prefill_tps = statistics.median(prefill)
+    if wl is not None:
+        best: tuple[float, int, list[list[int]]] | None = None
+        for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
+            hf_s, hf_out = run_hf(model, wl, bs)
+            print(
+                f"    HF generate (batch {bs:3d}): {hf_s:7.2f} s  "
+                f"{wl.num_output_tokens / hf_s:9.1f} output tok/s",
+                flush=True,
+            )
+            if best is None or hf_s < best[0]:
+                best = (hf_s, bs, hf_out)
+        if best is not None:
+            figures.throughput_tps = wl.num_output_tokens / best[0]
+            figures.outputs = best[2]
+            figures.note = f"best batch {best[1]}"
+    return figures
 
 
 async def ttft(engine: EngineCore, prompt: list[int]) -> float:
@@ -172,64 +299,123 @@ async def prefix_bench(loaded: LoadedModel, cfg: Config, runs: int, seed: int) -
     print(f"  speedup (uncached / cached): {u / c:.2f}x   (goal >= 5x)")
 
 
+def _line(f: Figures) -> str:
+    """One side's figures as soon as they are measured: a cut-short run still tells."""
+    return (
+        f"decode {f.decode_tps:.1f} tok/s, prompt {f.prefill_tps:.1f} tok/s, "
+        f"throughput {f.throughput_tps:.1f} tok/s {f.note}"
+    )
+
+
+def _ratio(ours: float, base: float) -> str:
+    return f"{ours / base:5.2f}x" if ours > 0 and base > 0 else "    -"
+
+
+def print_table(rows: list[tuple[str, int, Figures]], base: Figures) -> None:
+    print()
+    print(
+        f"{'side':<22}{'threads':>8}{'decode tok/s':>14}{'vs HF':>8}{'prompt tok/s':>14}"
+        f"{'vs HF':>8}{'throughput tok/s':>18}{'vs HF':>8}  note"
+    )
+    for name, threads, f in rows:
+        print(
+            f"{name:<22}{threads:>8}{f.decode_tps:>14.1f}{_ratio(f.decode_tps, base.decode_tps):>8}"
+            f"{f.prefill_tps:>14.1f}{_ratio(f.prefill_tps, base.prefill_tps):>8}"
+            f"{f.throughput_tps:>18.1f}{_ratio(f.throughput_tps, base.throughput_tps):>8}"
+            f"  {f.note}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="builtin:tiny", help="builtin:tiny, HF directory or .gguf")
+    ap.add_argument("--precisions", default="float32,int8,int4", help=f"of {list(PRECISIONS)}")
+    ap.add_argument(
+        "--threads", default="", help="torch thread counts to measure, e.g. 1,2 (default: cores)"
+    )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument(
+        "--max-output-len",
+        type=int,
+        default=256,
+        help="the trace's longest output (2,000 tokens) scales to this",
+    )
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--prefix-runs", type=int, default=5)
-    ap.add_argument(
-        "--cpu-threads",
-        type=int,
-        default=0,
-        help="torch threads for both sides (0: the engine's default, cores - 1)",
-    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-prefix", action="store_true")
     args = ap.parse_args()
+    precisions = [x for x in args.precisions.split(",") if x]
+    unknown = [x for x in precisions if x not in PRECISIONS]
+    if unknown:
+        ap.error(f"unknown precision(s) {unknown}; use {list(PRECISIONS)}")
+    threads = [int(x) for x in args.threads.split(",") if x] or [torch.get_num_threads()]
 
-    cfg = engine_config(args)
-    # The daemon's process settings (threads, allocator), applied as its entry
-    # point does: HF runs under the same ones.
-    tune_process(cfg.model)
-    loaded = load_model(cfg.model)
+    keep_large_allocations_mapped()
+    base_cfg = engine_config(args, "float32")
+    fp32 = load_model(base_cfg.model)
     print(
-        f"model {loaded.served_name}: {sum(p.numel() for p in loaded.model.parameters()) / 1e6:.1f}M "
-        f"params, {loaded.dtype}, torch threads {torch.get_num_threads()}"
+        f"model {fp32.served_name}: {sum(p.numel() for p in fp32.model.parameters()) / 1e6:.1f}M "
+        f"params; precisions {precisions}; threads {threads}",
+        flush=True,
     )
+    wl = None
     if not args.skip_throughput:
         wl = make_workload(
-            args.requests, args.min_prompt, args.max_prompt, args.output_len, args.seed
+            args.requests,
+            args.min_prompt,
+            args.max_prompt,
+            args.max_output_len,
+            args.seed,
+            fp32.arch.vocab_size,
         )
         print(
             f"workload: {args.requests} requests, prompts {args.min_prompt}..{args.max_prompt} "
-            f"tokens, {args.output_len} output tokens each"
+            f"tokens, outputs {min(wl.output_lens)}..{max(wl.output_lens)} tokens "
+            f"(mean {statistics.mean(wl.output_lens):.0f}, trace lengths x "
+            f"{args.max_output_len / TRACE_MAX_OUTPUT:.3f}), {wl.num_output_tokens} in all",
+            flush=True,
         )
-        ours_s, ours_out = asyncio.run(run_ours(loaded, cfg, wl))
-        ours_tps = wl.num_output_tokens / ours_s
-        print(f"  mooncaked engine: {ours_s:7.2f} s  {ours_tps:9.1f} output tok/s")
-        model = hf_model(loaded)
-        best: tuple[float, int, dict[int, list[int]]] | None = None
-        for bs in (int(x) for x in args.hf_batch_sizes.split(",")):
-            hf_s, hf_out = run_hf(model, wl, bs)
-            print(
-                f"  HF generate (batch {bs:3d}): {hf_s:7.2f} s  "
-                f"{wl.num_output_tokens / hf_s:9.1f} output tok/s"
-            )
-            if best is None or hf_s < best[0]:
-                best = (hf_s, bs, hf_out)
-        assert best is not None
-        hf_tps = wl.num_output_tokens / best[0]
-        same = sum(1 for i, o in enumerate(ours_out) if best[2][i] == o)
-        print(
-            f"  throughput ratio (ours / best HF, batch {best[1]}): {ours_tps / hf_tps:.2f}x   "
-            f"(goal >= 3x); greedy outputs identical for {same}/{len(ours_out)} requests"
-        )
-    asyncio.run(prefix_bench(loaded, cfg, args.prefix_runs, args.seed + 1))
+
+    rows: list[tuple[str, int, Figures]] = []
+    hf_rows: dict[int, Figures] = {}
+    for n_threads in threads:
+        torch.set_num_threads(n_threads)
+        if not args.skip_hf:
+            print(f"HF transformers float32, {n_threads} threads", flush=True)
+            model = hf_model(fp32)
+            hf_rows[n_threads] = measure_hf(model, args, wl, fp32.arch.vocab_size)
+            rows.append(("HF generate float32", n_threads, hf_rows[n_threads]))
+            print(f"  {_line(hf_rows[n_threads])}", flush=True)
+            del model
+        for precision in precisions:
+            print(f"ours {precision}, {n_threads} threads", flush=True)
+            cfg = engine_config(args, precision)
+            loaded = fp32 if precision == "float32" else load_model(cfg.model)
+            f = asyncio.run(measure_ours(loaded, cfg, args, wl))
+            base = hf_rows.get(n_threads)
+            if wl is not None and base is not None and base.outputs:
+                same = sum(1 for a, b in zip(f.outputs, base.outputs, strict=True) if a == b)
+                f.note = f"greedy = HF for {same}/{len(f.outputs)}"
+            rows.append((f"ours {precision}", n_threads, f))
+            print(f"  {_line(f)}", flush=True)
+            del loaded
+            gc.collect()
+    for n_threads in threads:
+        base = hf_rows.get(n_threads, Figures())
+        print_table([r for r in rows if r[1] == n_threads], base)
+    if not args.skip_prefix:
+        torch.set_num_threads(threads[-1])
+        asyncio.run(prefix_bench(fp32, base_cfg, args.prefix_runs, args.seed + 1))
 
 
 if __name__ == "__main__":

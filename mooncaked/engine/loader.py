@@ -21,6 +21,7 @@ import torch
 
 from mooncaked.config import ModelConfig
 from mooncaked.engine.model import CausalLM, ModelArch
+from mooncaked.engine.quant import linear_factory
 from mooncaked.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -37,6 +38,8 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     max_model_len: int
+    # model.quantization: "none", "int8" or "int4".
+    quantization: str = "none"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -50,13 +53,47 @@ def resolve_device(name: str) -> torch.device:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# /proc/cpuinfo flags of instructions that compute on bfloat16 directly
+# (x86: AVX512-BF16, AMX; Arm: the BF16 extension).
+_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The first processor's feature flags (x86 ``flags``, Arm ``Features``); empty if unknown."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text("utf-8", errors="replace")
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_has_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether the CPU has bfloat16 arithmetic instructions.
+
+    Without them torch converts bf16 to fp32 in registers: weights are read
+    at half the bytes but every matmul pays the conversion, which on small
+    decode matmuls costs more than it saves (measured in tools/bench_engine.py).
+    """
+    if flags is None:
+        # torch's own probes first (cpuinfo library), /proc/cpuinfo where they say no.
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        if any(getattr(torch.cpu, name, lambda: False)() for name in probes):
+            return True
+        flags = cpu_flags()
+    return bool(flags & _BF16_CPU_FLAGS)
+
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    # Reduced-precision matmuls on CPUs without AMX are many times slower
-    # than fp32, so the CPU always computes in fp32.
-    if device.type == "cpu":
-        return torch.float32
+    """``model.dtype`` as a torch dtype. ``auto``: bfloat16 on CUDA; on the CPU,
+    bfloat16 where it has bf16 instructions, float32 elsewhere."""
     if name == "auto":
+        if device.type == "cpu" and not cpu_has_bf16():
+            return torch.float32
         return torch.bfloat16
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
@@ -79,12 +116,33 @@ def load_model(config: ModelConfig, progress: IO[str] | None = None) -> LoadedMo
     """``progress``: where a progress bar goes (default stderr); drawn only on a terminal."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    # Refused before minutes of loading, not after.
+    linear_factory(config.quantization, device)
     if config.path.startswith(BUILTIN_PREFIX):
-        return _load_builtin(config, device, dtype)
-    stream = sys.stderr if progress is None else progress
-    if config.path.endswith(".gguf"):
-        return _load_gguf(config, device, dtype, stream)
-    return _load_hf_dir(config, device, dtype)
+        loaded = _load_builtin(config, device, dtype)
+    elif config.path.endswith(".gguf"):
+        loaded = _load_gguf(config, device, dtype, sys.stderr if progress is None else progress)
+    else:
+        loaded = _load_hf_dir(config, device, dtype)
+    make = linear_factory(config.quantization, device)
+    if make is not None:
+        loaded.model.replace_linears(make)
+        loaded.quantization = config.quantization
+    loaded.model_id += precision_tag(dtype, config.quantization)
+    return loaded
+
+
+def precision_tag(dtype: torch.dtype, quantization: str = "none") -> str:
+    """Suffix of the model id for a precision other than float32 dense weights.
+
+    The model id seeds block hashes, which key every cache tier and the
+    cluster index: K/V computed in another precision are other bytes (and
+    another block size) and must never be served for the float32 model's.
+    """
+    tags = [] if dtype == torch.float32 else [str(dtype).removeprefix("torch.")]
+    if quantization != "none":
+        tags.append(quantization)
+    return "".join("#" + t for t in tags)
 
 
 @contextmanager

@@ -217,14 +217,22 @@ class _FusedLinear:
     the HF parameter names still load (a copy into a layer's weight writes
     the fused tensor). Small-batch decode on CPU is dominated by per-op
     overhead: three (q, k, v) or two (gate, up) GEMMs become one.
+
+    ``replace`` swaps the matmul for another module of the same weight (a
+    quantized one); the dense weight is then dropped.
     """
 
-    __slots__ = ("bias", "sizes", "weight")
+    __slots__ = ("bias", "linear", "sizes", "weight")
 
     def __init__(self) -> None:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.linear: nn.Module | None = None
         self.sizes: list[int] = []
+
+    @property
+    def active(self) -> bool:
+        return self.weight is not None or self.linear is not None
 
     def fuse(self, layers: list[nn.Linear]) -> None:
         with torch.no_grad():
@@ -243,7 +251,15 @@ class _FusedLinear:
         self.weight, self.bias = weight, bias
         self.sizes = [layer.weight.shape[0] for layer in layers]
 
+    def replace(self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]) -> None:
+        if self.weight is None:
+            raise RuntimeError("fused projection replaced before fuse()")
+        self.linear = make(self.weight, self.bias)
+        self.weight = self.bias = None
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.linear is not None:
+            return self.linear(x).split(self.sizes, dim=-1)
         if self.weight is None:
             raise RuntimeError("fused projection used before fuse()")
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
@@ -279,7 +295,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        if self.qkv.weight is not None:
+        if self.qkv.active:
             q, k, v = self.qkv(x)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -304,7 +320,7 @@ class MLP(nn.Module):
         self.gate_up.fuse([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up.weight is not None:
+        if self.gate_up.active:
             gate, up = self.gate_up(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
@@ -358,6 +374,34 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def replace_linears(
+        self, make: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+    ) -> None:
+        """Every projection and the output head become ``make(weight, bias)``.
+
+        Call after ``fuse_projections``. The dense layers go: once replaced,
+        the HF-named parameters of q/k/v and gate/up are no longer needed
+        (they only gave the checkpoint's names a place to load into), and
+        keeping them would keep the dense weights in memory. The embedding
+        stays dense; a tied head gets its own replaced copy.
+        """
+        with torch.no_grad():
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                for fused, names in (
+                    (attn.qkv, ("q_proj", "k_proj", "v_proj")),
+                    (mlp.gate_up, ("gate_proj", "up_proj")),
+                ):
+                    if not fused.active:
+                        raise RuntimeError("replace_linears() needs fuse_projections() first")
+                    fused.replace(make)
+                    owner = attn if fused is attn.qkv else mlp
+                    for name in names:
+                        delattr(owner, name)
+                attn.o_proj = make(attn.o_proj.weight, attn.o_proj.bias)
+                mlp.down_proj = make(mlp.down_proj.weight, None)
+            self.lm_head = make(self.lm_head.weight, None)
 
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:

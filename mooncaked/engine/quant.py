@@ -1,0 +1,128 @@
+"""Weight-only quantized linear layers for the CPU, on torch's packed-weight kernels.
+
+Decode on the CPU is bound by reading the weights: every step reads each of
+them once for a handful of rows. Storing them in 8 or 4 bits reads 4x or 8x
+fewer bytes than float32. The kernels are torch's own:
+
+- int8: one symmetric scale per output row; ``torch._weight_int8pack_mm``.
+- int4: asymmetric groups along the input (a scale and a minimum per group
+  of ``group_size`` weights); ``torch._convert_weight_to_int4pack_for_cpu``
+  packs, ``torch._weight_int4pack_mm_for_cpu`` multiplies.
+
+Both kernels have their fast paths for bfloat16 activations (float32 ones
+take a generic path more than ten times slower), so activations enter them
+in bfloat16 and leave in the model's dtype. For many rows at once (a prefill
+chunk) the int8 weight is dequantized and multiplied densely instead: the
+dense GEMM is compute-bound there, and one pass over the weight costs little
+next to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8", "int4")
+
+# Rows from which an int8 layer dequantizes and runs the dense matmul.
+DENSE_ROWS = 32
+# int4 group sizes the CPU kernel takes, preferred first: the larger group
+# stores fewer scales, the smaller is used where the input size needs it.
+INT4_GROUP_SIZES = (32,)
+_ACT = torch.bfloat16
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class Int8Linear(nn.Module):
+    """``y = x W^T + b`` with W as int8 rows times a per-row scale."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        # Symmetric, 127 levels each side: -128 is never used, so the
+        # quantized row is exactly sign-symmetric.
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        qweight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.out_features, self.in_features = w.shape
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scale", scale)
+        self.register_buffer("scale_act", scale.to(_ACT))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.qweight.to(dtype) * self.scale[:, None].to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x)
+        if rows.shape[0] >= DENSE_ROWS:
+            y = F.linear(rows, self.dequantize(x.dtype), self.bias)
+        else:
+            y = torch._weight_int8pack_mm(rows.to(_ACT), self.qweight, self.scale_act).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def int4_group_size(in_features: int) -> int | None:
+    for size in INT4_GROUP_SIZES:
+        if in_features % size == 0:
+            return size
+    return None
+
+
+class Int4Linear(nn.Module):
+    """``y = x W^T + b`` with W in 4-bit groups: w = q * scale + minimum, q in 0..15."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        n, k = w.shape
+        group = int4_group_size(k)
+        if group is None:
+            raise ValueError(
+                f"int4 needs an input size divisible by one of {list(INT4_GROUP_SIZES)}, "
+                f"a layer has {k}; use quantization = 'int8'"
+            )
+        grouped = w.view(n, k // group, group)
+        lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
+        scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+        q = ((grouped - lo[..., None]) / scale[..., None]).round().clamp(0, 15)
+        codes = q.to(torch.int32).view(n, k)
+        # The kernel computes (q - 8) * scale + zero, so zero = minimum + 8 * scale;
+        # its table is [groups, out_features, (scale, zero)].
+        scales_zeros = torch.stack([scale, lo + 8.0 * scale], dim=-1).transpose(0, 1)
+        self.out_features, self.in_features, self.group_size = n, k, group
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+        self.register_buffer("scales_zeros", scales_zeros.contiguous().to(_ACT))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x).to(_ACT)
+        y = torch._weight_int4pack_mm_for_cpu(
+            rows, self.packed, self.group_size, self.scales_zeros
+        ).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def linear_factory(
+    quantization: str, device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor | None], nn.Module] | None:
+    """What replaces each dense layer for ``model.quantization``; None for "none"."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"model.quantization = {quantization!r}; use one of {list(QUANTIZATIONS)}")
+    if quantization == "none":
+        return None
+    if device.type != "cpu":
+        raise ValueError(
+            f"model.quantization = {quantization!r} runs on the CPU only (the model is on "
+            f"{device}); use 'none' there"
+        )
+    return Int8Linear if quantization == "int8" else Int4Linear

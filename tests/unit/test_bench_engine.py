@@ -1,0 +1,55 @@
+"""tools/bench_engine.py, the pure parts: the trace-shaped output lengths and the workload."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import statistics
+import sys
+from types import ModuleType
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "bench_engine", REPO_ROOT / "tools/bench_engine.py"
+    )
+    if spec is None or spec.loader is None:
+        raise RuntimeError("cannot load tools/bench_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_engine"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_built_in_quantiles_follow_the_trace_fixture(bench: ModuleType) -> None:
+    # The fixture is the trace's first 200 requests: its median output length
+    # lies near the built-in distribution's (both around 350 tokens).
+    lines = (REPO_ROOT / "tests/fixtures/conversation_trace_head200.jsonl").read_text()
+    head = [json.loads(line)["output_length"] for line in lines.splitlines() if line]
+    quantiles = bench.TRACE_OUTPUT_QUANTILES
+    assert len(quantiles) == 64 and list(quantiles) == sorted(quantiles)
+    assert max(head) <= bench.TRACE_MAX_OUTPUT
+    assert abs(statistics.median(head) - statistics.median(quantiles)) < 60
+
+
+def test_output_lengths_are_scaled_to_the_longest(bench: ModuleType) -> None:
+    lengths = bench.trace_output_lengths(2000, 256, random.Random(0))
+    assert min(lengths) >= 1 and max(lengths) <= 256 * 1249 // 2000 + 1
+    # Scaled by 256 / 2000: the trace's median (~350) becomes ~45.
+    assert 35 <= statistics.median(lengths) <= 55
+    # Variable: short and long outputs both occur.
+    assert min(lengths) <= 2 and max(lengths) >= 100
+
+
+def test_workload_is_reproducible(bench: ModuleType) -> None:
+    a = bench.make_workload(16, 8, 40, 128, seed=3, vocab=384)
+    b = bench.make_workload(16, 8, 40, 128, seed=3, vocab=384)
+    assert a.prompts == b.prompts and a.output_lens == b.output_lens
+    assert all(8 <= len(p) <= 40 and all(32 <= t < 384 for t in p) for p in a.prompts)
+    assert a.num_output_tokens == sum(a.output_lens)
