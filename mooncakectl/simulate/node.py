@@ -165,6 +165,8 @@ class SimNode:
             self._start_step()
 
     def _start_step(self) -> None:
+        if self.busy:
+            raise RuntimeError(f"node {self.node_id} started a step while one was running")
         step_no = len(self.step_ends)
         while self.waiting and self._fits(self.waiting[0]):
             r = self.waiting.popleft()
@@ -213,7 +215,7 @@ class SimNode:
     def _end_step(self, arg: tuple[list[tuple[SimRequest, int]], int]) -> None:
         pieces, num_decodes = arg
         now = self.events.now
-        self.busy = False
+        # Still busy while the callbacks below run: what they admit waits for the next step.
         self.version += 1
         for r, k in pieces:
             r.pos += k
@@ -231,6 +233,7 @@ class SimNode:
             self.context_tokens += num_decodes
             for r in self._finish_at.pop(step_no, ()):
                 self._finish(r, now)
+        self.busy = False
         self._start_step()
 
     def _finish(self, r: SimRequest, now: float) -> None:
