@@ -11,6 +11,8 @@ mixes them in one step.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 from collections import deque
 from collections.abc import Callable
@@ -115,6 +117,12 @@ class SimNode:
         self.context_tokens = 0
         # Step number at which each running request produces its last token.
         self._finish_at: dict[int, list[SimRequest]] = {}
+        self._finish_steps: list[int] = []
+        # The decode run under way: its steps' end times (empty: none).
+        self._run_ends: list[float] = []
+        self._run_start = 0.0
+        self._run_decodes = 0
+        self._run_id = 0
         # End time of each step that carried decodes: the token times of every request in it.
         self.step_ends: list[float] = []
         self.lengths = OutputLengths()
@@ -161,8 +169,11 @@ class SimNode:
     # -- steps --------------------------------------------------------------------
 
     def kick(self) -> None:
+        """Something changed: start a step if idle, or end a decode run at its current step."""
         if not self.busy:
             self._start_step()
+        elif self._run_ends:
+            self._cut_run()
 
     def _start_step(self) -> None:
         if self.busy:
@@ -175,7 +186,10 @@ class SimNode:
             self.running[r] = 0
             self.context_tokens += r.num_prompt_tokens + 1
             last = step_no + r.num_output_tokens - 2
-            self._finish_at.setdefault(last, []).append(r)
+            if last not in self._finish_at:
+                self._finish_at[last] = []
+                heapq.heappush(self._finish_steps, last)
+            self._finish_at[last].append(r)
             self.version += 1
         num_decodes = len(self.running)
         pieces: list[tuple[SimRequest, int]] = []
@@ -201,6 +215,9 @@ class SimNode:
         if not pieces and not num_decodes:
             return
         c = self.costs.step
+        if not pieces:
+            self._start_run(num_decodes)
+            return
         dt = (
             c.base_s
             + c.token_s * tokens
@@ -228,11 +245,62 @@ class SimNode:
                 self.cache.insert(r.hashes[: r.num_prompt_tokens // self.block_tokens])
                 self._on_prefilled(self, r)
         if num_decodes:
-            step_no = len(self.step_ends)
             self.step_ends.append(now)
             self.context_tokens += num_decodes
-            for r in self._finish_at.pop(step_no, ()):
+            self._finish_step(len(self.step_ends) - 1, now)
+        self.busy = False
+        self._start_step()
+
+    def _finish_step(self, step_no: int, now: float) -> None:
+        if self._finish_steps and self._finish_steps[0] == step_no:
+            heapq.heappop(self._finish_steps)
+            for r in self._finish_at.pop(step_no):
                 self._finish(r, now)
+
+    # A run: decode-only steps up to the next request's last token, one event
+    # for them all (they differ only by the context, growing a token a
+    # request a step). Anything that would change the next step (a decode
+    # joining, a prompt to compute) cuts the run at the step under way.
+
+    def _start_run(self, num_decodes: int) -> None:
+        step_no = len(self.step_ends)
+        num_steps = self._finish_steps[0] - step_no + 1
+        c = self.costs.step
+        first = c.base_s + c.seq_s * num_decodes + c.ctx_s * self.context_tokens
+        growth = c.ctx_s * num_decodes
+        t = self.events.now
+        ends = []
+        for j in range(num_steps):
+            t += first + growth * j
+            ends.append(t)
+        self._run_ends = ends
+        self._run_start = self.events.now
+        self._run_decodes = num_decodes
+        self._run_id += 1
+        self.busy = True
+        self.events.at(ends[-1], self._end_run, self._run_id)
+
+    def _steps_done_in_run(self) -> int:
+        return bisect.bisect_right(self._run_ends, self.events.now) if self._run_ends else 0
+
+    def _cut_run(self) -> None:
+        under_way = self._steps_done_in_run()
+        if under_way >= len(self._run_ends) - 1:
+            return
+        del self._run_ends[under_way + 1 :]
+        self._run_id += 1
+        self.events.at(self._run_ends[-1], self._end_run, self._run_id)
+
+    def _end_run(self, run_id: int) -> None:
+        if run_id != self._run_id:
+            return
+        ends, self._run_ends = self._run_ends, []
+        now = self.events.now
+        self.version += 1
+        self.step_ends.extend(ends)
+        self.context_tokens += self._run_decodes * len(ends)
+        self.busy_s += now - self._run_start
+        self._finish_step(len(self.step_ends) - 1, now)
         self.busy = False
         self._start_step()
 
@@ -260,21 +328,22 @@ class SimNode:
 
     def load(self) -> NodeLoad:
         running = len(self.running)
+        context = self.context_tokens + running * self._steps_done_in_run()
         work = [PrefillWork(r.left, r.pos) for r in self.prefill_queue]
         cap = self.spec.kv_capacity_tokens
         return NodeLoad(
             queued_prefill_tokens=self.queued_tokens,
             running_decode_batch=running,
-            kv_usage=round(min(1.0, self.context_tokens / cap), 3) if cap > 0 else 0.0,
+            kv_usage=round(min(1.0, context / cap), 3) if cap > 0 else 0.0,
             predicted_queue_s=round(predicted_queue_s(self.costs, work, decode_seqs=running), 3),
-            decode_context_tokens=self.context_tokens,
+            decode_context_tokens=context,
             pending_decode=running + len(self.waiting) + self.incoming,
         )
 
     def forecast(self) -> DecodeForecast:
         if not self.running:
             return DecodeForecast()
-        step_no = len(self.step_ends)
+        step_no = len(self.step_ends) + self._steps_done_in_run()
         work = []
         for r in self.running:
             produced = 1 + step_no - r.join_step
