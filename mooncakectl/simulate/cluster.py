@@ -85,6 +85,8 @@ class Shape:
 class SimConfig:
     shape: Shape
     node: NodeSpec
+    # Decode nodes' own costs where they differ (a profile of a real decode node).
+    decode_node: NodeSpec | None = None
     params: ConductorParams = field(default_factory=ConductorParams)
     slo: Slo = field(default_factory=Slo)
     # How old an entry node's view of the others may be.
@@ -94,6 +96,11 @@ class SimConfig:
     # Prompt + output clipped to this as the bench clips them (None: no limit).
     max_model_len: int | None = None
     seed: int = 0
+
+    def spec_for(self, role: str) -> NodeSpec:
+        if role == "decode" and self.decode_node is not None:
+            return self.decode_node
+        return self.node
 
     @property
     def speed(self) -> float:
@@ -168,7 +175,7 @@ class Simulation:
             node_id: SimNode(
                 node_id,
                 role,
-                config.node,
+                config.spec_for(role),
                 self.events,
                 block_tokens=self.block_tokens,
                 on_prefill_start=self._prefill_started,
@@ -178,7 +185,9 @@ class Simulation:
             for node_id, role in ids
         }
         self.node_ids = [node_id for node_id, _ in ids]
-        self.network = Network(self.events, {n: config.node.nic_bps for n in self.node_ids})
+        self.network = Network(
+            self.events, {n: node.spec.nic_bps for n, node in self.nodes.items()}
+        )
         self._entry_rng = random.Random(config.seed)
         self._policy_rng = random.Random(config.seed + 1)
         # The published view, shared by every entry's ClusterView.
@@ -188,10 +197,11 @@ class Simulation:
         self._state_version = 0
         self._costs: dict[str, NodeCosts] = {}
         for node_id in self.node_ids:
+            spec = self.nodes[node_id].spec
             peers = [p for p in self.node_ids if p != node_id][:MAX_LINKS]
-            self._costs[node_id] = replace(
-                config.node.costs, links=tuple((p, config.node.nic_bps) for p in peers)
-            )
+            # What a node would measure pulling from a peer: the slower NIC of the two.
+            links = tuple((p, min(spec.nic_bps, self.nodes[p].spec.nic_bps)) for p in peers)
+            self._costs[node_id] = replace(spec.costs, links=links)
             self._members[node_id] = Member(
                 node_id, ("127.0.0.1", 0), 1, 1, MemberStatus.ALIVE, 0.0, 0.0, None
             )
@@ -314,7 +324,7 @@ class Simulation:
         self, r: SimRequest, pnode: SimNode, fetch: bool, score: PrefillScore | None
     ) -> None:
         bs = self.block_tokens
-        kvb = self.config.node.costs.kv_bytes_per_token
+        kvb = pnode.costs.kv_bytes_per_token
         # The last prompt token is always computed: its logits give the first token.
         usable = (r.num_prompt_tokens - 1) // bs
         local, on_ssd = pnode.cache.prefix(r.hashes, usable)
@@ -322,7 +332,7 @@ class Simulation:
         r.local_cached_tokens = local * bs
         r.ssd_tokens = on_ssd * bs
         r.pos = local * bs
-        ssd_s = on_ssd * bs * kvb / self.config.node.ssd_bps if on_ssd else 0.0
+        ssd_s = on_ssd * bs * kvb / pnode.spec.ssd_bps if on_ssd else 0.0
         holder_id = score.holder if score is not None else None
         held = 0
         if fetch and score is not None and holder_id is not None and holder_id in self.nodes:
@@ -364,7 +374,7 @@ class Simulation:
             r.kv_in = True
             return
         # KV streams to the decode node layer by layer as the prefill computes it.
-        nbytes = r.num_prompt_tokens * self.config.node.costs.kv_bytes_per_token
+        nbytes = r.num_prompt_tokens * pnode.costs.kv_bytes_per_token
 
         def arrived(_flow: Flow, r: SimRequest = r) -> None:
             r.kv_in = True

@@ -115,6 +115,11 @@ def _configure(p: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--profile", metavar="FILE", help="a node's measured costs: GET /admin/status as JSON"
     )
+    c.add_argument(
+        "--decode-profile",
+        metavar="FILE",
+        help="decode nodes' measured costs, where they differ from --profile's",
+    )
     c.add_argument("--nic-gbps", type=float, help="NIC bandwidth per node, Gbit/s, all NICs")
     c.add_argument("--dram-gb", type=float, help="KV cache DRAM per node, GB")
     c.add_argument("--ssd-gb", type=float, default=0.0, help="SSD tier per node, GB (0: none)")
@@ -163,13 +168,13 @@ class Inputs:
     rejects: list[EarlyReject]
 
 
-def _node(args: argparse.Namespace) -> NodeSpec:
-    if args.profile and args.preset:
+def _node(args: argparse.Namespace, profile: str | None) -> NodeSpec:
+    if profile and args.preset:
         raise ValueError("give --preset or --profile, not both")
     if args.nic_gbps is not None and not args.nic_gbps > 0:
         raise ValueError(f"--nic-gbps must be > 0, got {args.nic_gbps}")
-    if args.profile:
-        node = profile_node(args.profile, nic_gbps=args.nic_gbps)
+    if profile:
+        node = profile_node(profile, nic_gbps=args.nic_gbps)
     else:
         node = preset_node(args.preset or DEFAULT_PRESET)
         if args.nic_gbps is not None:
@@ -211,11 +216,13 @@ def _inputs(args: argparse.Namespace) -> Inputs:
         raise ValueError(f"--target must be in (0, 1], got {args.target}")
     if args.max_replicas < 1:
         raise ValueError(f"--max-replicas must be >= 1, got {args.max_replicas}")
-    node = _node(args)
+    node = _node(args, args.profile)
+    decode_node = _node(args, args.decode_profile) if args.decode_profile else None
     records = read_trace(args.trace, TraceSlice(args.trace_start, args.trace_count))
     base = SimConfig(
         shape=Shape(args.prefill, args.decode, args.both) if not args.sweep else Shape(num_both=1),
         node=node,
+        decode_node=decode_node,
         params=ConductorParams(
             balancing_threshold=args.balancing_threshold, max_replicas=args.max_replicas
         ),
