@@ -96,6 +96,8 @@ class SimConfig:
     # Prompt + output clipped to this as the bench clips them (None: no limit).
     max_model_len: int | None = None
     seed: int = 0
+    # Decode-only steps simulated as runs, one event each (False: an event a step).
+    coalesce_decode: bool = True
 
     def spec_for(self, role: str) -> NodeSpec:
         if role == "decode" and self.decode_node is not None:
@@ -181,6 +183,7 @@ class Simulation:
                 on_prefill_start=self._prefill_started,
                 on_prefilled=self._prefilled,
                 on_done=self._done,
+                coalesce=config.coalesce_decode,
             )
             for node_id, role in ids
         }

@@ -92,6 +92,7 @@ class SimNode:
         on_prefill_start: Callable[[SimNode, SimRequest], None],
         on_prefilled: Callable[[SimNode, SimRequest], None],
         on_done: Callable[[SimNode, SimRequest], None],
+        coalesce: bool = True,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"node {node_id}: role must be one of {ROLES}, got {role!r}")
@@ -108,6 +109,8 @@ class SimNode:
         self._on_prefill_start = on_prefill_start
         self._on_prefilled = on_prefilled
         self._on_done = on_done
+        # Decode-only steps as one event per run (False: one per step, the reference).
+        self.coalesce = coalesce
         self.prefill_queue: deque[SimRequest] = deque()
         self.queued_tokens = 0
         # Decode: placed here and not yet in the batch (KV on its way, or waiting for room).
@@ -215,7 +218,7 @@ class SimNode:
         if not pieces and not num_decodes:
             return
         c = self.costs.step
-        if not pieces:
+        if not pieces and self.coalesce:
             self._start_run(num_decodes)
             return
         dt = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -67,8 +68,8 @@ def run_sim(
     cfg = SimConfig(
         shape,
         spec,
-        ConductorParams(policy=policy, early_reject=early_reject),
-        slo or Slo(),
+        params=ConductorParams(policy=policy, early_reject=early_reject),
+        slo=slo or Slo(),
         gossip_s=0.0,
         scale=TraceScale(block_tokens=BS, input_scale=1.0),
     )
@@ -385,3 +386,33 @@ def test_command_names_the_bad_value(argv: list[str], needle: str) -> None:
     code = run(["simulate", "--trace", str(FIXTURE), *argv], env)
     assert code == ExitStatus.USAGE
     assert needle in env.stderr.getvalue()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("shape", [Shape(2, 1), Shape(num_both=2)])
+def test_decode_runs_give_the_step_by_step_timeline(shape: Shape) -> None:
+    # One event per run of decode-only steps must change nothing but the event count.
+    from mooncakectl.bench.trace import read_trace
+
+    records = read_trace(FIXTURE)[:80]
+    base = SimConfig(
+        shape,
+        node(chunk=256),
+        params=ConductorParams(early_reject=EarlyReject.PREDICTED),
+        slo=Slo(ttft_s=5.0, tbt_s=0.05),
+        scale=TraceScale(block_tokens=BS, input_scale=BS / 512, time_scale=0.2),
+    )
+    runs = simulate(base, records)
+    steps = simulate(replace(base, coalesce_decode=False), records)
+    assert runs.num_events < steps.num_events
+    # Overloaded on purpose: decodes finish, and both SLOs reject some requests.
+    assert sum(r.done_s is not None for r in runs.requests) >= 10
+    assert {r.reject_code for r in runs.requests} >= {"ttft_slo", "tbt_slo"}
+    for a, b in zip(runs.requests, steps.requests, strict=True):
+        assert (a.prefill_node, a.decode_node, a.reject_code) == (
+            b.prefill_node,
+            b.decode_node,
+            b.reject_code,
+        )
+        assert a.ttft_s == pytest.approx(b.ttft_s)
+        assert a.tbt_s == pytest.approx(b.tbt_s)
+        assert a.done_s == pytest.approx(b.done_s)
