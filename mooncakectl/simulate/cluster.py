@@ -382,6 +382,8 @@ class Simulation:
         def arrived(_flow: Flow, r: SimRequest = r) -> None:
             r.kv_in = True
             if r.prefilled:
+                # The KV lagged the compute: the first token leaves once it is all in.
+                r.first_token_s = self.events.now
                 self.nodes[r.decode_node or ""].admit_decode(r)
 
         self.network.start(pnode.node_id, r.decode_node or "", nbytes, arrived, "kv")
@@ -393,6 +395,10 @@ class Simulation:
             dnode.finish_without_decode(r)
         elif r.kv_in:
             dnode.admit_decode(r)
+        else:
+            # As in the daemon, the first token is out only when the KV is in
+            # place on the decode node (``arrived`` sets it).
+            r.first_token_s = None
 
     def _done(self, _node: SimNode, r: SimRequest) -> None:
         self.entry_lengths[r.entry].add(r.num_output_tokens)

@@ -197,7 +197,8 @@ class SimNode:
         num_decodes = len(self.running)
         pieces: list[tuple[SimRequest, int]] = []
         tokens = pairs = 0
-        if self.role != "decode" and self.prefill_queue:
+        # A decode node only holds prompts when no prefill node was alive to take them.
+        if self.prefill_queue:
             chunk = self.costs.chunk_tokens
             budget = max(1, chunk - num_decodes) if chunk > 0 else 0
             for r in self.prefill_queue:

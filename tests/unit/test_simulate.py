@@ -416,3 +416,16 @@ def test_decode_runs_give_the_step_by_step_timeline(shape: Shape) -> None:
         assert a.ttft_s == pytest.approx(b.ttft_s)
         assert a.tbt_s == pytest.approx(b.tbt_s)
         assert a.done_s == pytest.approx(b.done_s)
+
+
+def test_slow_kv_delays_the_first_token_and_decode_nodes_prefill_alone() -> None:
+    # NICs of 0.5 MB/s: A's 1 MB of KV takes 2 s, longer than its 1.01 s of
+    # compute (one step of 1000 tokens).
+    res = run_sim(chunked_trace()[:1], Shape(1, 1), node(chunk=1000, nic_bps=5e5))
+    [a] = res.requests
+    assert a.ttft_s == pytest.approx(2.0)
+    assert a.done_s == pytest.approx(2.0 + 2 * 0.012)
+    # Decode nodes and nobody to prefill: the decode node computes the prompt.
+    res = run_sim(chunked_trace(), Shape(0, 1), node(chunk=400))
+    assert [r.prefill_node for r in res.requests] == ["d0", "d0", "d0"]
+    assert all(r.done_s is not None for r in res.requests)
