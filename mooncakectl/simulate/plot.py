@@ -88,7 +88,7 @@ def write_plots(
         ax.set_xscale("log")
         ax.set_ylabel("share of requests")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     written.append(_save(fig, out / "latency_cdf.png", plt))
 
@@ -104,7 +104,7 @@ def write_plots(
     ax2.set_xlabel("simulated seconds")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     written.append(_save(fig, out / "throughput.png", plt))
 
@@ -119,7 +119,7 @@ def write_plots(
         ax.set_xticklabels([n.node_id for n in results[0].nodes])
     ax.set_ylabel("busy (%)")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     written.append(_save(fig, out / "nodes.png", plt))
     return written
