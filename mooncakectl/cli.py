@@ -23,6 +23,7 @@ _COMMAND_MODULES = (
     "mooncakectl.cache_cmds",
     "mooncakectl.local",
     "mooncakectl.bench.command",
+    "mooncakectl.simulate.command",
 )
 
 EPILOG = """\

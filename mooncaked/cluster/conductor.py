@@ -433,7 +433,10 @@ def decide(
             ),
             params.policy,
         )
-    scores = [_prefill_score(view, request, params, n, nodes, matches) for n in prefill_pool]
+    leasable = _leasable(view, request, params)
+    scores = [
+        _prefill_score(view, request, params, n, nodes, matches, leasable) for n in prefill_pool
+    ]
     if not prefill_pool:
         # The decode node prefills itself: score it as a prefill node too.
         pass
@@ -495,7 +498,8 @@ def _colocated(
 ) -> Decision:
     """One ``both`` node prefills and decodes: the least TTFT among ``pool``."""
     nodes = {n.cand.node_id: n for n in pool}
-    scores = [_prefill_score(view, request, params, n, nodes, matches) for n in pool]
+    leasable = _leasable(view, request, params)
+    scores = [_prefill_score(view, request, params, n, nodes, matches, leasable) for n in pool]
     order = _order_prefill(params, pool, scores, rng)
     best = scores[order[0]]
     reject = _check_ttft(params, slo, best)
@@ -527,6 +531,16 @@ def _colocated(
     return Decision(placement, params.policy, tuple(scores), (d,), "colocated: one engine")
 
 
+def _leasable(
+    view: ClusterView, request: PlacementRequest, params: ConductorParams
+) -> dict[str, PrefixMatch]:
+    """The prefix each node can lease (DRAM or SSD; device blocks cannot be),
+    looked up once per request rather than once per candidate."""
+    if params.policy is not Policy.CONDUCTOR or not request.hashes:
+        return {}
+    return view.longest_prefix(request.hashes, tiers=LEASABLE_TIERS)
+
+
 def _prefill_score(
     view: ClusterView,
     request: PlacementRequest,
@@ -534,6 +548,7 @@ def _prefill_score(
     n: _Node,
     nodes: Mapping[str, _Node],
     matches: Mapping[str, PrefixMatch],
+    leasable: Mapping[str, PrefixMatch],
 ) -> PrefillScore:
     bs = params.block_size
     total = request.num_prompt_tokens
@@ -568,9 +583,9 @@ def _prefill_score(
     )
     if params.policy is not Policy.CONDUCTOR or not request.hashes:
         return score
-    # The longest prefix another node can lease (DRAM or SSD; device blocks cannot be).
+    # The longest prefix another node can lease.
     remote, holder, copies = 0, None, 0
-    for other, match in view.longest_prefix(request.hashes, tiers=LEASABLE_TIERS).items():
+    for other, match in leasable.items():
         nb = min(match.num_blocks, usable)
         if other == node_id or nb <= 0:
             continue

@@ -30,6 +30,7 @@ from mooncaked.cluster.predict import (
     NodeCosts,
     OutputLengths,
     PrefillWork,
+    StepCost,
     StepFeatures,
     StepFitter,
     forecast_decode,
@@ -73,7 +74,7 @@ class CostMeter:
         self.profiled = False
         self._kv_bytes_per_token = engine.runner.block_bytes // engine.block_size
         self._costs = NodeCosts()
-        self._costs_at = -1
+        self._costs_at: tuple[int, StepCost] | None = None
 
     def attach(self) -> None:
         self._engine.step_listeners.append(self._on_step)
@@ -91,7 +92,8 @@ class CostMeter:
 
     def costs(self) -> NodeCosts:
         """The model as gossip carries it (rebuilt only when it changed)."""
-        stamp = self.fitter.num_samples
+        # The fit too, not only the sample count: the profile's closing refit adds no sample.
+        stamp = (self.fitter.num_samples, self.fitter.cost)
         if stamp != self._costs_at:
             self._costs_at = stamp
             cfg = self._engine.config.scheduler

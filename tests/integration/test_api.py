@@ -648,7 +648,7 @@ async def test_admin_status_and_probes(node: Node) -> None:
 
 
 async def test_status_sections_can_be_added(node: Node) -> None:
-    node.admin.add_status_section("conductor", lambda: {"placements": 1})
+    node.admin.add_status_section("experiment", lambda: {"placements": 1})
     with pytest.raises(ValueError, match="already"):
         node.admin.add_status_section("kv", dict)
     # The daemon's own subsystems added theirs already.
@@ -656,7 +656,7 @@ async def test_status_sections_can_be_added(node: Node) -> None:
         node.admin.add_status_section("cluster", dict)
     async with aiohttp.ClientSession(node.url) as s:
         st = await (await s.get("/admin/status")).json()
-    assert st["conductor"] == {"placements": 1}
+    assert st["experiment"] == {"placements": 1}
     assert st["cluster"]["members"] == {"alive": 1, "suspect": 0, "dead": 0, "left": 0}
 
 

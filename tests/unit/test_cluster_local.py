@@ -109,6 +109,9 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
         for n in (16, 32, 64, 64, 48):
             f = StepFeatures(n, prefill_pairs(n, 0), 0, 0)
             costs.fitter.add(f, 0.010 + 0.001 * n, pinned=True)
+        # Samples, not fitted yet (as after a profile, before its closing refit) ...
+        assert meter().load.predicted_queue_s == 0.0
+        # ... and the refit alone, adding no sample, reaches what the node publishes.
         costs.fitter.refit()
         # 100 tokens in two steps of a 64-token budget: 2 * 10 ms + 100 * 1 ms.
         assert meter().load.predicted_queue_s == pytest.approx(0.12, abs=1e-3)

@@ -1,0 +1,17 @@
+"""``mooncakectl simulate``: a discrete-event cluster simulator on the daemon's own Conductor.
+
+Placement and admission are ``mooncaked.cluster.conductor.decide`` and the
+cost models are ``mooncaked.cluster.predict``'s, called with simulated
+gossip views: a change to either changes the simulation.
+
+Modules, imports running one way (top never imports from below):
+
+- ``costs``    node cost models: the analytic model with named presets, or a measured profile
+- ``cache``    a node's KV block cache: DRAM with LRU and a capacity, an optional SSD tier
+- ``network``  NICs and flows: a transfer shares its NICs' bandwidth with the others on them
+- ``node``     one node's engine: prefill queue with chunked prefill, continuous-batching decode
+- ``cluster``  the event loop: arrivals, gossip snapshots, entry nodes deciding on stale views
+- ``results``  per-request outcomes -> the summary (TTFT, TBT, SLO attainment, goodput...)
+- ``plot``     PNGs from a result
+- ``command``  the ``simulate`` subcommand, policy tables and the ``--sweep`` capacity plan
+"""

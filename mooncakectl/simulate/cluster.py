@@ -1,0 +1,408 @@
+"""The simulated cluster: trace arrivals, gossip snapshots, and entry nodes
+placing each request with the daemon's own ``conductor.decide``.
+
+Gossip: every ``gossip_s`` the nodes' states (``NodeLoad`` with the
+node's own ``predicted_queue_s``, its ``NodeCosts`` and decode forecast)
+and block-index changes are published to one shared view; an entry node
+deciding at time t sees what was published at the last tick at or before
+t, so its view is up to ``gossip_s`` old, and adds its own recent
+placements through a ``PendingLedger`` as the router does. Ticks are
+taken only where a request arrives (a tick nobody reads changes nothing).
+
+Each request enters at a node drawn at random (seeded): every node can
+act as the Conductor.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from mooncakectl.bench.trace import TraceRecord
+from mooncakectl.bench.workloads import TraceScale
+from mooncakectl.simulate.costs import NodeSpec
+from mooncakectl.simulate.events import EventQueue
+from mooncakectl.simulate.network import Flow, Network
+from mooncakectl.simulate.node import SimNode, SimRequest
+from mooncaked.cluster.conductor import (
+    ConductorParams,
+    EarlyReject,
+    PendingLedger,
+    PendingLoad,
+    Placement,
+    PlacementRequest,
+    PrefillScore,
+    Slo,
+    decide,
+)
+from mooncaked.cluster.predict import MAX_LINKS, DecodeForecast, NodeCosts, OutputLengths
+from mooncaked.cluster.state import ClusterView, Member, MemberStatus, NodeBlocks, NodeState
+
+MODEL_ID = "simulated"
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """How many nodes of each role."""
+
+    num_prefill: int = 0
+    num_decode: int = 0
+    num_both: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode", "num_both"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_nodes == 0:
+            raise ValueError("the cluster has no node: give --prefill and --decode, or --both")
+        if self.num_prefill and not (self.num_decode or self.num_both):
+            raise ValueError(f"{self.num_prefill} prefill node(s) and none that can decode")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_prefill + self.num_decode + self.num_both
+
+    def label(self) -> str:
+        parts = []
+        if self.num_prefill or self.num_decode:
+            parts.append(f"{self.num_prefill}P+{self.num_decode}D")
+        if self.num_both:
+            parts.append(f"{self.num_both}B")
+        return "+".join(parts)
+
+    def node_ids(self) -> list[tuple[str, str]]:
+        return (
+            [(f"p{i}", "prefill") for i in range(self.num_prefill)]
+            + [(f"d{i}", "decode") for i in range(self.num_decode)]
+            + [(f"b{i}", "both") for i in range(self.num_both)]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    shape: Shape
+    node: NodeSpec
+    # Decode nodes' own costs where they differ (a profile of a real decode node).
+    decode_node: NodeSpec | None = None
+    params: ConductorParams = field(default_factory=ConductorParams)
+    slo: Slo = field(default_factory=Slo)
+    # How old an entry node's view of the others may be.
+    gossip_s: float = 0.2
+    # Tokens per hash id, prompt and output scales, arrival gaps (as the bench scales them).
+    scale: TraceScale = field(default_factory=TraceScale)
+    # Prompt + output clipped to this as the bench clips them (None: no limit).
+    max_model_len: int | None = None
+    seed: int = 0
+    # Decode-only steps simulated as runs, one event each (False: an event a step).
+    coalesce_decode: bool = True
+
+    def spec_for(self, role: str) -> NodeSpec:
+        if role == "decode" and self.decode_node is not None:
+            return self.decode_node
+        return self.node
+
+    @property
+    def speed(self) -> float:
+        return 1.0 / self.scale.time_scale if self.scale.time_scale > 0 else math.inf
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.gossip_s < 0 or not math.isfinite(self.gossip_s):
+            raise ValueError(f"--gossip-ms must be >= 0, got {self.gossip_s * 1e3}")
+
+
+@dataclass(slots=True)
+class SimResult:
+    config: SimConfig
+    requests: list[SimRequest]
+    nodes: list[SimNode]
+    bytes_moved: dict[str, float]
+    num_events: int
+    wall_s: float
+
+
+def _hash_bytes(ids: Sequence[int], memo: dict[int, bytes]) -> tuple[bytes, ...]:
+    out = []
+    for i in ids:
+        b = memo.get(i)
+        if b is None:
+            b = memo[i] = i.to_bytes(8, "little", signed=True)
+        out.append(b)
+    return tuple(out)
+
+
+def trace_requests(
+    records: Sequence[TraceRecord],
+    scale: TraceScale | None = None,
+    max_model_len: int | None = None,
+) -> list[SimRequest]:
+    """Records as simulated requests, sized, timed and clipped as
+    ``mooncakectl bench trace`` sizes, times and clips them."""
+    if not records:
+        raise ValueError("the trace slice holds no request")
+    scale = scale or TraceScale()
+    bs = scale.block_tokens
+    t0 = records[0].timestamp_ms
+    memo: dict[int, bytes] = {}
+    out = []
+    for i, rec in enumerate(records):
+        length = max(1, math.ceil(rec.input_length * scale.effective_input_scale))
+        # Every request produces at least its first token.
+        out_len = max(1, round(rec.output_length * scale.output_scale))
+        if max_model_len is not None and length + out_len > max_model_len:
+            keep = min(length, max(max_model_len - out_len, max_model_len // 2))
+            out_len = max(1, min(out_len, max_model_len - keep))
+            length = keep
+        ids = rec.hash_ids[: math.ceil(length / bs)]
+        arrival = max(0.0, rec.timestamp_ms - t0) / 1000.0 * scale.time_scale
+        out.append(SimRequest(i, arrival, length, out_len, _hash_bytes(ids, memo)))
+    out.sort(key=lambda r: (r.arrival_s, r.index))
+    return out
+
+
+class Simulation:
+    def __init__(self, config: SimConfig, requests: Sequence[SimRequest]) -> None:
+        self.config = config
+        # The trace's blocks are the simulator's: cache, index and Conductor count them.
+        self.block_tokens = config.scale.block_tokens
+        self.params = replace(config.params, block_size=self.block_tokens)
+        self.requests = list(requests)
+        self.events = EventQueue()
+        ids = config.shape.node_ids()
+        self.nodes = {
+            node_id: SimNode(
+                node_id,
+                role,
+                config.spec_for(role),
+                self.events,
+                block_tokens=self.block_tokens,
+                on_prefill_start=self._prefill_started,
+                on_prefilled=self._prefilled,
+                on_done=self._done,
+                coalesce=config.coalesce_decode,
+            )
+            for node_id, role in ids
+        }
+        self.node_ids = [node_id for node_id, _ in ids]
+        self.network = Network(
+            self.events, {n: node.spec.nic_bps for n, node in self.nodes.items()}
+        )
+        self._entry_rng = random.Random(config.seed)
+        self._policy_rng = random.Random(config.seed + 1)
+        # The published view, shared by every entry's ClusterView.
+        self._members: dict[str, Member] = {}
+        self._blocks: dict[str, NodeBlocks] = {}
+        self._published: dict[str, int] = {}
+        self._state_version = 0
+        self._costs: dict[str, NodeCosts] = {}
+        for node_id in self.node_ids:
+            spec = self.nodes[node_id].spec
+            peers = [p for p in self.node_ids if p != node_id][:MAX_LINKS]
+            # What a node would measure pulling from a peer: the slower NIC of the two.
+            links = tuple((p, min(spec.nic_bps, self.nodes[p].spec.nic_bps)) for p in peers)
+            self._costs[node_id] = replace(spec.costs, links=links)
+            self._members[node_id] = Member(
+                node_id, ("127.0.0.1", 0), 1, 1, MemberStatus.ALIVE, 0.0, 0.0, None
+            )
+            self._blocks[node_id] = NodeBlocks(1)
+        self.views: dict[str, ClusterView] = {}
+        for node_id in self.node_ids:
+            view = ClusterView(node_id, clock=lambda: self.events.now)
+            view.members = self._members
+            view.blocks = self._blocks
+            self.views[node_id] = view
+        self.ledgers = {n: PendingLedger() for n in self.node_ids}
+        self.entry_lengths = {n: OutputLengths() for n in self.node_ids}
+        self._forecasts = self.params.early_reject is EarlyReject.PREDICTED
+
+    # -- running ------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        t0 = time.perf_counter()
+        g = self.config.gossip_s
+        ticks: list[float] = []
+        for r in self.requests:
+            tick = math.floor(r.arrival_s / g) * g if g > 0 else r.arrival_s
+            if not ticks or tick > ticks[-1]:
+                ticks.append(tick)
+        # Scheduled first: a tick runs before an arrival at the same instant.
+        for tick in ticks:
+            self.events.at(tick, self._publish)
+        for r in self.requests:
+            self.events.at(r.arrival_s, self._arrive, r)
+        self.events.run()
+        for node in self.nodes.values():
+            node.cache.check_integrity()
+        return SimResult(
+            self.config,
+            self.requests,
+            list(self.nodes.values()),
+            dict(self.network.bytes_moved),
+            self.events.num_events,
+            time.perf_counter() - t0,
+        )
+
+    # -- gossip -------------------------------------------------------------------
+
+    def _publish(self, _: object = None) -> None:
+        for node_id, node in self.nodes.items():
+            changes = node.cache.take_changes()
+            if changes:
+                masks = self._blocks[node_id].masks
+                for h, mask in changes.items():
+                    if mask:
+                        masks[h] = mask
+                    else:
+                        masks.pop(h, None)
+            if self._published.get(node_id) == node.version and not changes:
+                continue
+            self._published[node_id] = node.version
+            self._state_version += 1
+            self._members[node_id].state = NodeState(
+                node_id,
+                1,
+                self._state_version,
+                "",
+                node.role,
+                MODEL_ID,
+                f"{node_id}:80",
+                False,
+                node.load(),
+                self._state_version,
+                len(node.cache),
+                0,
+                self._costs[node_id],
+                node.forecast() if self._forecasts else DecodeForecast(),
+            )
+
+    # -- a request's path ---------------------------------------------------------
+
+    def _arrive(self, r: SimRequest) -> None:
+        now = self.events.now
+        entry = self.node_ids[self._entry_rng.randrange(len(self.node_ids))]
+        r.entry = entry
+        view = self.views[entry]
+        ledger = self.ledgers[entry]
+        expected = self.entry_lengths[entry].expected_more(0, r.num_output_tokens)
+        decision = decide(
+            view,
+            PlacementRequest(
+                MODEL_ID,
+                r.hashes,
+                r.num_prompt_tokens,
+                max_tokens=r.num_output_tokens,
+                expected_output_tokens=expected,
+            ),
+            now,
+            params=self.params,
+            slo=self.config.slo,
+            pending=ledger.pending(view, now),
+            rng=self._policy_rng,
+        )
+        result = decision.result
+        if not isinstance(result, Placement):
+            r.reject_code = result.code
+            return
+        dnode = self.nodes[result.decode.node_id]
+        pnode = self.nodes[result.prefill[0].node_id] if result.prefill else dnode
+        r.prefill_node, r.decode_node = pnode.node_id, dnode.node_id
+        r.predicted_ttft_s = result.predicted_ttft_s
+        score = next((s for s in decision.prefill if s.node_id == pnode.node_id), None)
+        # As the router records it: the prefill's work on its node, a decode on the other.
+        work = score.prefill_s if score is not None else 0.0
+        tokens = score.new_tokens if score is not None else 0
+        if pnode is dnode:
+            ledger.add(view, pnode.node_id, PendingLoad(work, tokens, 1), now)
+        else:
+            ledger.add(view, pnode.node_id, PendingLoad(work, tokens, 0), now)
+            ledger.add(view, dnode.node_id, PendingLoad(0.0, 0, 1), now)
+        dnode.expect_decode()
+        self._start_prefill(r, pnode, result.fetch and score is not None and score.fetch, score)
+
+    def _start_prefill(
+        self, r: SimRequest, pnode: SimNode, fetch: bool, score: PrefillScore | None
+    ) -> None:
+        bs = self.block_tokens
+        kvb = pnode.costs.kv_bytes_per_token
+        # The last prompt token is always computed: its logits give the first token.
+        usable = (r.num_prompt_tokens - 1) // bs
+        local, on_ssd = pnode.cache.prefix(r.hashes, usable)
+        pnode.cache.use(r.hashes[:local])
+        r.local_cached_tokens = local * bs
+        r.ssd_tokens = on_ssd * bs
+        r.pos = local * bs
+        ssd_s = on_ssd * bs * kvb / pnode.spec.ssd_bps if on_ssd else 0.0
+        holder_id = score.holder if score is not None else None
+        held = 0
+        if fetch and score is not None and holder_id is not None and holder_id in self.nodes:
+            holder = self.nodes[holder_id]
+            # What the holder really has now: the index it was chosen by may be stale.
+            held, _ = holder.cache.prefix(r.hashes, min(usable, score.remote_blocks))
+            if held > local:
+                holder.cache.use(r.hashes[:held])
+            else:
+                held = 0
+        if held:
+            r.fetched_tokens = (held - local) * bs
+            r.pos = held * bs
+            r.ready = False
+
+            def fetched(_flow: Flow, r: SimRequest = r, lo: int = local, hi: int = held) -> None:
+                pnode.cache.insert(r.hashes[lo:hi])
+                self._after(ssd_s, pnode, r)
+
+            start = (holder.node_id, pnode.node_id, r.fetched_tokens * kvb, fetched, "fetch")
+            # The lease round trip comes first (the Conductor prices it as fetch_rtt_s).
+            self.events.at(self.events.now + self.params.fetch_rtt_s, self._start_flow, start)
+        elif ssd_s > 0:
+            r.ready = False
+            self._after(ssd_s, pnode, r)
+        pnode.enqueue_prefill(r)
+
+    def _start_flow(self, arg: tuple[str, str, float, Callable[[Flow], None], str]) -> None:
+        self.network.start(*arg)
+
+    def _after(self, delay: float, pnode: SimNode, r: SimRequest) -> None:
+        if delay > 0:
+            self.events.at(self.events.now + delay, pnode.make_ready, r)
+        else:
+            pnode.make_ready(r)
+
+    def _prefill_started(self, pnode: SimNode, r: SimRequest) -> None:
+        if r.decode_node == pnode.node_id or r.num_output_tokens <= 1:
+            r.kv_in = True
+            return
+        # KV streams to the decode node layer by layer as the prefill computes it.
+        nbytes = r.num_prompt_tokens * pnode.costs.kv_bytes_per_token
+
+        def arrived(_flow: Flow, r: SimRequest = r) -> None:
+            r.kv_in = True
+            if r.prefilled:
+                # The KV lagged the compute: the first token leaves once it is all in.
+                r.first_token_s = self.events.now
+                self.nodes[r.decode_node or ""].admit_decode(r)
+
+        self.network.start(pnode.node_id, r.decode_node or "", nbytes, arrived, "kv")
+
+    def _prefilled(self, pnode: SimNode, r: SimRequest) -> None:
+        r.prefilled = True
+        dnode = self.nodes[r.decode_node or ""]
+        if r.num_output_tokens <= 1:
+            dnode.finish_without_decode(r)
+        elif r.kv_in:
+            dnode.admit_decode(r)
+        else:
+            # As in the daemon, the first token is out only when the KV is in
+            # place on the decode node (``arrived`` sets it).
+            r.first_token_s = None
+
+    def _done(self, _node: SimNode, r: SimRequest) -> None:
+        self.entry_lengths[r.entry].add(r.num_output_tokens)
+
+
+def simulate(config: SimConfig, records: Sequence[TraceRecord]) -> SimResult:
+    return Simulation(config, trace_requests(records, config.scale, config.max_model_len)).run()

@@ -1,0 +1,417 @@
+"""``mooncakectl simulate``: replay a trace on a simulated cluster.
+
+One run, or one per policy x early-rejection variant given (a comparison
+table), or ``--sweep``: cluster shapes tried smallest first, printing the
+smallest that meets the SLOs at the trace's rate (a capacity plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from mooncakectl.bench.report import write_result
+from mooncakectl.bench.trace import TraceRecord, TraceSlice, read_trace
+from mooncakectl.bench.workloads import TraceScale
+from mooncakectl.registry import Env, ExitStatus, command
+from mooncakectl.simulate.cluster import Shape, SimConfig, SimResult, Simulation, trace_requests
+from mooncakectl.simulate.costs import GB, PRESETS, NodeSpec, preset_node, profile_node
+from mooncakectl.simulate.results import SimSummary, result_json, summarize
+from mooncaked.cluster.conductor import ConductorParams, EarlyReject, Policy, Slo
+
+DEFAULT_PRESET = "llama3-70b-8xa800"
+
+
+def _csv(kind: type[Policy] | type[EarlyReject], text: str, flag: str) -> list[Any]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            out.append(kind(part))
+        except ValueError:
+            known = ", ".join(v.value for v in kind)
+            raise ValueError(f"{flag}: unknown value {part!r}; known: {known}") from None
+    return out
+
+
+def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
+    out = []
+    for part in text.split(","):
+        try:
+            v = int(part)
+        except ValueError:
+            raise ValueError(f"{flag}: {part!r} is not an integer") from None
+        if v < minimum:
+            raise ValueError(f"{flag}: {v} is below {minimum}")
+        out.append(v)
+    return out
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    out = []
+    for part in text.split(","):
+        try:
+            v = float(part)
+        except ValueError:
+            raise ValueError(f"{flag}: {part!r} is not a number") from None
+        if not v > 0:
+            raise ValueError(f"{flag}: {part!r} must be > 0")
+        out.append(v)
+    return out
+
+
+def parse_ratio(text: str) -> tuple[int, int] | None:
+    """``"1:1"`` -> (1, 1) prefill:decode; ``"both"`` -> None (colocated nodes)."""
+    if text.strip() == "both":
+        return None
+    p, sep, d = text.partition(":")
+    try:
+        ratio = (int(p), int(d))
+    except ValueError:
+        ratio = (-1, -1)
+    if not sep or ratio[0] < 1 or ratio[1] < 1:
+        raise ValueError(f"--sweep-ratios: {text!r} is not P:D (two integers >= 1) or 'both'")
+    return ratio
+
+
+def shape_for(ratio: tuple[int, int] | None, nodes: int) -> Shape | None:
+    """``nodes`` split by ``ratio`` (None if it cannot hold one of each)."""
+    if ratio is None:
+        return Shape(num_both=nodes)
+    p, d = ratio
+    num_p = round(nodes * p / (p + d))
+    num_p = min(max(num_p, 1), nodes - 1)
+    if num_p < 1 or nodes - num_p < 1:
+        return None
+    return Shape(num_prefill=num_p, num_decode=nodes - num_p)
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("trace")
+    t.add_argument("--trace", required=True, metavar="FILE", help="Mooncake trace (JSON lines)")
+    t.add_argument("--trace-start", type=int, default=0, help="records to skip")
+    t.add_argument("--trace-count", type=int, help="records to replay at most")
+    t.add_argument("--trace-block-tokens", type=int, default=512, help="tokens per hash id")
+    t.add_argument("--input-scale", type=float, help="default: block tokens / 512")
+    t.add_argument("--output-scale", type=float, default=1.0)
+    t.add_argument("--time-scale", type=float, help="multiplies gaps in time (bench's option)")
+    t.add_argument("--speed", type=float, help="request rate x SPEED (= --time-scale 1/SPEED)")
+    t.add_argument("--max-model-len", type=int, help="clip prompt + output as the bench does")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--prefill", type=int, default=0, help="prefill nodes")
+    c.add_argument("--decode", type=int, default=0, help="decode nodes")
+    c.add_argument("--both", type=int, default=0, help="colocated (prefill + decode) nodes")
+    c.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help=f"analytic cost model of a node (default: {DEFAULT_PRESET})",
+    )
+    c.add_argument(
+        "--profile", metavar="FILE", help="a node's measured costs: GET /admin/status as JSON"
+    )
+    c.add_argument(
+        "--decode-profile",
+        metavar="FILE",
+        help="decode nodes' measured costs, where they differ from --profile's",
+    )
+    c.add_argument("--nic-gbps", type=float, help="NIC bandwidth per node, Gbit/s, all NICs")
+    c.add_argument("--dram-gb", type=float, help="KV cache DRAM per node, GB")
+    c.add_argument("--ssd-gb", type=float, default=0.0, help="SSD tier per node, GB (0: none)")
+    c.add_argument("--ssd-gbps", type=float, default=32.0, help="SSD read Gbit/s")
+    c.add_argument("--kv-tokens", type=int, help="decode KV capacity per node, tokens")
+    c.add_argument("--gossip-ms", type=float, default=200.0, help="age of an entry's view")
+    s = p.add_argument_group("conductor")
+    s.add_argument(
+        "--policy",
+        default=Policy.CONDUCTOR.value,
+        help="one or more of " + ",".join(v.value for v in Policy) + " (comma-separated)",
+    )
+    s.add_argument(
+        "--early-reject",
+        default=EarlyReject.PREDICTED.value,
+        help="one or more of " + ",".join(v.value for v in EarlyReject),
+    )
+    s.add_argument("--slo-ttft", type=float, default=30.0, help="TTFT SLO, seconds (0: none)")
+    s.add_argument("--slo-tbt", type=float, default=100.0, help="TBT SLO, ms (0: none)")
+    s.add_argument(
+        "--balancing-threshold", type=float, default=ConductorParams().balancing_threshold
+    )
+    s.add_argument("--max-replicas", type=int, default=ConductorParams().max_replicas)
+    s.add_argument("--seed", type=int, default=0)
+    w = p.add_argument_group("capacity plan")
+    w.add_argument(
+        "--sweep", action="store_true", help="find the smallest cluster meeting the SLOs"
+    )
+    w.add_argument("--sweep-nodes", default="2,4,6,8,12,16,24,32", help="node counts to try")
+    w.add_argument("--sweep-ratios", default="1:1,1:2,2:1", help="P:D ratios, or 'both'")
+    w.add_argument("--sweep-dram-gb", help="DRAM sizes per node to try, GB (default: --dram-gb)")
+    w.add_argument(
+        "--target", type=float, default=0.9, help="SLO attainment a cluster must reach (0..1]"
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--result-json", help="write the summaries and every request here")
+    o.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+
+
+@dataclass(slots=True)
+class Inputs:
+    records: list[TraceRecord]
+    node: NodeSpec
+    base: SimConfig
+    policies: list[Policy]
+    rejects: list[EarlyReject]
+
+
+def _node(args: argparse.Namespace, profile: str | None) -> NodeSpec:
+    if profile and args.preset:
+        raise ValueError("give --preset or --profile, not both")
+    if args.nic_gbps is not None and not args.nic_gbps > 0:
+        raise ValueError(f"--nic-gbps must be > 0, got {args.nic_gbps}")
+    if profile:
+        node = profile_node(profile, nic_gbps=args.nic_gbps)
+    else:
+        node = preset_node(args.preset or DEFAULT_PRESET)
+        if args.nic_gbps is not None:
+            node = replace(node, nic_bps=args.nic_gbps * 1e9 / 8)
+    if args.dram_gb is not None:
+        if args.dram_gb < 0:
+            raise ValueError(f"--dram-gb must be >= 0, got {args.dram_gb}")
+        node = replace(node, dram_bytes=args.dram_gb * GB)
+    if args.ssd_gb < 0 or not args.ssd_gbps > 0:
+        raise ValueError(
+            f"--ssd-gb must be >= 0 and --ssd-gbps > 0, got {args.ssd_gb}, {args.ssd_gbps}"
+        )
+    node = replace(node, ssd_bytes=args.ssd_gb * GB, ssd_bps=args.ssd_gbps * 1e9 / 8)
+    if args.kv_tokens is not None:
+        if args.kv_tokens < 0:
+            raise ValueError(f"--kv-tokens must be >= 0, got {args.kv_tokens}")
+        node = replace(node, kv_capacity_tokens=args.kv_tokens)
+    return node
+
+
+def _inputs(args: argparse.Namespace) -> Inputs:
+    policies = _csv(Policy, args.policy, "--policy")
+    rejects = _csv(EarlyReject, args.early_reject, "--early-reject")
+    if args.time_scale is not None and args.speed is not None:
+        raise ValueError("give --time-scale or --speed, not both")
+    if args.speed is not None and not args.speed > 0:
+        raise ValueError(f"--speed must be > 0, got {args.speed}")
+    time_scale = (
+        args.time_scale
+        if args.time_scale is not None
+        else (1.0 / args.speed if args.speed is not None else 1.0)
+    )
+    scale = TraceScale(args.trace_block_tokens, args.input_scale, args.output_scale, time_scale)
+    if args.slo_ttft < 0 or args.slo_tbt < 0:
+        raise ValueError(
+            f"SLOs must be >= 0, got --slo-ttft {args.slo_ttft} --slo-tbt {args.slo_tbt}"
+        )
+    if not 0 < args.target <= 1:
+        raise ValueError(f"--target must be in (0, 1], got {args.target}")
+    if args.max_replicas < 1:
+        raise ValueError(f"--max-replicas must be >= 1, got {args.max_replicas}")
+    node = _node(args, args.profile)
+    decode_node = _node(args, args.decode_profile) if args.decode_profile else None
+    records = read_trace(args.trace, TraceSlice(args.trace_start, args.trace_count))
+    base = SimConfig(
+        shape=Shape(args.prefill, args.decode, args.both) if not args.sweep else Shape(num_both=1),
+        node=node,
+        decode_node=decode_node,
+        params=ConductorParams(
+            balancing_threshold=args.balancing_threshold, max_replicas=args.max_replicas
+        ),
+        slo=Slo(args.slo_ttft, args.slo_tbt / 1000.0),
+        gossip_s=args.gossip_ms / 1000.0,
+        scale=scale,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    return Inputs(records, node, base, policies, rejects)
+
+
+def _run(cfg: SimConfig, records: Sequence[TraceRecord]) -> tuple[SimResult, SimSummary]:
+    res = Simulation(cfg, trace_requests(records, cfg.scale, cfg.max_model_len)).run()
+    return res, summarize(res)
+
+
+def _fmt(v: float | None, scale: float = 1.0, digits: int = 0) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def print_runs(env: Env, summaries: Sequence[SimSummary], title: str) -> None:
+    table = Table(title=title, title_justify="left")
+    for name in (
+        "cluster",
+        "policy",
+        "early rej.",
+        "TTFT mean ms",
+        "p90",
+        "p99",
+        "TBT mean ms",
+        "p99",
+        "SLO att.",
+        "goodput r/s",
+        "rejected",
+        "hit local",
+        "hit global",
+        "moved GB",
+        "sim s",
+    ):
+        table.add_column(name, justify="left" if name in ("cluster", "policy") else "right")
+    for s in summaries:
+        table.add_row(
+            s.cluster,
+            s.policy,
+            s.early_reject,
+            _fmt(s.ttft_ms["mean"]),
+            _fmt(s.ttft_ms["p90"]),
+            _fmt(s.ttft_ms["p99"]),
+            _fmt(s.tbt_ms["mean"], digits=1),
+            _fmt(s.tbt_ms["p99"], digits=1),
+            f"{100 * s.slo_attainment:.1f}%",
+            f"{s.goodput:.2f}",
+            str(s.rejected),
+            f"{100 * s.local_hit_rate:.1f}%",
+            f"{100 * s.global_hit_rate:.1f}%",
+            f"{sum(s.bytes_moved.values()) / GB:.0f}",
+            f"{s.sim_wall_s:.1f}",
+        )
+    # Wide: a pipe or file gets every column unabridged.
+    tty = env.stdout_isatty
+    Console(
+        file=env.stdout, force_terminal=tty, no_color=not tty, width=None if tty else 200
+    ).print(table)
+
+
+def _config_json(args: argparse.Namespace, node: NodeSpec) -> dict[str, Any]:
+    out = {k: v for k, v in vars(args).items() if k not in ("command", "admin_token", "url")}
+    out["node"] = {
+        "costs": node.costs.to_json(),
+        "nic_bps": node.nic_bps,
+        "dram_bytes": node.dram_bytes,
+        "ssd_bytes": node.ssd_bytes,
+        "kv_capacity_tokens": node.kv_capacity_tokens,
+    }
+    return out
+
+
+def _sweep(args: argparse.Namespace, env: Env, inp: Inputs) -> int:
+    counts = sorted(set(_ints(args.sweep_nodes, "--sweep-nodes")))
+    ratios = [parse_ratio(r) for r in args.sweep_ratios.split(",")]
+    drams = (
+        _floats(args.sweep_dram_gb, "--sweep-dram-gb")
+        if args.sweep_dram_gb
+        else [inp.node.dram_bytes / GB]
+    )
+    params = replace(inp.base.params, policy=inp.policies[0], early_reject=inp.rejects[0])
+    summaries: list[SimSummary] = []
+    plan: list[tuple[int, float, str, SimSummary]] = []
+    for dram in drams:
+        for ratio in ratios:
+            # Node counts smallest first: the first that meets the target is this shape's answer.
+            for n in counts:
+                shape = shape_for(ratio, n)
+                if shape is None:
+                    continue
+                cfg = replace(
+                    inp.base,
+                    shape=shape,
+                    params=params,
+                    node=replace(inp.node, dram_bytes=dram * GB),
+                )
+                _, s = _run(cfg, inp.records)
+                summaries.append(s)
+                if not args.json:
+                    env.stdout.write(
+                        f"{shape.label():>10}  dram {dram:g} GB  SLO attainment "
+                        f"{100 * s.slo_attainment:.1f}%\n"
+                    )
+                if s.slo_attainment >= args.target:
+                    plan.append((shape.num_nodes, dram, shape.label(), s))
+                    break
+    plan.sort(key=lambda p: (p[0], p[1]))
+    best = plan[0] if plan else None
+    if args.json:
+        env.stdout.write(
+            json.dumps(
+                {
+                    "runs": [s.to_json() for s in summaries],
+                    "smallest": None
+                    if best is None
+                    else {"nodes": best[0], "dram_gb": best[1], "cluster": best[2]},
+                },
+                indent=1,
+            )
+            + "\n"
+        )
+    else:
+        print_runs(env, summaries, "sweep")
+        rate = len(inp.records) / max(
+            1e-9,
+            (inp.records[-1].timestamp_ms - inp.records[0].timestamp_ms)
+            / 1000.0
+            * inp.base.scale.time_scale,
+        )
+        if best is None:
+            env.stdout.write(
+                f"no cluster tried meets {100 * args.target:.0f}% SLO attainment at "
+                f"{rate:.2f} req/s; try more nodes (--sweep-nodes)\n"
+            )
+        else:
+            env.stdout.write(
+                f"smallest cluster meeting {100 * args.target:.0f}% SLO attainment at "
+                f"{rate:.2f} req/s: {best[2]} ({best[0]} nodes, {best[1]:g} GB DRAM each, "
+                f"{100 * best[3].slo_attainment:.1f}%)\n"
+            )
+    if args.result_json:
+        write_result(
+            args.result_json,
+            {
+                "format": "mooncakectl-simulate-sweep/1",
+                "config": _config_json(args, inp.node),
+                "runs": [s.to_json() for s in summaries],
+            },
+        )
+    return ExitStatus.OK if best is not None else ExitStatus.ERROR
+
+
+@command("simulate", "simulate a cluster on a trace with the Conductor's own code", _configure)
+def simulate(args: argparse.Namespace, env: Env) -> int:
+    inp = _inputs(args)
+    if args.sweep:
+        return _sweep(args, env, inp)
+    results: list[SimResult] = []
+    summaries: list[SimSummary] = []
+    for policy in inp.policies:
+        for reject in inp.rejects:
+            cfg = replace(
+                inp.base, params=replace(inp.base.params, policy=policy, early_reject=reject)
+            )
+            res, s = _run(cfg, inp.records)
+            results.append(res)
+            summaries.append(s)
+    if args.json:
+        env.stdout.write(json.dumps([s.to_json() for s in summaries], indent=1) + "\n")
+    else:
+        print_runs(
+            env,
+            summaries,
+            f"{len(inp.records)} requests, x{inp.base.speed:g} speed, SLO TTFT "
+            f"{inp.base.slo.ttft_s:g} s, TBT {inp.base.slo.tbt_s * 1e3:g} ms",
+        )
+    if args.result_json:
+        write_result(
+            args.result_json, result_json(_config_json(args, inp.node), summaries, results)
+        )
+    if args.plot:
+        from mooncakectl.simulate.plot import write_plots
+
+        for path in write_plots(results, summaries, args.plot):
+            env.stderr.write(f"wrote {path}\n")
+    return ExitStatus.OK

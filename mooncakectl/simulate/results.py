@@ -1,0 +1,159 @@
+"""A simulation's requests -> the summary, named as ``mooncakectl bench`` names them.
+
+- TTFT: arrival -> first token (the end of the prompt's prefill);
+- TBT: per request, the mean of its slowest tenth of token gaps (the
+  Mooncake paper's measure); statistics are over requests;
+- SLO attainment: requests meeting both SLOs over every request, rejected
+  ones included; goodput: those per second of the run;
+- cache hit rates: prompt tokens served from the prefill node's own cache
+  (local), and from anywhere in the cluster, fetched blocks included (global).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from mooncakectl.simulate.cluster import SimResult
+from mooncakectl.simulate.node import SimRequest
+from mooncaked.cluster.conductor import Slo
+
+RESULT_FORMAT = "mooncakectl-simulate/1"
+
+
+def _stats(values_s: Sequence[float]) -> dict[str, float | None]:
+    if not values_s:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values_s, dtype=np.float64) * 1000.0
+    return {
+        "mean": float(a.mean()),
+        "p50": float(np.percentile(a, 50)),
+        "p90": float(np.percentile(a, 90)),
+        "p99": float(np.percentile(a, 99)),
+    }
+
+
+def meets_slo(r: SimRequest, slo: Slo) -> bool:
+    if r.done_s is None or r.ttft_s is None:
+        return False
+    if slo.ttft_s > 0 and r.ttft_s > slo.ttft_s:
+        return False
+    return not (slo.tbt_s > 0 and r.tbt_s is not None and r.tbt_s > slo.tbt_s)
+
+
+@dataclass(slots=True)
+class SimSummary:
+    cluster: str
+    policy: str
+    early_reject: str
+    speed: float
+    num_requests: int
+    completed: int
+    rejected: int
+    rejections: dict[str, int]
+    duration_s: float
+    request_throughput: float
+    output_throughput: float
+    slo_ttft_s: float
+    slo_tbt_s: float
+    slo_attainment: float
+    goodput: float
+    # ms: mean, p50, p90, p99
+    ttft_ms: dict[str, float | None]
+    tbt_ms: dict[str, float | None]
+    local_hit_rate: float
+    global_hit_rate: float
+    fetched_tokens: int
+    bytes_moved: dict[str, float]
+    prefill_busy: float
+    decode_busy: float
+    sim_events: int
+    sim_wall_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(result: SimResult) -> SimSummary:
+    cfg = result.config
+    reqs = result.requests
+    done = [r for r in reqs if r.done_s is not None]
+    placed = [r for r in reqs if r.reject_code is None]
+    rejections = Counter(r.reject_code for r in reqs if r.reject_code is not None)
+    start = min((r.arrival_s for r in reqs), default=0.0)
+    end = max((r.done_s for r in done if r.done_s is not None), default=start)
+    duration = max(end - start, 1e-9)
+    prompt = sum(r.num_prompt_tokens for r in placed) or 1
+    local = sum(r.local_cached_tokens for r in placed)
+    fetched = sum(r.fetched_tokens for r in placed)
+    good = sum(1 for r in done if meets_slo(r, cfg.slo))
+
+    def busy(roles: tuple[str, ...]) -> float:
+        nodes = [n for n in result.nodes if n.role in roles]
+        if not nodes:
+            return 0.0
+        return sum(n.busy_s for n in nodes) / (len(nodes) * duration)
+
+    return SimSummary(
+        cluster=cfg.shape.label(),
+        policy=cfg.params.policy.value,
+        early_reject=cfg.params.early_reject.value,
+        speed=cfg.speed,
+        num_requests=len(reqs),
+        completed=len(done),
+        rejected=sum(rejections.values()),
+        rejections=dict(sorted(rejections.items())),
+        duration_s=duration,
+        request_throughput=len(done) / duration,
+        output_throughput=sum(r.num_output_tokens for r in done) / duration,
+        slo_ttft_s=cfg.slo.ttft_s,
+        slo_tbt_s=cfg.slo.tbt_s,
+        slo_attainment=good / len(reqs) if reqs else 0.0,
+        goodput=good / duration,
+        ttft_ms=_stats([r.ttft_s for r in done if r.ttft_s is not None]),
+        tbt_ms=_stats([r.tbt_s for r in done if r.tbt_s is not None]),
+        local_hit_rate=local / prompt,
+        global_hit_rate=(local + fetched) / prompt,
+        fetched_tokens=fetched,
+        bytes_moved=dict(sorted(result.bytes_moved.items())),
+        prefill_busy=busy(("prefill", "both")),
+        decode_busy=busy(("decode",)),
+        sim_events=result.num_events,
+        sim_wall_s=result.wall_s,
+    )
+
+
+def request_json(r: SimRequest) -> dict[str, Any]:
+    return {
+        "index": r.index,
+        "arrival_s": r.arrival_s,
+        "prompt_tokens": r.num_prompt_tokens,
+        "output_tokens": r.num_output_tokens,
+        "entry": r.entry,
+        "prefill_node": r.prefill_node,
+        "decode_node": r.decode_node,
+        "rejected": r.reject_code,
+        "local_cached_tokens": r.local_cached_tokens,
+        "fetched_tokens": r.fetched_tokens,
+        "predicted_ttft_s": r.predicted_ttft_s,
+        "ttft_s": r.ttft_s,
+        "tbt_s": r.tbt_s,
+        "done_s": r.done_s,
+    }
+
+
+def result_json(
+    config: dict[str, Any], summaries: Sequence[SimSummary], results: Sequence[SimResult]
+) -> dict[str, Any]:
+    return {
+        "format": RESULT_FORMAT,
+        "config": config,
+        "runs": [
+            {"summary": s.to_json(), "requests": [request_json(r) for r in res.requests]}
+            for s, res in zip(summaries, results, strict=True)
+        ],
+    }
