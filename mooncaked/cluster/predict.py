@@ -419,27 +419,41 @@ class DecodeForecast:
 
 
 def forecast_decode(
-    costs: NodeCosts, work: Sequence[DecodeWork], lengths: OutputLengths
+    costs: NodeCosts,
+    work: Sequence[DecodeWork],
+    lengths: OutputLengths,
+    *,
+    arrival_rate: float = 0.0,
+    arrival_context_tokens: float = 0.0,
 ) -> DecodeForecast:
     """Which of ``work`` will still decode at each horizon, and their context.
 
     Each request is expected to run ``lengths.expected_more`` more steps; the
-    step time is the model's at the current batch (a batch only shrinks
-    here: arrivals are the entry nodes' to count).
+    step time is the model's at the current batch. Requests keep joining at
+    ``arrival_rate`` a second (the node's recent rate, whichever entry
+    placed them), each with ``arrival_context_tokens`` of context and as long
+    a run as the mean: those that joined in the last ``min(h, run)`` seconds
+    are still there at horizon ``h``. So a burst that has stopped arriving
+    forecasts a shrinking batch, and a steady load a steady one.
     """
-    if not work or not costs.known:
+    if (not work and arrival_rate <= 0.0) or not costs.known:
         return DecodeForecast()
     batch = len(work)
     ctx = sum(w.context_tokens for w in work)
-    step = max(1e-6, costs.step.decode_step_s(batch, ctx))
+    step = max(1e-6, costs.step.decode_step_s(max(1, batch), ctx))
     ends = [(lengths.expected_more(w.output_tokens, w.max_more_tokens) * step, w) for w in work]
+    run_s = lengths.mean() * step
     out_b: list[float] = []
     out_c: list[float] = []
     for h in FORECAST_HORIZONS_S:
         alive = [(end, w) for end, w in ends if end > h]
-        out_b.append(float(len(alive)))
-        out_c.append(float(sum(w.context_tokens + h / step for _, w in alive)))
-    return DecodeForecast(tuple(out_b), tuple(round(c) for c in out_c))
+        joined = arrival_rate * min(h, run_s)
+        out_b.append(float(len(alive)) + joined)
+        out_c.append(
+            float(sum(w.context_tokens + h / step for _, w in alive))
+            + joined * (arrival_context_tokens + min(h, run_s) / 2 / step)
+        )
+    return DecodeForecast(tuple(round(b, 2) for b in out_b), tuple(float(round(c)) for c in out_c))
 
 
 def predicted_tbt_s(

@@ -148,3 +148,17 @@ def test_costs_and_forecast_cross_the_wire_and_bad_ones_are_refused() -> None:
     doc["fc"] = [[1.0] * 6, [1.0] * 5]
     with pytest.raises(WireError):
         state_from_json(doc)
+
+
+def test_the_forecast_counts_steady_arrivals_and_forgets_a_past_burst() -> None:
+    costs = NodeCosts(StepCost(base_s=0.01), 1000, 256, 64)
+    lengths = OutputLengths()
+    for _ in range(10):
+        lengths.add(100)
+    # Runs of 100 steps of 10 ms: 1 s. Two a second join: at 0.5 s, one of
+    # them is there; from 1 s on, two (those of the last second).
+    fc = forecast_decode(costs, [], lengths, arrival_rate=2.0, arrival_context_tokens=100)
+    assert fc.batch[:3] == (1.0, 2.0, 2.0)
+    # A burst of 20 fresh requests with nobody arriving after it: gone in 1 s.
+    burst = forecast_decode(costs, [DecodeWork(100, 0, 1000)] * 20, lengths)
+    assert burst.batch[0] == 20 and burst.batch[1] == 0
