@@ -276,7 +276,7 @@ class Simulation:
                 len(node.cache),
                 0,
                 self._costs[node_id],
-                node.forecast() if self._forecasts else DecodeForecast(),
+                node.forecast(self.events.now) if self._forecasts else DecodeForecast(),
             )
 
     # -- a request's path ---------------------------------------------------------

@@ -24,6 +24,7 @@ from mooncakectl.simulate.events import EventQueue
 from mooncaked.cluster.predict import (
     DecodeForecast,
     DecodeWork,
+    DepartureRate,
     OutputLengths,
     PrefillWork,
     forecast_decode,
@@ -129,6 +130,8 @@ class SimNode:
         # End time of each step that carried decodes: the token times of every request in it.
         self.step_ends: list[float] = []
         self.lengths = OutputLengths()
+        # As a real node: the recent departures stand for the arrivals to come.
+        self.departures = DepartureRate()
         self.busy = False
         self.busy_s = 0.0
         # Bumped on every change of what the node would publish.
@@ -318,6 +321,7 @@ class SimNode:
         gaps.extend(ends[i] - ends[i - 1] for i in range(r.join_step + 1, len(ends)))
         r.tbt_s = slowest_mean(gaps)
         self.lengths.add(r.num_output_tokens)
+        self.departures.add(now, r.num_prompt_tokens)
         self._on_done(self, r)
 
     def finish_without_decode(self, r: SimRequest) -> None:
@@ -344,9 +348,7 @@ class SimNode:
             pending_decode=running + len(self.waiting) + self.incoming,
         )
 
-    def forecast(self) -> DecodeForecast:
-        if not self.running:
-            return DecodeForecast()
+    def forecast(self, now: float) -> DecodeForecast:
         step_no = len(self.step_ends) + self._steps_done_in_run()
         work = []
         for r in self.running:
@@ -358,7 +360,13 @@ class SimNode:
                     max(0, r.num_output_tokens - produced),
                 )
             )
-        return forecast_decode(self.costs, work, self.lengths)
+        return forecast_decode(
+            self.costs,
+            work,
+            self.lengths,
+            arrival_rate=self.departures.rate(now),
+            arrival_context_tokens=self.departures.mean_prompt_tokens,
+        )
 
 
 @dataclass(slots=True)

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,6 +27,7 @@ import structlog
 from mooncaked.cluster.predict import (
     DecodeForecast,
     DecodeWork,
+    DepartureRate,
     LinkMeter,
     NodeCosts,
     OutputLengths,
@@ -47,9 +47,6 @@ if TYPE_CHECKING:
     from mooncaked.engine.core import EngineCore
 
 log = structlog.get_logger(__name__)
-
-# Seconds over which the rate of requests leaving the decode batch is counted.
-_RATE_WINDOW_S = 10.0
 
 
 def step_features(plan: StepPlan) -> StepFeatures:
@@ -79,8 +76,7 @@ class CostMeter:
         self.profiled = False
         self._kv_bytes_per_token = engine.runner.block_bytes // engine.block_size
         self._costs = NodeCosts()
-        self._finished_at: deque[float] = deque()
-        self.mean_prompt_tokens = 0.0
+        self.departures = DepartureRate()
         self._costs_at: tuple[int, StepCost] | None = None
 
     def attach(self) -> None:
@@ -94,19 +90,7 @@ class CostMeter:
         if not self._profiling and req.finish_reason is not None:
             self.lengths.add(req.output_offset + len(req.output_token_ids))
             # In a steady state requests join the batch as fast as they leave it.
-            now = time.monotonic()
-            self._finished_at.append(now)
-            while self._finished_at and self._finished_at[0] < now - _RATE_WINDOW_S:
-                self._finished_at.popleft()
-            n = req.num_prompt_tokens
-            self.mean_prompt_tokens += 0.1 * (n - self.mean_prompt_tokens)
-
-    def arrival_rate(self) -> float:
-        """Requests leaving the batch a second, over the last few seconds."""
-        now = time.monotonic()
-        while self._finished_at and self._finished_at[0] < now - _RATE_WINDOW_S:
-            self._finished_at.popleft()
-        return len(self._finished_at) / _RATE_WINDOW_S
+            self.departures.add(time.monotonic(), req.num_prompt_tokens)
 
     def on_read(self, peer: str, nbytes: int, seconds: float) -> None:
         self.links.add(peer, nbytes, seconds)
@@ -226,8 +210,8 @@ class LoadMeter:
                 costs,
                 decoding,
                 self.costs.lengths,
-                arrival_rate=self.costs.arrival_rate(),
-                arrival_context_tokens=self.costs.mean_prompt_tokens,
+                arrival_rate=self.costs.departures.rate(time.monotonic()),
+                arrival_context_tokens=self.costs.departures.mean_prompt_tokens,
             )
             if self.costs is not None
             else DecodeForecast()

@@ -418,6 +418,29 @@ class DecodeForecast:
         return bs[-1], cs[-1]
 
 
+class DepartureRate:
+    """Requests leaving a decode batch per second over a recent window, and
+    the mean prompt of those that left: in a steady state, what joins it."""
+
+    def __init__(self, *, window_s: float = 10.0) -> None:
+        self._window_s = window_s
+        self._times: deque[float] = deque()
+        self.mean_prompt_tokens = 0.0
+
+    def add(self, now: float, prompt_tokens: int) -> None:
+        self._times.append(now)
+        self.mean_prompt_tokens += 0.1 * (prompt_tokens - self.mean_prompt_tokens)
+        self._trim(now)
+
+    def rate(self, now: float) -> float:
+        self._trim(now)
+        return len(self._times) / self._window_s
+
+    def _trim(self, now: float) -> None:
+        while self._times and self._times[0] < now - self._window_s:
+            self._times.popleft()
+
+
 def forecast_decode(
     costs: NodeCosts,
     work: Sequence[DecodeWork],
