@@ -313,8 +313,9 @@ class PeerFetcher:
         # Leading blocks the engine's device prefix cache holds already.
         self.device_prefix = device_prefix
         self._stats = FetchStats()
-        # Told of every completed read: (holder node id, bytes, seconds); a
-        # cost model learns each link's bandwidth from it.
+        # Told of every completed fetch: (holder node id, bytes, seconds from
+        # the lease request to the data in DRAM); a cost model learns each
+        # link's effective bandwidth from it.
         self.on_read: Callable[[str, int, float], None] | None = None
         self._tasks = TaskSet("peer-fetch", on_failure=self._task_failed)
         # First block of each fetch in flight: a second request for the same
@@ -378,6 +379,7 @@ class PeerFetcher:
         self, hashes: list[BlockHash], start: int, holders: list[str], deadline: float
     ) -> None:
         self._stats.fetches += 1
+        fetch_started = time.monotonic()
         want = hashes[start:]
         offer, num_errors = await self._best_offer(want, holders, deadline)
         if offer is None:
@@ -408,12 +410,15 @@ class PeerFetcher:
                 offer.transfer_address,
             )
             try:
-                started = time.monotonic()
                 num_read = await self._reader.read(part, local, self._left(deadline))
                 num_read = min(max(num_read, 0), reservation.num_blocks)
                 if num_read and self.on_read is not None:
+                    # The whole fetch, lease round trip included: what a
+                    # request waiting for it waits.
                     self.on_read(
-                        offer.node_id, num_read * offer.block_bytes, time.monotonic() - started
+                        offer.node_id,
+                        num_read * offer.block_bytes,
+                        time.monotonic() - fetch_started,
                     )
             except Exception as exc:
                 log.warning("peer.read_failed", peer=offer.peer, error=repr(exc))

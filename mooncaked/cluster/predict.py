@@ -299,7 +299,7 @@ class StepFitter:
 class LinkMeter:
     """Bytes/s of KV pulled from each peer: a moving average per peer."""
 
-    def __init__(self, *, alpha: float = 0.3, min_bytes: int = 64 * 1024) -> None:
+    def __init__(self, *, alpha: float = 0.3, min_bytes: int = 16 * 1024) -> None:
         self._alpha = alpha
         # Small transfers measure latency, not bandwidth.
         self._min_bytes = min_bytes
