@@ -500,12 +500,22 @@ class Calibration:
     entry node sees both the forecast and the outcome of every request it
     placed, so it corrects its forecasts by a line fitted to the recent
     pairs (relative least squares, both terms >= 0; scale kept within
-    ``max_scale``). Until ``min_samples`` pairs it is the identity.
+    [``min_scale``, ``max_scale``]). Until ``min_samples`` pairs it is the identity.
     """
 
-    def __init__(self, *, window: int = 128, min_samples: int = 8, max_scale: float = 20.0) -> None:
+    def __init__(
+        self,
+        *,
+        window: int = 128,
+        min_samples: int = 8,
+        min_scale: float = 0.25,
+        max_scale: float = 20.0,
+    ) -> None:
         self._pairs: deque[tuple[float, float]] = deque(maxlen=window)
         self._min = min_samples
+        # A scale near 0 would make every forecast the same constant: the
+        # model must keep a say in what is promised.
+        self._min_scale = min_scale
         self._max_scale = max_scale
         self.offset_s = 0.0
         self.scale = 1.0
@@ -521,8 +531,13 @@ class Calibration:
             offset, scale = fit_nonnegative(
                 [(1.0, p) for p, _ in self._pairs], [m for _, m in self._pairs]
             )
-            if scale > 0.0:
-                self.offset_s, self.scale = offset, min(scale, self._max_scale)
+            clamped = min(max(scale, self._min_scale), self._max_scale)
+            if clamped != scale:
+                # The offset that fits best under the clamped scale: the
+                # median residual, not below 0.
+                residuals = sorted(m - clamped * p for p, m in self._pairs)
+                offset = max(0.0, residuals[len(residuals) // 2])
+            self.offset_s, self.scale = offset, clamped
 
     def __len__(self) -> int:
         return len(self._pairs)

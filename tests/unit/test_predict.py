@@ -7,6 +7,7 @@ import random
 import pytest
 
 from mooncaked.cluster.predict import (
+    Calibration,
     DecodeWork,
     LinkMeter,
     NodeCosts,
@@ -162,3 +163,18 @@ def test_the_forecast_counts_steady_arrivals_and_forgets_a_past_burst() -> None:
     # A burst of 20 fresh requests with nobody arriving after it: gone in 1 s.
     burst = forecast_decode(costs, [DecodeWork(100, 0, 1000)] * 20, lengths)
     assert burst.batch[0] == 20 and burst.batch[1] == 0
+
+
+def test_calibration_fits_a_line_and_keeps_the_model_in_play() -> None:
+    cal = Calibration(min_samples=8)
+    assert cal.apply(0.1) == 0.1  # the identity until enough pairs
+    for p in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8):
+        cal.add(p, 0.05 + 2.0 * p)
+    assert cal.scale == pytest.approx(2.0, rel=1e-6)
+    assert cal.offset_s == pytest.approx(0.05, abs=1e-6)
+    flat = Calibration(min_samples=8)
+    for p in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8):
+        flat.add(p, 0.5)  # measured ignores the model
+    # The scale stays at its floor; the offset is the median residual.
+    assert flat.scale == 0.25
+    assert flat.offset_s == pytest.approx(0.5 - 0.25 * 0.4)
