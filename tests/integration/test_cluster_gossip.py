@@ -204,6 +204,8 @@ class Cluster:
                     **CLUSTER,
                 },
                 "log": {"format": "json", "level": "info"},
+                # The cost profile's prompts would add blocks to the index.
+                "conductor": {"profile": False},
             }
             for name, table in kind.sections.items():
                 sections[name] = {**sections.get(name, {}), **table}
