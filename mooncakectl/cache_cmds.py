@@ -149,6 +149,17 @@ def lookup_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def prompt_arg(args: argparse.Namespace, command: str) -> str | list[int]:
+    """The prompt a command was given: its text, or ``--token-ids``; not both, not neither."""
+    if args.token_ids:
+        if args.prompt is not None:
+            raise ValueError("give the prompt as text or as --token-ids, not both")
+        return parse_token_ids(args.token_ids)
+    if args.prompt:
+        return str(args.prompt)
+    raise ValueError(f"'{command}' needs a prompt (text, or --token-ids)")
+
+
 def parse_token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -186,15 +197,7 @@ def cache(args: argparse.Namespace, env: Env) -> int:
         print_fields(env, "peers and transfers", summary_rows(doc))
         return ExitStatus.OK
     if args.action == "lookup":
-        if args.token_ids:
-            if args.prompt is not None:
-                raise ValueError("give the prompt as text or as --token-ids, not both")
-            prompt: str | list[int] = parse_token_ids(args.token_ids)
-        elif args.prompt:
-            prompt = args.prompt
-        else:
-            raise ValueError("'cache lookup' needs a prompt (text, or --token-ids)")
-        doc = client.post_json("/admin/cache/lookup", {"prompt": prompt})
+        doc = client.post_json("/admin/cache/lookup", {"prompt": prompt_arg(args, "cache lookup")})
         if args.json:
             print_json(env, doc)
             return ExitStatus.OK

@@ -367,16 +367,9 @@ def _configure_explain(p: argparse.ArgumentParser) -> None:
     configure=_configure_explain,
 )
 def explain(args: argparse.Namespace, env: Env) -> int:
-    from mooncakectl.cache_cmds import parse_token_ids
+    from mooncakectl.cache_cmds import prompt_arg
 
-    if args.token_ids:
-        if args.prompt is not None:
-            raise ValueError("give the prompt as text or as --token-ids, not both")
-        prompt: str | list[int] = parse_token_ids(args.token_ids)
-    elif args.prompt:
-        prompt = args.prompt
-    else:
-        raise ValueError("'explain' needs a prompt (text, or --token-ids)")
+    prompt = prompt_arg(args, "explain")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": args.max_tokens}

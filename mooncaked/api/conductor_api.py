@@ -17,29 +17,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from mooncaked.api.admin import prompt_token_ids
 from mooncaked.api.limits import BadBody, read_json_object
-from mooncaked.api.openai import ApiError, json_response
+from mooncaked.api.openai import ApiError, json_response, parse_slo
 from mooncaked.cache.hashing import block_hashes
-from mooncaked.cluster.conductor import Slo
 from mooncaked.router import RouteError, Router
 
 if TYPE_CHECKING:
     from mooncaked.cluster.load import CostMeter
     from mooncaked.engine.core import EngineCore
-
-
-def _slo(body: dict[str, Any]) -> Slo | None:
-    v = body.get("slo")
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise BadBody("'slo' must be an object with ttft_ms and/or tbt_ms")
-    out = []
-    for key in ("ttft_ms", "tbt_ms"):
-        ms = v.get(key, 0)
-        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms <= 3_600_000:
-            raise BadBody(f"'slo.{key}' must be a number of milliseconds in [0, 3600000]")
-        out.append(float(ms) / 1e3)
-    return Slo(out[0], out[1])
 
 
 class ConductorAPI:
@@ -68,9 +52,11 @@ class ConductorAPI:
             max_tokens = body.get("max_tokens", 16)
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
                 raise BadBody("'max_tokens' must be an integer >= 1")
-            slo = _slo(body)
+            slo = parse_slo(body)
         except BadBody as exc:
             return ApiError(400, str(exc)).response()
+        except ApiError as exc:
+            return exc.response()
         hashes = block_hashes(ids, engine.block_size, engine.model_id)
         try:
             decision = self._router.decide(ids, hashes, max_tokens, slo=slo)

@@ -206,7 +206,8 @@ class Parsed:
     slo: Slo | None = None
 
 
-def _parse_slo(body: dict[str, Any]) -> Slo | None:
+def parse_slo(body: dict[str, Any]) -> Slo | None:
+    """A request's ``"slo": {"ttft_ms", "tbt_ms"}``; ApiError (400) naming a bad value."""
     v = body.get("slo")
     if v is None:
         return None
@@ -669,7 +670,7 @@ class OpenAIAPI:
             stream=stream,
             include_usage=include_usage,
             logprobs_style=None if logprobs is None else ("chat" if chat else "completion"),
-            slo=_parse_slo(body),
+            slo=parse_slo(body),
         )
 
     async def _completion_prompt(self, engine: EngineCore, body: dict[str, Any]) -> list[int]:

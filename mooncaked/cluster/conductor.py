@@ -213,6 +213,14 @@ class PendingLoad:
     decodes: int = 0
 
 
+def _fields_json(obj: object) -> dict[str, object]:
+    """A slotted dataclass as JSON, finite floats rounded to the microsecond."""
+    return {
+        f: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
+        for f, v in ((f, getattr(obj, f)) for f in obj.__slots__)  # type: ignore[attr-defined]
+    }
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillScore:
     """One prefill candidate's predicted TTFT, term by term."""
@@ -233,10 +241,7 @@ class PrefillScore:
     note: str = ""
 
     def to_json(self) -> dict[str, object]:
-        return {
-            f: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
-            for f, v in ((f, getattr(self, f)) for f in self.__slots__)  # type: ignore[attr-defined]
-        }
+        return _fields_json(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,10 +255,7 @@ class DecodeScore:
     costs_known: bool
 
     def to_json(self) -> dict[str, object]:
-        return {
-            f: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
-            for f, v in ((f, getattr(self, f)) for f in self.__slots__)  # type: ignore[attr-defined]
-        }
+        return _fields_json(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -437,9 +439,6 @@ def decide(
     scores = [
         _prefill_score(view, request, params, n, nodes, matches, leasable) for n in prefill_pool
     ]
-    if not prefill_pool:
-        # The decode node prefills itself: score it as a prefill node too.
-        pass
     order = _order_prefill(params, prefill_pool, scores, rng)
     chosen = [prefill_pool[i] for i in order[:max_prefill]]
     best = scores[order[0]] if order else None

@@ -204,7 +204,6 @@ class LoadMeter:
         prefill_raw, decode_raw = engine.scheduler.work()
         prefill = [PrefillWork(n, c) for n, c in prefill_raw]
         decoding = [DecodeWork(*d) for d in decode_raw]
-        running = sum(1 for _ in decoding)
         forecast = (
             forecast_decode(
                 costs,
@@ -229,7 +228,7 @@ class LoadMeter:
                 kv_usage=round(load.kv_usage, 3),
                 predicted_queue_s=round(predicted, 3),
                 decode_context_tokens=sum(d.context_tokens for d in decoding),
-                pending_decode=running,
+                pending_decode=len(decoding),
             ),
             costs=costs,
             forecast=forecast,
