@@ -81,10 +81,9 @@ def series_cached_share(
     return np.arange(n) * width, share
 
 
-def write_plots(
-    records: Sequence[RequestRecord], duration_s: float, out_dir: str | Path, title: str
-) -> list[Path]:
-    """Writes the PNGs into ``out_dir``; returns their paths."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend; ValueError naming the
+    extra to install when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -94,6 +93,14 @@ def write_plots(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def write_plots(
+    records: Sequence[RequestRecord], duration_s: float, out_dir: str | Path, title: str
+) -> list[Path]:
+    """Writes the PNGs into ``out_dir``; returns their paths."""
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     done = [r for r in records if not r.warmup and r.ok]

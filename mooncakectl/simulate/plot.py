@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mooncakectl.bench.plot import pyplot
 from mooncakectl.simulate.cluster import SimResult
 from mooncakectl.simulate.results import SimSummary
 
@@ -58,15 +59,7 @@ def series_in_flight(result: SimResult) -> tuple[np.ndarray, np.ndarray]:
 def write_plots(
     results: Sequence[SimResult], summaries: Sequence[SimSummary], out_dir: str | Path
 ) -> list[Path]:
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError(
-            "--plot needs matplotlib: pip install 'mooncaked[plot]' (or pip install matplotlib)"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     labels = [f"{s.cluster} {s.policy} er={s.early_reject} x{s.speed:g}" for s in summaries]
