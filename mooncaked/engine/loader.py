@@ -21,7 +21,7 @@ import torch
 
 from mooncaked.config import ModelConfig
 from mooncaked.engine.model import CausalLM, ModelArch
-from mooncaked.engine.quant import linear_factory
+from mooncaked.engine.quant import dense_factory, linear_factory
 from mooncaked.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 BUILTIN_PREFIX = "builtin:"
@@ -40,6 +40,8 @@ class LoadedModel:
     max_model_len: int
     # model.quantization: "none", "int8" or "int4".
     quantization: str = "none"
+    # How unquantized linears multiply: "dense" (F.linear) or "packed" (oneDNN).
+    linear_kernel: str = "dense"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,8 +118,16 @@ def load_model(config: ModelConfig, progress: IO[str] | None = None) -> LoadedMo
     """``progress``: where a progress bar goes (default stderr); drawn only on a terminal."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    kernel = config.linear_kernel
+    if config.path.startswith(BUILTIN_PREFIX) and device.type == "cpu":
+        # The builtin model is defined as float32 through F.linear: its greedy
+        # output (random weights, near ties everywhere) is then the same on
+        # every CPU, whatever instructions it has, unless asked otherwise.
+        dtype = torch.float32 if config.dtype == "auto" else dtype
+        kernel = "dense" if kernel == "auto" else kernel
     # Refused before minutes of loading, not after.
     linear_factory(config.quantization, device)
+    packed = dense_factory(kernel, device, dtype)
     if config.path.startswith(BUILTIN_PREFIX):
         loaded = _load_builtin(config, device, dtype)
     elif config.path.endswith(".gguf"):
@@ -128,6 +138,9 @@ def load_model(config: ModelConfig, progress: IO[str] | None = None) -> LoadedMo
     if make is not None:
         loaded.model.replace_linears(make)
         loaded.quantization = config.quantization
+    elif packed is not None:
+        loaded.model.replace_linears(packed)
+        loaded.linear_kernel = "packed"
     loaded.model_id += precision_tag(dtype, config.quantization)
     return loaded
 

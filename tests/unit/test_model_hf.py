@@ -33,7 +33,8 @@ def hf_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     kind, sharded = request.param
     d = tmp_path_factory.mktemp(f"{kind}{'_sharded' if sharded else ''}")
     hf = make_hf_model(kind, d, sharded=sharded, seed=7)
-    loaded = load_model(ModelConfig(path=str(d)))
+    # float32 through F.linear: the reference arithmetic, compared at 1e-4.
+    loaded = load_model(ModelConfig(path=str(d), dtype="float32", linear_kernel="dense"))
     return kind, sharded, d, hf, loaded
 
 
@@ -95,7 +96,9 @@ def test_loader_reads_the_directory(hf_case: Any) -> None:
 
 def test_model_id_is_stable_and_content_addressed(hf_case: Any) -> None:
     _kind, _sharded, d, _hf, loaded = hf_case
-    again = load_model(ModelConfig(path=str(d), served_name="x"))
+    again = load_model(
+        ModelConfig(path=str(d), served_name="x", dtype="float32", linear_kernel="dense")
+    )
     assert again.model_id == loaded.model_id
     assert again.served_name == "x"
 

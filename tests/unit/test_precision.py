@@ -81,7 +81,10 @@ def test_float32_stays_the_cpu_default_without_bf16_instructions() -> None:
     assert resolve_dtype("float16", CPU) == torch.float16
     expected = torch.bfloat16 if cpu_has_bf16() else torch.float32
     assert resolve_dtype("auto", CPU) == expected
-    assert load_model(ModelConfig()).model_id == "builtin:tiny@0"
+    # The builtin model stays float32 through F.linear on every CPU.
+    builtin = load_model(ModelConfig())
+    assert builtin.model_id == "builtin:tiny@0" and builtin.dtype == torch.float32
+    assert builtin.linear_kernel == "dense"
     with pytest.raises(ValueError, match="'float8'"):
         resolve_dtype("float8", CPU)
 
@@ -217,3 +220,101 @@ def test_bad_quantization_is_refused_by_name(tmp_path: Path) -> None:
         linear_factory("int8", torch.device("cuda"))
     with pytest.raises(ValueError, match="divisible by"):
         Int4Linear(torch.ones(8, 48), None)
+
+
+# ---------------------------------------------------------------------------
+# The packed (oneDNN) kernel for unquantized linears.
+#
+# In bfloat16 it computes what F.linear computes (the same library, the
+# weight reordered once instead of per call), so the bf16 bound holds as
+# it is. In float32 only the summation order differs from MKL's: each
+# output is off by a few float32 ulps of its dot product, which after
+# every layer of these checkpoints stays under FP32_PACKED_TOL = 1e-3 of
+# transformers' logits (about 2e-5 measured); "dense" keeps the 1e-4 bound
+# of the float32 parity tests.
+
+FP32_PACKED_TOL = 1e-3
+
+
+def test_packed_linear_computes_the_dense_product() -> None:
+    from mooncaked.engine.quant import PackedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.0)):
+        w = torch.randn(96, 64, generator=gen).to(dtype)
+        b = torch.randn(96, generator=gen).to(dtype)
+        layer = PackedLinear(w, b)
+        for rows in (1, 3, 64):
+            x = torch.randn(rows, 64, generator=gen).to(dtype)
+            with torch.inference_mode():
+                got, want = layer(x), torch.nn.functional.linear(x, w, b)
+            assert got.dtype == dtype and got.shape == (rows, 96)
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_kernel_replaces_every_dense_projection(fp32_case: Any, dtype: str) -> None:
+    from mooncaked.engine.quant import PackedLinear
+
+    _hf, d = fp32_case
+    loaded = load_model(ModelConfig(path=str(d), dtype=dtype, linear_kernel="packed"))
+    assert loaded.linear_kernel == "packed"
+    model = loaded.model
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv.linear, PackedLinear)
+    assert isinstance(layer.mlp.gate_up.linear, PackedLinear)
+    assert isinstance(layer.self_attn.o_proj, PackedLinear)
+    assert isinstance(layer.mlp.down_proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
+    assert [n for n, p in model.named_parameters() if p.dim() == 2] == ["model.embed_tokens.weight"]
+    dense = load_model(ModelConfig(path=str(d), dtype=dtype, linear_kernel="dense"))
+    assert dense.linear_kernel == "dense" and isinstance(dense.model.lm_head, torch.nn.Linear)
+    # Same numbers, same block hashes: the kernel is not part of the model id.
+    assert dense.model_id == loaded.model_id
+
+
+def test_packed_float32_logits_and_greedy_match_hf_float32(fp32_case: Any) -> None:
+    hf, d = fp32_case
+    loaded = load_model(ModelConfig(path=str(d), dtype="float32", linear_kernel="packed"))
+    prompt, new_tokens = _prompt(3, 21), 24
+    ours = greedy_logits(loaded, prompt, new_tokens)
+    ids = prompt + ours[len(prompt) - 1 :].argmax(-1).tolist()[: new_tokens - 1]
+    theirs = _hf_logits(hf, ids)
+    torch.testing.assert_close(ours, theirs, atol=FP32_PACKED_TOL, rtol=0)
+    assert check_greedy_parity(ours, theirs, FP32_PACKED_TOL) == 0
+
+
+def test_packed_bfloat16_matches_dense_bfloat16(fp32_case: Any) -> None:
+    _hf, d = fp32_case
+    prompt, new_tokens = _prompt(5, 19), 12
+    runs = [
+        greedy_logits(
+            load_model(ModelConfig(path=str(d), dtype="bfloat16", linear_kernel=k)),
+            prompt,
+            new_tokens,
+        )
+        for k in ("packed", "dense")
+    ]
+    torch.testing.assert_close(runs[0], runs[1], atol=BF16_TOL, rtol=0)
+    assert bool((runs[0].argmax(-1) == runs[1].argmax(-1)).all())
+
+
+def test_packed_kernel_refusals_name_the_reason(tmp_path: Path) -> None:
+    from mooncaked.config import ConfigError, load_config
+    from mooncaked.engine.quant import PackedLinear, dense_factory
+
+    assert dense_factory("auto", CPU, torch.float32) is PackedLinear
+    assert dense_factory("auto", CPU, torch.bfloat16) is PackedLinear
+    assert dense_factory("dense", CPU, torch.float32) is None
+    # auto falls back where packing cannot run; an explicit "packed" says why.
+    assert dense_factory("auto", CPU, torch.float16) is None
+    assert dense_factory("auto", torch.device("cuda"), torch.bfloat16) is None
+    with pytest.raises(ValueError, match="float16"):
+        dense_factory("packed", CPU, torch.float16)
+    with pytest.raises(ValueError, match="CPU only"):
+        dense_factory("packed", torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(ValueError, match="'fast'"):
+        dense_factory("fast", CPU, torch.float32)
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nlinear_kernel = "fast"\n')
+    with pytest.raises(ConfigError, match="linear_kernel"):
+        load_config(path)
