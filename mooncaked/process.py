@@ -33,10 +33,72 @@ def tune_process(config: ModelConfig) -> None:
     """Intra-op threads and allocator settings for CPU inference; nothing on CUDA."""
     if not uses_cpu(config):
         return
+    set_compute_threads(cpu_threads(config.cpu_threads))
+    keep_large_allocations_mapped()
+
+
+# Threads of the one OpenMP team that computes: the engine's step thread's.
+_compute_threads: int | None = None
+
+
+def set_compute_threads(threads: int) -> None:
+    """``threads`` for the engine's step thread; every other thread computes on its own.
+
+    torch's CPU kernels (oneDNN, MKL, ATen) run on GNU OpenMP, which keeps a
+    team of threads per thread that starts a parallel region. A second team
+    (the event loop's, the loader's, a copy thread's) oversubscribes the
+    cores, and libgomp then stops spinning between regions: every one of
+    the hundreds of matmuls in a decode step waits for its threads to wake.
+    Measured on 2 cores: a step 2.4x slower once two threads had computed.
+    So torch's default becomes one thread, and only the step thread, through
+    ``enter_compute_thread``, gets a team of ``threads``.
+    """
     import torch
 
-    torch.set_num_threads(cpu_threads(config.cpu_threads))
-    keep_large_allocations_mapped()
+    global _compute_threads
+    torch.set_num_threads(1)
+    _compute_threads = max(1, threads)
+
+
+def compute_threads() -> int | None:
+    """What ``set_compute_threads`` set; None when the process was not tuned."""
+    return _compute_threads
+
+
+def enter_compute_thread() -> None:
+    """Run first in the engine's step thread: its OpenMP team gets the compute threads.
+
+    Only this thread's own OpenMP setting changes (libgomp's, per thread), so
+    torch's default for every other thread stays one. Untuned processes (tests,
+    benchmarks that set torch's threads themselves) are left as they are.
+    """
+    if _compute_threads is None:
+        return
+    import torch
+
+    # torch copies its default into a thread's OpenMP setting on the thread's
+    # first use; let that happen now, so it cannot undo what follows.
+    torch.get_num_threads()
+    omp = _libgomp()
+    if omp is None:
+        torch.set_num_threads(_compute_threads)
+    else:
+        omp.omp_set_num_threads(_compute_threads)
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch loaded (its own copy of libgomp), if any."""
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
 
 
 def cpu_threads(configured: int) -> int:

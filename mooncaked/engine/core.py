@@ -39,6 +39,7 @@ from mooncaked.engine.output import OutputProcessor, RequestStream
 from mooncaked.engine.plan import LoadJob, SampledToken, StepPlan
 from mooncaked.engine.runner import KVAllocator, ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
+from mooncaked.process import enter_compute_thread
 from mooncaked.request import FinishReason, Request, RequestState, SamplingParams
 from mooncaked.tasks import TaskSet
 
@@ -162,7 +163,10 @@ class EngineCore:
         self._wakeup = asyncio.Event()
         # One thread: forward passes are serialized, and torch uses its own
         # intra-op threads inside it.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mooncaked-step")
+        # The one thread that runs forward passes, and the one OpenMP team.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="mooncaked-step", initializer=enter_compute_thread
+        )
         self._tasks = TaskSet("engine", on_failure=self._loop_failed)
         self._loop_task: asyncio.Task[None] | None = None
         self._load_tasks = TaskSet("engine-loads")
