@@ -8,7 +8,9 @@ gets our float32 weights):
 
 For each precision of ``--precisions`` (float32, bfloat16, float16, int8,
 int4; the quantized ones keep float32 elsewhere) and each torch thread count
-of ``--threads``, ours is measured in process through an EngineCore:
+of ``--threads``, ours is measured in process through an EngineCore, its
+unquantized linears through ``--linear-kernel`` (``model.linear_kernel``:
+auto packs them for oneDNN on the CPU):
 
 1. Single-stream decode, tokens/s: one request, ``--decode-tokens`` tokens
    after the first (medians of ``--repeats``).
@@ -26,6 +28,15 @@ of ``--threads``, ours is measured in process through an EngineCore:
 HF float32 is measured the same way (1., 2., 3.) and every figure is printed
 with its ratio to HF's. Then, unless ``--skip-prefix``: TTFT of a 1,024-token
 prompt whose first 960 tokens are cached vs nothing cached.
+
+``--llamacpp`` adds llama.cpp as a third side (GGUF models only): its own
+``llama-bench`` (built by ``tools/llamacpp_anchor.sh``; ``auto`` finds it
+there, or give the ``anchor.env`` it wrote) on a file of the same weights at
+each precision, written from ``--model`` by ``llama-quantize``: float32 vs
+F32, float16 vs F16, bfloat16 vs BF16, int8 vs Q8_0, int4 vs Q4_0. It runs as
+a subprocess with the same thread count, after ours, never at the same time:
+prompt processing of ``--prompt-tokens`` and generation of
+``--decode-tokens`` (medians of ``--repeats``), printed with ours / llama.cpp.
 """
 
 from __future__ import annotations
@@ -33,17 +44,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
+import os
 import random
 import statistics
+import subprocess
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from mooncaked.config import Config, with_overrides
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import LoadedModel, load_model
-from mooncaked.process import keep_large_allocations_mapped
+from mooncaked.process import (
+    enter_compute_thread,
+    keep_large_allocations_mapped,
+    set_compute_threads,
+)
 from mooncaked.request import SamplingParams
 
 # Output lengths of the conversation trace (12,031 requests): its 64 quantiles
@@ -57,12 +79,16 @@ TRACE_OUTPUT_QUANTILES = (
 )  # fmt: skip
 TRACE_MAX_OUTPUT = 2000
 
+T = TypeVar("T")
+
 PRECISIONS = {
     "float32": ("float32", "none"),
     "bfloat16": ("bfloat16", "none"),
     "float16": ("float16", "none"),
-    "int8": ("float32", "int8"),
-    "int4": ("float32", "int4"),
+    # The dtype a server gets by default: bf16 activations where the CPU has
+    # bf16 instructions (the kernels' fast path), float32 elsewhere.
+    "int8": ("auto", "int8"),
+    "int4": ("auto", "int4"),
 }
 
 
@@ -91,11 +117,16 @@ def make_workload(n: int, lo: int, hi: int, max_output_len: int, seed: int, voca
     return Workload(prompts, trace_output_lengths(n, max_output_len, rng))
 
 
-def engine_config(args: argparse.Namespace, precision: str) -> Config:
+def engine_config(args: argparse.Namespace, precision: str, kernel: str | None = None) -> Config:
     dtype, quantization = PRECISIONS[precision]
     return with_overrides(
         Config(),
-        model={"path": args.model, "dtype": dtype, "quantization": quantization},
+        model={
+            "path": args.model,
+            "dtype": dtype,
+            "quantization": quantization,
+            "linear_kernel": kernel or args.linear_kernel,
+        },
         scheduler={
             "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -266,6 +297,134 @@ def measure_hf(
     return figures
 
 
+# Our precision -> the llama.cpp file type that stores weights the same way.
+LLAMACPP_TYPES = {
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int8": "Q8_0",
+    "int4": "Q4_0",
+}
+ANCHOR_SCRIPT = Path(__file__).resolve().parent / "llamacpp_anchor.sh"
+
+
+@dataclass(slots=True)
+class LlamaCpp:
+    """Where tools/llamacpp_anchor.sh put llama.cpp's benchmark and quantizer."""
+
+    bench: Path
+    quantize: Path
+    models: Path
+    version: str
+
+
+def read_anchor(spec: str) -> LlamaCpp:
+    """``auto``: ask the anchor script; else the path of the anchor.env it wrote."""
+    if spec == "auto":
+        done = subprocess.run(
+            ["bash", str(ANCHOR_SCRIPT), "--print"], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise SystemExit(
+                f"--llamacpp auto: llama.cpp is not built; run {ANCHOR_SCRIPT} first\n"
+                f"{done.stderr.strip()}"
+            )
+        text = done.stdout
+    else:
+        try:
+            text = Path(spec).read_text()
+        except OSError as e:
+            raise SystemExit(f"--llamacpp {spec}: cannot read the anchor file: {e}") from None
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            env[key.strip()] = value.strip().strip('"')
+    try:
+        anchor = LlamaCpp(
+            bench=Path(env["LLAMACPP_BENCH"]),
+            quantize=Path(env["LLAMACPP_QUANTIZE"]),
+            models=Path(env["LLAMACPP_ANCHOR_DIR"]) / "models",
+            version=env.get("LLAMACPP_VERSION", "unknown"),
+        )
+    except KeyError as e:
+        raise SystemExit(f"--llamacpp {spec}: the anchor file has no {e.args[0]}") from None
+    for tool in (anchor.bench, anchor.quantize):
+        if not os.access(tool, os.X_OK):
+            raise SystemExit(f"--llamacpp {spec}: {tool} is not an executable; rebuild the anchor")
+    return anchor
+
+
+def llamacpp_file(anchor: LlamaCpp, source: Path, precision: str) -> Path:
+    """The source GGUF's weights rewritten in the file type matching ``precision``.
+
+    Every type comes from the same source, so each side reads the same
+    weights: a quantized source dequantizes exactly, to F32 as our loader
+    does, and narrower types round from there.
+    """
+    ftype = LLAMACPP_TYPES[precision]
+    anchor.models.mkdir(parents=True, exist_ok=True)
+    out = anchor.models / f"{source.stem}-{ftype}.gguf"
+    if out.exists() and out.stat().st_mtime >= source.stat().st_mtime:
+        return out
+    tmp = out.with_suffix(".tmp")
+    done = subprocess.run(
+        [str(anchor.quantize), "--allow-requantize", str(source), str(tmp), ftype],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-quantize to {ftype} failed:\n{done.stderr[-2000:]}")
+    tmp.replace(out)
+    return out
+
+
+def measure_llamacpp(
+    anchor: LlamaCpp, model: Path, args: argparse.Namespace, threads: int
+) -> Figures:
+    """llama-bench: prompt processing and generation, medians of its samples."""
+    cmd = [str(anchor.bench), "-m", str(model), "-t", str(threads), "-o", "json"]
+    cmd += ["-p", str(args.prompt_tokens), "-n", str(args.decode_tokens), "-r", str(args.repeats)]
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-bench failed:\n{done.stderr[-2000:]}")
+    figures = Figures()
+    for rec in json.loads(done.stdout):
+        rate = statistics.median(rec["samples_ts"])
+        if rec["n_gen"] > 0:
+            figures.decode_tps = rate
+        elif rec["n_prompt"] > 0:
+            figures.prefill_tps = rate
+    figures.note = f"llama-bench, {model.name}"
+    return figures
+
+
+def in_compute_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` in a thread of its own with the compute threads' OpenMP team.
+
+    The team goes when the thread ends, so it never competes with the
+    engine's step thread measured next.
+    """
+    box: list[T] = []
+
+    def run() -> None:
+        enter_compute_thread()
+        box.append(fn())
+
+    thread = threading.Thread(target=run, name="bench-compute")
+    thread.start()
+    thread.join()
+    if not box:
+        raise RuntimeError("the measurement thread failed (its traceback is above)")
+    return box[0]
+
+
 async def ttft(engine: EngineCore, prompt: list[int]) -> float:
     t0 = time.perf_counter()
     stream = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
@@ -314,15 +473,27 @@ def _ratio(ours: float, base: float) -> str:
 def print_table(rows: list[tuple[str, int, Figures]], base: Figures) -> None:
     print()
     print(
-        f"{'side':<22}{'threads':>8}{'decode tok/s':>14}{'vs HF':>8}{'prompt tok/s':>14}"
+        f"{'side':<26}{'threads':>8}{'decode tok/s':>14}{'vs HF':>8}{'prompt tok/s':>14}"
         f"{'vs HF':>8}{'throughput tok/s':>18}{'vs HF':>8}  note"
     )
     for name, threads, f in rows:
         print(
-            f"{name:<22}{threads:>8}{f.decode_tps:>14.1f}{_ratio(f.decode_tps, base.decode_tps):>8}"
+            f"{name:<26}{threads:>8}{f.decode_tps:>14.1f}{_ratio(f.decode_tps, base.decode_tps):>8}"
             f"{f.prefill_tps:>14.1f}{_ratio(f.prefill_tps, base.prefill_tps):>8}"
             f"{f.throughput_tps:>18.1f}{_ratio(f.throughput_tps, base.throughput_tps):>8}"
             f"  {f.note}"
+        )
+
+
+def print_versus(versus: dict[tuple[str, int], tuple[Figures, Figures]]) -> None:
+    print()
+    print("ours / llama.cpp at the same precision (goals: decode >= 1.0x, prompt >= 1.2x)")
+    print(f"{'precision':<12}{'llama.cpp':>10}{'threads':>8}{'decode':>10}{'prompt':>10}")
+    for (precision, threads), (ours, theirs) in versus.items():
+        print(
+            f"{precision:<12}{LLAMACPP_TYPES[precision]:>10}{threads:>8}"
+            f"{_ratio(ours.decode_tps, theirs.decode_tps):>10}"
+            f"{_ratio(ours.prefill_tps, theirs.prefill_tps):>10}"
         )
 
 
@@ -353,15 +524,34 @@ def main() -> None:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument(
+        "--linear-kernel",
+        default="auto",
+        choices=("auto", "packed", "dense"),
+        help="model.linear_kernel of ours (HF always gets dense float32 weights)",
+    )
+    ap.add_argument(
+        "--llamacpp",
+        default="",
+        metavar="auto|ANCHOR_ENV",
+        help="add llama.cpp's llama-bench as a side (GGUF --model only)",
+    )
     args = ap.parse_args()
     precisions = [x for x in args.precisions.split(",") if x]
     unknown = [x for x in precisions if x not in PRECISIONS]
     if unknown:
         ap.error(f"unknown precision(s) {unknown}; use {list(PRECISIONS)}")
     threads = [int(x) for x in args.threads.split(",") if x] or [torch.get_num_threads()]
+    anchor: LlamaCpp | None = None
+    if args.llamacpp:
+        if not args.model.endswith(".gguf"):
+            ap.error(f"--llamacpp needs a GGUF --model, got {args.model!r}")
+        anchor = read_anchor(args.llamacpp)
+        print(f"llama.cpp side: {anchor.version}", flush=True)
 
     keep_large_allocations_mapped()
-    base_cfg = engine_config(args, "float32")
+    # The source of HF's weights: dense float32 layers whose state_dict is HF's.
+    base_cfg = engine_config(args, "float32", kernel="dense")
     fp32 = load_model(base_cfg.model)
     print(
         f"model {fp32.served_name}: {sum(p.numel() for p in fp32.model.parameters()) / 1e6:.1f}M "
@@ -388,33 +578,50 @@ def main() -> None:
 
     rows: list[tuple[str, int, Figures]] = []
     hf_rows: dict[int, Figures] = {}
+    # (precision, threads) -> (ours, llama.cpp)
+    versus: dict[tuple[str, int], tuple[Figures, Figures]] = {}
     for n_threads in threads:
-        torch.set_num_threads(n_threads)
+        # As the daemon runs: one OpenMP team of n_threads, in the thread that
+        # computes (ours: the engine's step thread; HF: a thread of its own).
+        set_compute_threads(n_threads)
         if not args.skip_hf:
             print(f"HF transformers float32, {n_threads} threads", flush=True)
             model = hf_model(fp32)
-            hf_rows[n_threads] = measure_hf(model, args, wl, fp32.arch.vocab_size)
+            hf_rows[n_threads] = in_compute_thread(
+                lambda model=model: measure_hf(model, args, wl, fp32.arch.vocab_size)
+            )
             rows.append(("HF generate float32", n_threads, hf_rows[n_threads]))
             print(f"  {_line(hf_rows[n_threads])}", flush=True)
             del model
         for precision in precisions:
             print(f"ours {precision}, {n_threads} threads", flush=True)
             cfg = engine_config(args, precision)
-            loaded = fp32 if precision == "float32" else load_model(cfg.model)
+            same_as_base = precision == "float32" and cfg.model == base_cfg.model
+            loaded = fp32 if same_as_base else load_model(cfg.model)
             f = asyncio.run(measure_ours(loaded, cfg, args, wl))
             base = hf_rows.get(n_threads)
             if wl is not None and base is not None and base.outputs:
                 same = sum(1 for a, b in zip(f.outputs, base.outputs, strict=True) if a == b)
                 f.note = f"greedy = HF for {same}/{len(f.outputs)}"
-            rows.append((f"ours {precision}", n_threads, f))
+            kernel = "" if loaded.quantization != "none" else f" {loaded.linear_kernel}"
+            rows.append((f"ours {precision}{kernel}", n_threads, f))
             print(f"  {_line(f)}", flush=True)
             del loaded
             gc.collect()
+            if anchor is not None:
+                gguf = llamacpp_file(anchor, Path(args.model), precision)
+                print(f"llama.cpp {LLAMACPP_TYPES[precision]}, {n_threads} threads", flush=True)
+                lf = measure_llamacpp(anchor, gguf, args, n_threads)
+                rows.append((f"llama.cpp {LLAMACPP_TYPES[precision]}", n_threads, lf))
+                versus[(precision, n_threads)] = (f, lf)
+                print(f"  {_line(lf)}", flush=True)
     for n_threads in threads:
         base = hf_rows.get(n_threads, Figures())
         print_table([r for r in rows if r[1] == n_threads], base)
+    if versus:
+        print_versus(versus)
     if not args.skip_prefix:
-        torch.set_num_threads(threads[-1])
+        set_compute_threads(threads[-1])
         asyncio.run(prefix_bench(fp32, base_cfg, args.prefix_runs, args.seed + 1))
 
 

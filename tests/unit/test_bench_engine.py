@@ -7,6 +7,7 @@ import json
 import random
 import statistics
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -53,3 +54,37 @@ def test_workload_is_reproducible(bench: ModuleType) -> None:
     assert a.prompts == b.prompts and a.output_lens == b.output_lens
     assert all(8 <= len(p) <= 40 and all(32 <= t < 384 for t in p) for p in a.prompts)
     assert a.num_output_tokens == sum(a.output_lens)
+
+
+def test_llamacpp_anchor_file_is_read(bench: ModuleType, tmp_path: Path) -> None:
+    tool = tmp_path / "llama-bench"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    env = tmp_path / "anchor.env"
+    env.write_text(
+        f"LLAMACPP_ANCHOR_DIR={tmp_path}\n"
+        'LLAMACPP_VERSION="llama-cpp-python 0.3.36, llama.cpp abc123"\n'
+        f"LLAMACPP_BENCH={tool}\nLLAMACPP_QUANTIZE={tool}\n"
+    )
+    anchor = bench.read_anchor(str(env))
+    assert anchor.bench == tool and anchor.models == tmp_path / "models"
+    assert anchor.version == "llama-cpp-python 0.3.36, llama.cpp abc123"
+
+
+def test_llamacpp_anchor_errors_name_the_problem(bench: ModuleType, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="cannot read the anchor file"):
+        bench.read_anchor(str(tmp_path / "missing.env"))
+    env = tmp_path / "anchor.env"
+    env.write_text(f"LLAMACPP_ANCHOR_DIR={tmp_path}\nLLAMACPP_BENCH={tmp_path}/nope\n")
+    with pytest.raises(SystemExit, match="LLAMACPP_QUANTIZE"):
+        bench.read_anchor(str(env))
+    env.write_text(
+        f"LLAMACPP_ANCHOR_DIR={tmp_path}\nLLAMACPP_BENCH={tmp_path}/nope\n"
+        f"LLAMACPP_QUANTIZE={tmp_path}/nope\n"
+    )
+    with pytest.raises(SystemExit, match="not an executable"):
+        bench.read_anchor(str(env))
+
+
+def test_every_precision_has_a_llamacpp_type(bench: ModuleType) -> None:
+    assert set(bench.LLAMACPP_TYPES) == set(bench.PRECISIONS)
