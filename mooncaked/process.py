@@ -79,25 +79,33 @@ def enter_compute_thread() -> None:
     # torch copies its default into a thread's OpenMP setting on the thread's
     # first use; let that happen now, so it cannot undo what follows.
     torch.get_num_threads()
-    omp = _libgomp()
+    omp = _loaded_library("libgomp", "omp_set_num_threads")
     if omp is None:
         torch.set_num_threads(_compute_threads)
-    else:
-        omp.omp_set_num_threads(_compute_threads)
+        return
+    omp.omp_set_num_threads(_compute_threads)
+    # MKL (float32 GEMMs through F.linear) keeps a count of its own, global
+    # unless set per thread; torch's default set it to one.
+    mkl = _loaded_library("libtorch_cpu", "MKL_Set_Num_Threads_Local")
+    if mkl is not None:
+        mkl.MKL_Set_Num_Threads_Local(_compute_threads)
 
 
-def _libgomp() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch loaded (its own copy of libgomp), if any."""
+def _loaded_library(name: str, symbol: str) -> ctypes.CDLL | None:
+    """The copy of a shared library this process loaded (torch ships its own), if it
+    exports ``symbol``."""
     try:
         with open(f"/proc/{os.getpid()}/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libgomp" in line}
+            paths = {line.split()[-1] for line in maps if name in line.split()[-1]}
     except OSError:
         return None
     for path in sorted(paths):
         try:
-            return ctypes.CDLL(path)
+            lib = ctypes.CDLL(path)
         except OSError:
             continue
+        if hasattr(lib, symbol):
+            return lib
     return None
 
 
