@@ -550,6 +550,10 @@ def main() -> None:
         print(f"llama.cpp side: {anchor.version}", flush=True)
 
     keep_large_allocations_mapped()
+    # Before anything computes: a load in this thread at torch's default would
+    # give it an OpenMP team of its own, for the rest of the run, beside the
+    # one that is measured (single-stream decode was about 2x slower).
+    set_compute_threads(threads[0])
     # The source of HF's weights: dense float32 layers whose state_dict is HF's.
     base_cfg = engine_config(args, "float32", kernel="dense")
     fp32 = load_model(base_cfg.model)
