@@ -88,8 +88,10 @@ class ModelConfig:
     max_model_len: int = 0
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     seed: int = 0
-    # torch intra-op threads for CPU inference; 0: one per core but one, which
-    # is left to the event loop (oversubscribed OpenMP threads spin and stall).
+    # Threads of the engine step thread's OpenMP team for CPU inference (no
+    # other thread gets one: mooncaked/process.py). 0: measured at start-up,
+    # every core vs one per core but one (engine/threads.py); builtin:tiny,
+    # whose nodes must compute alike, keeps one per core but one.
     cpu_threads: int = 0
 
     def __post_init__(self) -> None:

@@ -33,8 +33,23 @@ def tune_process(config: ModelConfig) -> None:
     """Intra-op threads and allocator settings for CPU inference; nothing on CUDA."""
     if not uses_cpu(config):
         return
-    set_compute_threads(cpu_threads(config.cpu_threads))
+    global _thread_candidates
+    threads = cpu_threads(config.cpu_threads)
+    if config.cpu_threads == 0 and not config.path.startswith("builtin:"):
+        # Measured at start-up by the engine (engine/threads.py); the builtin
+        # test model keeps the fixed count, so every node of a test cluster
+        # computes alike.
+        _thread_candidates = tuple(sorted({threads, _cores()}))
+    set_compute_threads(threads)
     keep_large_allocations_mapped()
+
+
+# Team sizes the engine measures at start-up; empty when cpu_threads is fixed.
+_thread_candidates: tuple[int, ...] = ()
+
+
+def thread_candidates() -> tuple[int, ...]:
+    return _thread_candidates
 
 
 # Threads of the one OpenMP team that computes: the engine's step thread's.
@@ -74,8 +89,15 @@ def enter_compute_thread() -> None:
     """
     if _compute_threads is None:
         return
+    set_step_threads(_compute_threads)
+
+
+def set_step_threads(threads: int) -> None:
+    """The calling thread's OpenMP team (and MKL's count) becomes ``threads``."""
+    global _compute_threads
     import torch
 
+    _compute_threads = max(1, threads)
     # torch copies its default into a thread's OpenMP setting on the thread's
     # first use; let that happen now, so it cannot undo what follows.
     torch.get_num_threads()
@@ -113,8 +135,12 @@ def cpu_threads(configured: int) -> int:
     """Intra-op threads for CPU inference: the configured count, else cores - 1."""
     if configured > 0:
         return configured
+    return max(1, _cores() - 1)
+
+
+def _cores() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) - 1)
+    return cores or 1
 
 
 def keep_large_allocations_mapped() -> bool:

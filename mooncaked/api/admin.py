@@ -86,6 +86,7 @@ class AdminAPI:
             "load",
             "kv",
             "prefix_cache",
+            "compute",
         }
     )
 
@@ -167,10 +168,24 @@ class AdminAPI:
                 "queried_tokens": s.prefix_queried_tokens,
                 "hit_tokens": s.prefix_hit_tokens,
             }
+            loaded = engine.loaded
+            status["compute"] = {
+                "device": str(loaded.device),
+                "dtype": str(loaded.dtype).removeprefix("torch."),
+                "quantization": loaded.quantization,
+                "linear_kernel": loaded.linear_kernel,
+                "cpu_threads": engine.cpu_threads,
+                # ms per token (a decode row plus a prefill row) at each team
+                # size measured at start-up; empty when cpu_threads is fixed.
+                "cpu_threads_measured": {
+                    str(t.threads): round(t.score * 1e3, 3) for t in engine.thread_timings
+                },
+            }
         else:
             status["load"] = {"running": 0, "waiting": 0, "http_inflight": node.num_inflight}
             status["kv"] = None
             status["prefix_cache"] = None
+            status["compute"] = None
         for name, section in self._sections.items():
             status[name] = section()
         return status

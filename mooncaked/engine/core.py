@@ -39,7 +39,13 @@ from mooncaked.engine.output import OutputProcessor, RequestStream
 from mooncaked.engine.plan import LoadJob, SampledToken, StepPlan
 from mooncaked.engine.runner import KVAllocator, ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
-from mooncaked.process import enter_compute_thread
+from mooncaked.engine.threads import ThreadTiming, pick_threads
+from mooncaked.process import (
+    compute_threads,
+    enter_compute_thread,
+    set_step_threads,
+    thread_candidates,
+)
 from mooncaked.request import FinishReason, Request, RequestState, SamplingParams
 from mooncaked.tasks import TaskSet
 
@@ -161,9 +167,8 @@ class EngineCore:
         self._last_step: tuple[StepPlan, float, float] | None = None
         self._pending_aborts: set[str] = set()
         self._wakeup = asyncio.Event()
-        # One thread: forward passes are serialized, and torch uses its own
-        # intra-op threads inside it.
-        # The one thread that runs forward passes, and the one OpenMP team.
+        # One thread: forward passes are serialized, and it alone owns an
+        # OpenMP team of intra-op threads (mooncaked/process.py says why).
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="mooncaked-step", initializer=enter_compute_thread
         )
@@ -173,6 +178,9 @@ class EngineCore:
         # Loads in flight, by request: an abort cancels one that may be cancelled.
         self._loads: dict[str, asyncio.Task[None]] = {}
         self._on_fatal: FatalHandler | None = None
+        # The step thread's team: measured at start() when cpu_threads = 0.
+        self.cpu_threads: int | None = compute_threads()
+        self.thread_timings: list[ThreadTiming] = []
         self.failure: BaseException | None = None
         self._closing = False
         self._closed = False
@@ -223,6 +231,25 @@ class EngineCore:
         if self._loop_task is not None:
             raise RuntimeError("engine already started")
         self._on_fatal = on_fatal
+        candidates = thread_candidates()
+        if len(candidates) > 1 and self.loaded.device.type == "cpu":
+            # Before the first step, in the step thread: its team is the one measured.
+            (
+                self.cpu_threads,
+                self.thread_timings,
+            ) = await asyncio.get_running_loop().run_in_executor(
+                self._executor,
+                pick_threads,
+                self.loaded.model,
+                self.loaded.dtype,
+                candidates,
+                set_step_threads,
+            )
+            log.info(
+                "cpu threads measured",
+                picked=self.cpu_threads,
+                ms_per_token={t.threads: round(t.score * 1e3, 3) for t in self.thread_timings},
+            )
         self._loop_task = self._tasks.spawn(self._run_loop(), name="engine-step-loop")
         log.info(
             "engine started",

@@ -645,12 +645,19 @@ async def test_admin_status_and_probes(node: Node) -> None:
     assert st["load"] == {"running": 0, "waiting": 0, "http_inflight": 0}
     assert st["kv"] == {"blocks_total": 512, "blocks_used": 0, "usage": 0.0}
     assert st["prefix_cache"]["hit_rate"] == 0.0
+    # The test model: float32 through F.linear on any CPU; a fixed team, none measured.
+    compute = st["compute"]
+    assert compute["device"] == "cpu" and compute["dtype"] == "float32"
+    assert compute["linear_kernel"] == "dense" and compute["quantization"] == "none"
+    assert compute["cpu_threads_measured"] == {}
 
 
 async def test_status_sections_can_be_added(node: Node) -> None:
     node.admin.add_status_section("experiment", lambda: {"placements": 1})
     with pytest.raises(ValueError, match="already"):
         node.admin.add_status_section("kv", dict)
+    with pytest.raises(ValueError, match="already"):
+        node.admin.add_status_section("compute", dict)
     # The daemon's own subsystems added theirs already.
     with pytest.raises(ValueError, match="already"):
         node.admin.add_status_section("cluster", dict)

@@ -104,6 +104,12 @@ def test_up_serves_smollm2_by_default(tmp_path: Path) -> None:
         status = ctl("--url", url, "--json", "status")
         assert status.returncode == 0
         assert json.loads(status.stdout)["model"] == SMOLLM2.stem
+        # A real model at cpu_threads = 0: its team size was measured at start-up.
+        compute = json.loads(status.stdout)["compute"]
+        assert compute["device"] == "cpu" and compute["linear_kernel"] == "packed"
+        if len(os.sched_getaffinity(0)) > 1:
+            assert len(compute["cpu_threads_measured"]) == 2
+            assert str(compute["cpu_threads"]) in compute["cpu_threads_measured"]
         chat = ctl(
             "--url",
             url,

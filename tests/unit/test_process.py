@@ -67,3 +67,51 @@ async def test_the_engine_step_thread_is_the_compute_thread(tuned: None) -> None
         await engine.close()
     assert step_threads == 2
     assert torch.get_num_threads() == 1
+
+
+def test_pick_threads_times_every_candidate_and_keeps_the_fastest() -> None:
+    from mooncaked.engine.threads import PREFILL_ROWS, pick_threads
+
+    loaded = load_model(Config().model)
+    calls: list[int] = []
+    best, timings = pick_threads(loaded.model, loaded.dtype, (1, 2), calls.append)
+    assert [t.threads for t in timings] == [1, 2]
+    assert all(t.decode_s > 0 and t.prefill_s > 0 for t in timings)
+    assert best == min(timings, key=lambda t: t.decode_s + t.prefill_s / PREFILL_ROWS).threads
+    # Each candidate was set before its timing, and the pick is left in place.
+    assert calls == [1, 2, best]
+    with pytest.raises(ValueError, match="candidate"):
+        pick_threads(loaded.model, loaded.dtype, (), calls.append)
+
+
+async def test_the_engine_measures_its_team_at_start(
+    tuned: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    process.set_compute_threads(1)
+    monkeypatch.setattr(process, "_thread_candidates", (1, 2))
+    engine = EngineCore(Config(), load_model(Config().model))
+    await engine.start()
+    try:
+        step_threads = engine._executor.submit(torch.get_num_threads).result()
+    finally:
+        await engine.close()
+    assert [t.threads for t in engine.thread_timings] == [1, 2]
+    assert engine.cpu_threads in (1, 2) and step_threads == engine.cpu_threads
+    assert torch.get_num_threads() == 1
+
+
+def test_only_real_models_at_cpu_threads_zero_are_measured(
+    tuned: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mooncaked.config import ModelConfig
+
+    monkeypatch.setattr(process, "_thread_candidates", ())
+    monkeypatch.setattr(process, "_cores", lambda: 4)
+    monkeypatch.setattr(process, "uses_cpu", lambda config: True)
+    process.tune_process(ModelConfig(path="model.gguf"))
+    assert process.thread_candidates() == (3, 4) and process.compute_threads() == 3
+    monkeypatch.setattr(process, "_thread_candidates", ())
+    process.tune_process(ModelConfig(path="model.gguf", cpu_threads=2))
+    assert process.thread_candidates() == () and process.compute_threads() == 2
+    process.tune_process(ModelConfig())
+    assert process.thread_candidates() == () and process.compute_threads() == 3

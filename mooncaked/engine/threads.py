@@ -1,0 +1,105 @@
+"""How many CPU threads the step thread's OpenMP team gets, measured on the model.
+
+The right count is not a rule of the core count. On two cores, one thread
+left to the event loop gave up about 40% of prefill speed; elsewhere a
+team on every core can starve the loop, or the memory bus saturates
+before the last core helps decode. So at start-up, with ``cpu_threads =
+0``, the step thread times the model's own projections at each candidate
+count, for one row (a decode step) and for a chunk of rows (a prefill),
+and keeps the fastest. The projections are most of a step's time on the
+CPU and touch no KV cache, so timing them changes no state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mooncaked.engine.model import CausalLM
+
+# Rows of the prefill-shaped measurement, and how the two shapes weigh: a
+# served token costs one decode row; a prompt token a prefill row.
+PREFILL_ROWS = 64
+REPEATS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadTiming:
+    threads: int
+    # Best of REPEATS, seconds: every projection once for one row, and for
+    # PREFILL_ROWS rows.
+    decode_s: float
+    prefill_s: float
+
+    @property
+    def score(self) -> float:
+        """Seconds per token, decode and prompt weighed alike."""
+        return self.decode_s + self.prefill_s / PREFILL_ROWS
+
+
+def _projections(model: CausalLM) -> list[tuple[Callable[[torch.Tensor], object], int]]:
+    """Every projection of the model with its input width."""
+    arch = model.arch
+    out: list[tuple[Callable[[torch.Tensor], object], int]] = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv.active:
+            out.append((attn.qkv.project, arch.hidden_size))
+        else:
+            out += [(attn.q_proj, arch.hidden_size), (attn.k_proj, arch.hidden_size)]
+            out.append((attn.v_proj, arch.hidden_size))
+        out.append((attn.o_proj, arch.num_heads * arch.head_dim))
+        if mlp.gate_up.active:
+            out.append((mlp.gate_up.project, arch.hidden_size))
+        else:
+            out += [(mlp.gate_proj, arch.hidden_size), (mlp.up_proj, arch.hidden_size)]
+        out.append((mlp.down_proj, arch.intermediate_size))
+    out.append((model.lm_head, arch.hidden_size))
+    return out
+
+
+def time_projections(model: CausalLM, rows: int, dtype: torch.dtype) -> float:
+    """Best of REPEATS: seconds to run every projection once on ``rows`` rows."""
+    projections = _projections(model)
+    inputs = {
+        width: torch.randn(rows, width, generator=torch.Generator().manual_seed(width)).to(dtype)
+        for width in {w for _, w in projections}
+    }
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(REPEATS + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            for project, width in projections:
+                project(inputs[width])
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def pick_threads(
+    model: CausalLM,
+    dtype: torch.dtype,
+    candidates: Sequence[int],
+    set_threads: Callable[[int], None],
+) -> tuple[int, list[ThreadTiming]]:
+    """The fastest of ``candidates`` and every timing; runs in the thread that computes.
+
+    ``set_threads(n)`` changes that thread's team; it is left at the pick.
+    """
+    if not candidates:
+        raise ValueError("pick_threads needs at least one candidate")
+    timings: list[ThreadTiming] = []
+    for n in candidates:
+        set_threads(n)
+        timings.append(
+            ThreadTiming(
+                threads=n,
+                decode_s=time_projections(model, 1, dtype),
+                prefill_s=time_projections(model, PREFILL_ROWS, dtype),
+            )
+        )
+    best = min(timings, key=lambda t: t.score).threads
+    set_threads(best)
+    return best, timings
