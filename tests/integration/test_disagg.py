@@ -23,9 +23,11 @@ from tests.integration.clusters import Cluster, ClusterFactory
 MODEL = "builtin:tiny"
 MAX_TOKENS = 8
 # Logprobs may differ in the last bits where a node computed part of a prompt
-# from a cached prefix and another computed it whole (a different summation
-# order); measured below 1e-4 for the builtin model, tokens identical.
-LOGPROB_TOL = 2e-4
+# from a cached prefix and another computed it whole, or in a batch of another
+# size (MKL picks its kernel by the batch's shape): a different summation
+# order. Measured for the builtin model: below 1e-4 on one CPU, up to 2.4e-4
+# in a quarter of the runs on an AVX-512 one; tokens identical on both.
+LOGPROB_TOL = 5e-4
 
 
 def prompts(seed: int = 7, n: int = 50) -> list[list[int]]:

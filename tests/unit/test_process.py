@@ -57,14 +57,19 @@ def test_an_untuned_process_is_left_alone(tuned: None) -> None:
     assert torch.get_num_threads() == 2
 
 
-async def test_the_engine_step_thread_is_the_compute_thread(tuned: None) -> None:
-    process.set_compute_threads(2)
+async def _started_engine_team() -> tuple[EngineCore, int]:
+    """A test-model engine started and closed, and its step thread's team size."""
     engine = EngineCore(Config(), load_model(Config().model))
     await engine.start()
     try:
-        step_threads = engine._executor.submit(torch.get_num_threads).result()
+        return engine, engine._executor.submit(torch.get_num_threads).result()
     finally:
         await engine.close()
+
+
+async def test_the_engine_step_thread_is_the_compute_thread(tuned: None) -> None:
+    process.set_compute_threads(2)
+    _engine, step_threads = await _started_engine_team()
     assert step_threads == 2
     assert torch.get_num_threads() == 1
 
@@ -89,12 +94,7 @@ async def test_the_engine_measures_its_team_at_start(
 ) -> None:
     process.set_compute_threads(1)
     monkeypatch.setattr(process, "_thread_candidates", (1, 2))
-    engine = EngineCore(Config(), load_model(Config().model))
-    await engine.start()
-    try:
-        step_threads = engine._executor.submit(torch.get_num_threads).result()
-    finally:
-        await engine.close()
+    engine, step_threads = await _started_engine_team()
     assert [t.threads for t in engine.thread_timings] == [1, 2]
     assert engine.cpu_threads in (1, 2) and step_threads == engine.cpu_threads
     assert torch.get_num_threads() == 1
