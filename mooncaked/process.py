@@ -57,7 +57,7 @@ _compute_threads: int | None = None
 
 
 def set_compute_threads(threads: int) -> None:
-    """``threads`` for the engine's step thread; every other thread computes on its own.
+    """``threads`` for the engine's step thread; every other thread computes single-threaded.
 
     torch's CPU kernels (oneDNN, MKL, ATen) run on GNU OpenMP, which keeps a
     team of threads per thread that starts a parallel region. A second team
