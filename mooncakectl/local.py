@@ -167,6 +167,7 @@ def node_config(
     secret: str,
     model: str | None,
     data_dir: Path,
+    num_nodes: int = 1,
 ) -> dict[str, dict[str, Any]]:
     """``base`` with what makes this node one of the local cluster laid over it."""
     doc: dict[str, dict[str, Any]] = {k: dict(v) for k, v in base.items()}
@@ -178,6 +179,12 @@ def node_config(
     put("log", format="json")
     if model is not None:
         put("model", path=model)
+    if num_nodes > 1 and not doc.get("model", {}).get("cpu_threads"):
+        # The nodes share this machine's cores. Left to itself each daemon would
+        # measure its best team alone and take every core; N teams of every
+        # core then spin against each other. A share each, unless the base
+        # config says otherwise.
+        put("model", cpu_threads=max(1, local_cores() // num_nodes))
     if cluster:
         put(
             "node",
@@ -194,6 +201,13 @@ def node_config(
             seeds=[] if plan.gossip_port else [seed],
         )
     return doc
+
+
+def local_cores() -> int:
+    """Cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _run_dir(args: argparse.Namespace) -> Path:
@@ -400,6 +414,7 @@ def up(args: argparse.Namespace, env: Env) -> int:
             secret=secret,
             model=model,
             data_dir=node_dir / "data",
+            num_nodes=len(plans),
         )
         config_path = node_dir / ("mooncaked.toml" if cluster else f"mooncaked-{plan.port}.toml")
         # The secret is in it: readable by this user only.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -161,3 +162,28 @@ def test_to_toml_round_trips_awkward_values() -> None:
 def test_to_toml_names_a_value_it_cannot_write() -> None:
     with pytest.raises(ValueError, match=r"cannot write config key node\.extra = \{'a': 1\}"):
         to_toml({"node": {"extra": {"a": 1}}})
+
+
+def test_local_nodes_share_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import mooncakectl.local as local
+
+    monkeypatch.setattr(local, "local_cores", lambda: 8)
+
+    def threads(base: dict[str, dict[str, Any]], num_nodes: int) -> int:
+        doc = node_config(
+            base,
+            NodePlan("prefill-0", "prefill", 18000, 0),
+            cluster=True,
+            seed="127.0.0.1:17946",
+            secret="s" * 43,
+            model=None,
+            data_dir=tmp_path / "data",
+            num_nodes=num_nodes,
+        )
+        return config_from_dict(tomllib.loads(to_toml(doc))).model.cpu_threads
+
+    # One node alone measures its team at start-up (0); several share the cores.
+    assert threads({}, 1) == 0
+    assert threads({}, 3) == 2 and threads({}, 2) == 4 and threads({}, 16) == 1
+    # A base config that sets the threads keeps them.
+    assert threads({"model": {"cpu_threads": 3}}, 2) == 3
