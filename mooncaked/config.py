@@ -64,6 +64,10 @@ class NodeConfig:
         _check(len(self.cluster_secret) >= 8, "cluster_secret", "must be at least 8 characters")
 
 
+# model.path of the seeded test models (engine/loader.py builds them).
+BUILTIN_PREFIX = "builtin:"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     # "builtin:tiny" (no download), a local Hugging Face model directory or a .gguf file.
@@ -93,6 +97,10 @@ class ModelConfig:
     # every core vs one per core but one (engine/threads.py); builtin:tiny,
     # whose nodes must compute alike, keeps one per core but one.
     cpu_threads: int = 0
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.path.startswith(BUILTIN_PREFIX)
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "path", "must not be empty")

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from mooncaked.config import ModelConfig
 
@@ -35,11 +39,11 @@ def tune_process(config: ModelConfig) -> None:
         return
     global _thread_candidates
     threads = cpu_threads(config.cpu_threads)
-    if config.cpu_threads == 0 and not config.path.startswith("builtin:"):
+    if config.cpu_threads == 0 and not config.is_builtin:
         # Measured at start-up by the engine (engine/threads.py); the builtin
         # test model keeps the fixed count, so every node of a test cluster
         # computes alike.
-        _thread_candidates = tuple(sorted({threads, _cores()}))
+        _thread_candidates = tuple(sorted({threads, cores()}))
     set_compute_threads(threads)
     keep_large_allocations_mapped()
 
@@ -92,6 +96,29 @@ def enter_compute_thread() -> None:
     set_step_threads(_compute_threads)
 
 
+T = TypeVar("T")
+
+
+def run_in_compute_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` in a thread of its own that has the compute threads' OpenMP team.
+
+    The team goes when the thread ends, so it never competes with the
+    engine's step thread afterwards (a benchmark's baseline, say).
+    """
+    box: list[T] = []
+
+    def run() -> None:
+        enter_compute_thread()
+        box.append(fn())
+
+    thread = threading.Thread(target=run, name="mooncaked-compute")
+    thread.start()
+    thread.join()
+    if not box:
+        raise RuntimeError("the compute thread failed (its traceback is above)")
+    return box[0]
+
+
 def set_step_threads(threads: int) -> None:
     """The calling thread's OpenMP team (and MKL's count) becomes ``threads``."""
     global _compute_threads
@@ -113,6 +140,7 @@ def set_step_threads(threads: int) -> None:
         mkl.MKL_Set_Num_Threads_Local(_compute_threads)
 
 
+@functools.cache
 def _loaded_library(name: str, symbol: str) -> ctypes.CDLL | None:
     """The copy of a shared library this process loaded (torch ships its own), if it
     exports ``symbol``."""
@@ -135,12 +163,13 @@ def cpu_threads(configured: int) -> int:
     """Intra-op threads for CPU inference: the configured count, else cores - 1."""
     if configured > 0:
         return configured
-    return max(1, _cores() - 1)
+    return max(1, cores() - 1)
 
 
-def _cores() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores or 1
+def cores() -> int:
+    """Cores this process may run on."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return n or 1
 
 
 def keep_large_allocations_mapped() -> bool:

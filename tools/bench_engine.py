@@ -49,21 +49,19 @@ import os
 import random
 import statistics
 import subprocess
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from mooncaked.config import Config, with_overrides
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import LoadedModel, load_model
+from mooncaked.engine.quant import LINEAR_KERNELS
 from mooncaked.process import (
-    enter_compute_thread,
     keep_large_allocations_mapped,
+    run_in_compute_thread,
     set_compute_threads,
 )
 from mooncaked.request import SamplingParams
@@ -78,8 +76,6 @@ TRACE_OUTPUT_QUANTILES = (
     476, 486, 496, 508, 519, 532, 544, 558, 574, 595, 618, 648, 683, 740, 849, 1249,
 )  # fmt: skip
 TRACE_MAX_OUTPUT = 2000
-
-T = TypeVar("T")
 
 PRECISIONS = {
     "float32": ("float32", "none"),
@@ -405,26 +401,6 @@ def measure_llamacpp(
     return figures
 
 
-def in_compute_thread(fn: Callable[[], T]) -> T:
-    """``fn()`` in a thread of its own with the compute threads' OpenMP team.
-
-    The team goes when the thread ends, so it never competes with the
-    engine's step thread measured next.
-    """
-    box: list[T] = []
-
-    def run() -> None:
-        enter_compute_thread()
-        box.append(fn())
-
-    thread = threading.Thread(target=run, name="bench-compute")
-    thread.start()
-    thread.join()
-    if not box:
-        raise RuntimeError("the measurement thread failed (its traceback is above)")
-    return box[0]
-
-
 async def ttft(engine: EngineCore, prompt: list[int]) -> float:
     t0 = time.perf_counter()
     stream = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
@@ -527,7 +503,7 @@ def main() -> None:
     ap.add_argument(
         "--linear-kernel",
         default="auto",
-        choices=("auto", "packed", "dense"),
+        choices=LINEAR_KERNELS,
         help="model.linear_kernel of ours (HF always gets dense float32 weights)",
     )
     ap.add_argument(
@@ -591,7 +567,7 @@ def main() -> None:
         if not args.skip_hf:
             print(f"HF transformers float32, {n_threads} threads", flush=True)
             model = hf_model(fp32)
-            hf_rows[n_threads] = in_compute_thread(
+            hf_rows[n_threads] = run_in_compute_thread(
                 lambda model=model: measure_hf(model, args, wl, fp32.arch.vocab_size)
             )
             rows.append(("HF generate float32", n_threads, hf_rows[n_threads]))

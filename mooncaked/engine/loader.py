@@ -19,12 +19,10 @@ from typing import IO, Any
 
 import torch
 
-from mooncaked.config import ModelConfig
+from mooncaked.config import BUILTIN_PREFIX, ModelConfig
 from mooncaked.engine.model import CausalLM, ModelArch
 from mooncaked.engine.quant import dense_factory, linear_factory
 from mooncaked.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-
-BUILTIN_PREFIX = "builtin:"
 
 
 @dataclass(slots=True)
@@ -119,7 +117,7 @@ def load_model(config: ModelConfig, progress: IO[str] | None = None) -> LoadedMo
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kernel = config.linear_kernel
-    if config.path.startswith(BUILTIN_PREFIX) and device.type == "cpu":
+    if config.is_builtin and device.type == "cpu":
         # The builtin model is defined as float32 through F.linear: its greedy
         # output (random weights, near ties everywhere) is then the same on
         # every CPU, whatever instructions it has, unless asked otherwise.
@@ -128,7 +126,7 @@ def load_model(config: ModelConfig, progress: IO[str] | None = None) -> LoadedMo
     # Refused before minutes of loading, not after.
     linear_factory(config.quantization, device)
     packed = dense_factory(kernel, device, dtype)
-    if config.path.startswith(BUILTIN_PREFIX):
+    if config.is_builtin:
         loaded = _load_builtin(config, device, dtype)
     elif config.path.endswith(".gguf"):
         loaded = _load_gguf(config, device, dtype, sys.stderr if progress is None else progress)

@@ -167,7 +167,7 @@ def test_to_toml_names_a_value_it_cannot_write() -> None:
 def test_local_nodes_share_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import mooncakectl.local as local
 
-    monkeypatch.setattr(local, "local_cores", lambda: 8)
+    monkeypatch.setattr(local, "cores", lambda: 8)
 
     def threads(base: dict[str, dict[str, Any]], num_nodes: int) -> int:
         doc = node_config(

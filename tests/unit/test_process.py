@@ -33,11 +33,6 @@ def _in_new_thread(fn: Callable[[], T]) -> T:
     return box[0]
 
 
-def _entered() -> int:
-    process.enter_compute_thread()
-    return torch.get_num_threads()
-
-
 def test_only_the_compute_thread_gets_a_team(tuned: None) -> None:
     assert process.compute_threads() is None
     process.set_compute_threads(3)
@@ -46,14 +41,14 @@ def test_only_the_compute_thread_gets_a_team(tuned: None) -> None:
     assert torch.get_num_threads() == 1
     assert _in_new_thread(torch.get_num_threads) == 1
     # The compute thread gets the team, and entering it changes no one else's.
-    assert _in_new_thread(_entered) == 3
+    assert process.run_in_compute_thread(torch.get_num_threads) == 3
     assert torch.get_num_threads() == 1
     assert _in_new_thread(torch.get_num_threads) == 1
 
 
 def test_an_untuned_process_is_left_alone(tuned: None) -> None:
     torch.set_num_threads(2)
-    assert _in_new_thread(_entered) == 2
+    assert process.run_in_compute_thread(torch.get_num_threads) == 2
     assert torch.get_num_threads() == 2
 
 
@@ -106,7 +101,7 @@ def test_only_real_models_at_cpu_threads_zero_are_measured(
     from mooncaked.config import ModelConfig
 
     monkeypatch.setattr(process, "_thread_candidates", ())
-    monkeypatch.setattr(process, "_cores", lambda: 4)
+    monkeypatch.setattr(process, "cores", lambda: 4)
     monkeypatch.setattr(process, "uses_cpu", lambda config: True)
     process.tune_process(ModelConfig(path="model.gguf"))
     assert process.thread_candidates() == (3, 4) and process.compute_threads() == 3
