@@ -114,9 +114,14 @@ async def run_policy(
             s["slo"] = slo
             s["cluster"] = {"seeds": [f"127.0.0.1:{gossip}"], "gossip_interval_s": 0.1}
             daemons.append(await cluster.start(f"{label}-d{i}", s))
+        result: dict[str, Any] = {"requests": [], "status_before": {}}
         async with aiohttp.ClientSession() as session:
             for d in daemons:
                 await _costs_everywhere(session, d.url, len(daemons))
+            # Each node as profiled at start-up, before the replay refits it.
+            for d in daemons:
+                async with session.get(f"{d.url}/admin/status") as resp:
+                    result["status_before"][d.node_id] = await resp.json()
         # One client per entry node, each replaying every n-th record of the
         # slice at its own timestamps (equal hash ids still make equal tokens).
         entries = daemons[-1:] if args.entries == 1 else daemons[: args.entries]
@@ -156,14 +161,15 @@ async def run_policy(
                 cwd=REPO_ROOT,
             )
             procs.append((proc, out))
-        result: dict[str, Any] = {"requests": []}
         for proc, out in procs:
             _stdout, stderr = await proc.communicate()
             if proc.returncode != 0:
                 raise RuntimeError(
                     f"bench for {label} failed ({proc.returncode}):\n{stderr.decode()[-2000:]}"
                 )
-            result["requests"].extend(json.loads(out.read_text())["requests"])
+            doc = json.loads(out.read_text())
+            result["requests"].extend(doc["requests"])
+            result["max_model_len"] = (doc.get("config") or {}).get("max_model_len")
         # The nodes' own view of their costs after the run.
         async with aiohttp.ClientSession() as session:
             result["node_costs"] = {}

@@ -25,6 +25,7 @@ from mooncakectl.bench.trace import TraceRecord
 from mooncakectl.bench.workloads import TraceScale
 from mooncakectl.simulate.costs import NodeSpec
 from mooncakectl.simulate.events import EventQueue
+from mooncakectl.simulate.host import SharedHost
 from mooncakectl.simulate.network import Flow, Network
 from mooncakectl.simulate.node import SimNode, SimRequest
 from mooncaked.cluster.conductor import (
@@ -98,6 +99,11 @@ class SimConfig:
     seed: int = 0
     # Decode-only steps simulated as runs, one event each (False: an event a step).
     coalesce_decode: bool = True
+    # Every node on one machine of this many cores, each step keeping
+    # ``node_threads`` of them busy, as a loopback cluster runs (0: a
+    # machine per node, as a real cluster runs).
+    host_cores: float = 0.0
+    node_threads: int = 1
 
     def spec_for(self, role: str) -> NodeSpec:
         if role == "decode" and self.decode_node is not None:
@@ -113,6 +119,10 @@ class SimConfig:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.gossip_s < 0 or not math.isfinite(self.gossip_s):
             raise ValueError(f"--gossip-ms must be >= 0, got {self.gossip_s * 1e3}")
+        if self.host_cores < 0 or not math.isfinite(self.host_cores):
+            raise ValueError(f"--host-cores must be >= 0, got {self.host_cores}")
+        if self.node_threads < 1:
+            raise ValueError(f"--node-threads must be >= 1, got {self.node_threads}")
 
 
 @dataclass(slots=True)
@@ -173,6 +183,7 @@ class Simulation:
         self.requests = list(requests)
         self.events = EventQueue()
         ids = config.shape.node_ids()
+        self.host = SharedHost(config.host_cores) if config.host_cores > 0 else None
         self.nodes = {
             node_id: SimNode(
                 node_id,
@@ -184,6 +195,8 @@ class Simulation:
                 on_prefilled=self._prefilled,
                 on_done=self._done,
                 coalesce=config.coalesce_decode,
+                host=self.host,
+                threads=config.node_threads,
             )
             for node_id, role in ids
         }

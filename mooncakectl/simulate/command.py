@@ -126,6 +126,16 @@ def _configure(p: argparse.ArgumentParser) -> None:
     c.add_argument("--ssd-gbps", type=float, default=32.0, help="SSD read Gbit/s")
     c.add_argument("--kv-tokens", type=int, help="decode KV capacity per node, tokens")
     c.add_argument("--gossip-ms", type=float, default=200.0, help="age of an entry's view")
+    c.add_argument(
+        "--host-cores",
+        type=float,
+        default=0.0,
+        help="all nodes share one machine of this many cores, as a loopback cluster does "
+        "(0: a machine each)",
+    )
+    c.add_argument(
+        "--node-threads", type=int, default=1, help="cores a node's step keeps busy (--host-cores)"
+    )
     s = p.add_argument_group("conductor")
     s.add_argument(
         "--policy",
@@ -231,6 +241,8 @@ def _inputs(args: argparse.Namespace) -> Inputs:
         scale=scale,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        host_cores=args.host_cores,
+        node_threads=args.node_threads,
     )
     return Inputs(records, node, base, policies, rejects)
 

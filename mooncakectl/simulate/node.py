@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from mooncakectl.simulate.cache import BlockCache
 from mooncakectl.simulate.costs import NodeSpec
 from mooncakectl.simulate.events import EventQueue
+from mooncakectl.simulate.host import SharedHost
 from mooncaked.cluster.predict import (
     DecodeForecast,
     DecodeWork,
@@ -94,6 +95,8 @@ class SimNode:
         on_prefilled: Callable[[SimNode, SimRequest], None],
         on_done: Callable[[SimNode, SimRequest], None],
         coalesce: bool = True,
+        host: SharedHost | None = None,
+        threads: int = 1,
     ) -> None:
         if role not in ROLES:
             raise ValueError(f"node {node_id}: role must be one of {ROLES}, got {role!r}")
@@ -110,8 +113,14 @@ class SimNode:
         self._on_prefill_start = on_prefill_start
         self._on_prefilled = on_prefilled
         self._on_done = on_done
-        # Decode-only steps as one event per run (False: one per step, the reference).
-        self.coalesce = coalesce
+        # The machine this node shares with others (None: its own), and the
+        # threads a step of it keeps busy there.
+        self.host = host
+        self.threads = threads
+        # Decode-only steps as one event per run (False: one per step, the
+        # reference). On a shared host each step is priced by the sharing at
+        # its start, so a run cannot be priced ahead.
+        self.coalesce = coalesce and host is None
         self.prefill_queue: deque[SimRequest] = deque()
         self.queued_tokens = 0
         # Decode: placed here and not yet in the batch (KV on its way, or waiting for room).
@@ -232,6 +241,8 @@ class SimNode:
             + c.seq_s * num_decodes
             + c.ctx_s * self.context_tokens
         )
+        if self.host is not None:
+            dt *= self.host.start(self.node_id, self.threads)
         self.busy = True
         self.busy_s += dt
         self.events.at(self.events.now + dt, self._end_step, (pieces, num_decodes))
@@ -239,6 +250,8 @@ class SimNode:
     def _end_step(self, arg: tuple[list[tuple[SimRequest, int]], int]) -> None:
         pieces, num_decodes = arg
         now = self.events.now
+        if self.host is not None:
+            self.host.stop(self.node_id)
         # Still busy while the callbacks below run: what they admit waits for the next step.
         self.version += 1
         for r, k in pieces:

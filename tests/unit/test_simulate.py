@@ -64,6 +64,7 @@ def run_sim(
     policy: Policy = Policy.LOAD_BALANCE,
     early_reject: EarlyReject = EarlyReject.OFF,
     slo: Slo | None = None,
+    host_cores: float = 0.0,
 ) -> SimResult:
     cfg = SimConfig(
         shape,
@@ -72,6 +73,7 @@ def run_sim(
         slo=slo or Slo(),
         gossip_s=0.0,
         scale=TraceScale(block_tokens=BS, input_scale=1.0),
+        host_cores=host_cores,
     )
     return simulate(cfg, records)
 
@@ -378,6 +380,8 @@ def test_command_with_a_measured_profile(tmp_path: Path) -> None:
         (["--both", "1", "--speed", "0"], "--speed"),
         (["--both", "1", "--profile", "/nonexistent/p.json"], "/nonexistent/p.json"),
         (["--both", "1", "--trace-count", "0"], "--trace-count"),
+        (["--both", "1", "--host-cores", "-1"], "--host-cores"),
+        (["--both", "1", "--host-cores", "2", "--node-threads", "0"], "--node-threads"),
         (["--both", "1", "--sweep", "--sweep-ratios", "2"], "'2'"),
     ],
 )
@@ -429,3 +433,28 @@ def test_slow_kv_delays_the_first_token_and_decode_nodes_prefill_alone() -> None
     res = run_sim(chunked_trace(), Shape(0, 1), node(chunk=400))
     assert [r.prefill_node for r in res.requests] == ["d0", "d0", "d0"]
     assert all(r.done_s is not None for r in res.requests)
+
+
+def test_nodes_on_one_host_share_its_cores_by_hand() -> None:
+    spec = node(chunk=0)
+    # Two 100-token prompts at once on two prefill nodes: 0.11 s each alone.
+    pair = [rec(1, 0, 100, 1, [1]), rec(2, 0, 100, 1, [2])]
+    own = run_sim(pair, Shape(2, 1), spec)
+    assert [r.ttft_s for r in own.requests] == [pytest.approx(0.11)] * 2
+    assert run_sim(pair, Shape(2, 1), spec, host_cores=2).requests[1].ttft_s == pytest.approx(0.11)
+    # One core: the second step starts with the first under way and takes
+    # twice as long; the first was priced alone when it started.
+    one = run_sim(pair, Shape(2, 1), spec, host_cores=1)
+    a, b = one.requests
+    assert (a.prefill_node, b.prefill_node) == ("p0", "p1")
+    assert (a.ttft_s, b.ttft_s) == (pytest.approx(0.11), pytest.approx(0.22))
+    # Decode steps share too. A prefills alone (0 -> 0.11) and decodes two
+    # tokens on d0; B, queued behind it on p0, prefills from 0.11 on. d0's
+    # first step starts first (12 ms alone), its second beside B's prefill
+    # (24 ms); B's prefill started beside d0's first step (0.22 s).
+    seq = [rec(1, 0, 100, 3, [1]), rec(2, 100, 100, 1, [2])]
+    res = run_sim(seq, Shape(1, 1), spec, host_cores=1)
+    a, b = res.requests
+    assert a.done_s == pytest.approx(0.11 + 0.012 + 0.024)
+    assert a.tbt_s == pytest.approx(0.024)
+    assert b.ttft_s == pytest.approx(0.11 + 0.22 - 0.1)
