@@ -37,7 +37,7 @@ from mooncakectl.bench.report import (
     result_json,
     write_result,
 )
-from mooncakectl.bench.trace import TraceRecord, TraceSlice, read_trace
+from mooncakectl.bench.trace import TraceRecord, TraceSlice, parse_conversations, read_trace
 from mooncakectl.bench.workloads import (
     DEFAULT_VOCAB_SIZE,
     BenchRequest,
@@ -146,6 +146,11 @@ def _configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace-count", type=int, help="records to replay")
     g.add_argument("--trace-from-ms", type=float, help="first timestamp to replay")
     g.add_argument("--trace-until-ms", type=float, help="replay timestamps below this")
+    g.add_argument(
+        "--trace-conversations",
+        metavar="[R/]K",
+        help="replay one conversation in K, every turn of it (R: which of the K parts)",
+    )
     g.add_argument("--trace-block-tokens", type=int, default=512, help="tokens per hash id")
     g.add_argument("--input-scale", type=float, help="default: block tokens / 512")
     g.add_argument("--output-scale", type=float, default=1.0)
@@ -251,9 +256,19 @@ def _bench(args: argparse.Namespace, env: Env) -> int:
             output_scale=args.output_scale,
             time_scale=args.time_scale,
         )
+        every, part = (
+            parse_conversations(args.trace_conversations) if args.trace_conversations else (1, 0)
+        )
         inp.trace_records = read_trace(
             args.trace_file,
-            TraceSlice(args.trace_start, args.trace_count, args.trace_from_ms, args.trace_until_ms),
+            TraceSlice(
+                args.trace_start,
+                args.trace_count,
+                args.trace_from_ms,
+                args.trace_until_ms,
+                every,
+                part,
+            ),
         )
     if args.tokenizer:
         inp.text_of, inp.tokenizer_vocab = tokenizer_text(args.tokenizer)

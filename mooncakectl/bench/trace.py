@@ -77,15 +77,40 @@ def iter_trace(lines: Iterable[str], source: str = "<trace>") -> Iterator[TraceR
             yield parse_line(text, n, source)
 
 
+def conversation_key(rec: TraceRecord) -> tuple[int, ...]:
+    """The conversation a record belongs to: its prompt's first two blocks.
+
+    In Mooncake's conversation trace every prompt begins with the same block
+    (a shared system prompt) and a follow-up turn's prompt begins with the
+    whole prompt of the turn before it, so the turns of one conversation,
+    and only they, share their second block."""
+    return rec.hash_ids[:2]
+
+
+def _spread(key: tuple[int, ...]) -> int:
+    # Hash ids are handed out in order: mixed, so that one conversation in K
+    # is a uniform sample rather than one stretch of ids.
+    h = 0x811C9DC5
+    for v in key:
+        h = ((h ^ (v & 0xFFFFFFFFFFFF)) * 0x01000193) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
 @dataclass(frozen=True, slots=True)
 class TraceSlice:
-    """Which records to replay: skip ``start``, keep at most ``count``, and only
-    those whose timestamp falls in ``[window_start_ms, window_end_ms)``."""
+    """Which records to replay: only those whose timestamp falls in
+    ``[window_start_ms, window_end_ms)`` and, with ``conversations_every`` K
+    > 1, those of one conversation in K (``conversation_key``; the
+    ``conversations_part``-th of the K parts), all of its turns, so a thinned
+    trace keeps its prefix reuse; of those, skip ``start`` and keep at most
+    ``count``."""
 
     start: int = 0
     count: int | None = None
     window_start_ms: float | None = None
     window_end_ms: float | None = None
+    conversations_every: int = 1
+    conversations_part: int = 0
 
     def __post_init__(self) -> None:
         if self.start < 0:
@@ -95,11 +120,33 @@ class TraceSlice:
         lo, hi = self.window_start_ms, self.window_end_ms
         if lo is not None and hi is not None and hi <= lo:
             raise ValueError(f"the trace time window [{lo}, {hi}) ms is empty")
+        k, r = self.conversations_every, self.conversations_part
+        if k < 1 or not 0 <= r < k:
+            raise ValueError(f"--trace-conversations: part {r} of {k} does not exist")
 
     def in_window(self, rec: TraceRecord) -> bool:
         if self.window_start_ms is not None and rec.timestamp_ms < self.window_start_ms:
             return False
         return self.window_end_ms is None or rec.timestamp_ms < self.window_end_ms
+
+    def selects(self, rec: TraceRecord) -> bool:
+        if not self.in_window(rec):
+            return False
+        k = self.conversations_every
+        return k == 1 or _spread(conversation_key(rec)) % k == self.conversations_part
+
+
+def parse_conversations(text: str) -> tuple[int, int]:
+    """``K`` (one conversation in K, the first part) or ``R/K`` (the R-th of
+    K parts, from 0) -> (K, R)."""
+    part, _, every = text.rpartition("/")
+    try:
+        k, r = int(every), int(part) if part else 0
+    except ValueError:
+        raise ValueError(f"--trace-conversations: expected K or R/K, got {text!r}") from None
+    if k < 1 or not 0 <= r < k:
+        raise ValueError(f"--trace-conversations: part {r} of {k} does not exist ({text!r})")
+    return k, r
 
 
 def read_trace(path: str | Path, sl: TraceSlice | None = None) -> list[TraceRecord]:
@@ -115,7 +162,7 @@ def read_trace(path: str | Path, sl: TraceSlice | None = None) -> list[TraceReco
         raise TraceError(f"cannot read trace {str(path)!r}: {exc.strerror}") from None
     with f:
         for rec in iter_trace(f, str(path)):
-            if not sl.in_window(rec):
+            if not sl.selects(rec):
                 continue
             if skipped < sl.start:
                 skipped += 1

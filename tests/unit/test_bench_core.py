@@ -24,7 +24,15 @@ from mooncakectl.bench.metrics import (
 )
 from mooncakectl.bench.plot import series_cached_share, series_in_flight, series_output_rate
 from mooncakectl.bench.report import result_json
-from mooncakectl.bench.trace import TraceError, TraceRecord, TraceSlice, parse_line, read_trace
+from mooncakectl.bench.trace import (
+    TraceError,
+    TraceRecord,
+    TraceSlice,
+    conversation_key,
+    parse_conversations,
+    parse_line,
+    read_trace,
+)
 from mooncakectl.bench.workloads import (
     BenchRequest,
     TraceScale,
@@ -94,6 +102,46 @@ def test_read_trace_slices_by_position_and_by_time() -> None:
     assert window
     assert all(3000 <= r.timestamp_ms < 6000 for r in window)
     assert [r.line for r in window] == [r.line for r in everything if 3000 <= r.timestamp_ms < 6000]
+
+
+def test_read_trace_thins_by_conversation_keeping_every_turn(tmp_path: Path) -> None:
+    # Twelve conversations of one to three turns, each turn's prompt the
+    # previous one's and two blocks more, all after a shared block 0.
+    lines, n = [], 0
+    for c in range(12):
+        ids = [0, 1000 + 10 * c]
+        for _turn in range(1 + c % 3):
+            ids = [*ids, 5000 + n, 6000 + n]
+            lines.append(
+                json.dumps(
+                    {
+                        "timestamp": 100 * n,
+                        "input_length": 512 * len(ids),
+                        "output_length": 4,
+                        "hash_ids": ids,
+                    }
+                )
+            )
+            n += 1
+    path = tmp_path / "conv.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    everything = read_trace(path)
+    parts = [
+        read_trace(path, TraceSlice(conversations_every=3, conversations_part=r)) for r in range(3)
+    ]
+    # The parts split the trace: each record in exactly one, turns together.
+    assert sorted(r.line for part in parts for r in part) == [r.line for r in everything]
+    for part in parts:
+        keys = {conversation_key(r) for r in part}
+        assert [r.line for r in part] == [r.line for r in everything if conversation_key(r) in keys]
+    # Not one stretch of ids: each part has several conversations.
+    assert all(len({conversation_key(r) for r in part}) >= 2 for part in parts)
+    assert parse_conversations("3") == (3, 0) and parse_conversations("2/3") == (3, 2)
+    for bad in ("3/3", "x", "0", "-1/2"):
+        with pytest.raises(ValueError, match="--trace-conversations"):
+            parse_conversations(bad)
+    with pytest.raises(ValueError, match="part 4 of 3"):
+        TraceSlice(conversations_every=3, conversations_part=4)
 
 
 def test_read_trace_rejects_an_empty_slice_and_a_missing_file(tmp_path: Path) -> None:
