@@ -26,6 +26,7 @@ import bisect
 import dataclasses
 import itertools
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -492,6 +493,75 @@ def predicted_tbt_s(
     return t
 
 
+def _weighted_median(values: Sequence[float], weights: Sequence[float]) -> float:
+    """The value where the weights below it first pass half of all of them."""
+    order = sorted(range(len(values)), key=values.__getitem__)
+    half = sum(weights) / 2.0
+    acc = 0.0
+    for i in order:
+        acc += weights[i]
+        if acc > half:
+            return values[i]
+    return values[order[-1]]
+
+
+def fit_relative_l1(
+    pairs: Sequence[tuple[float, float]],
+    *,
+    min_scale: float = 0.0,
+    max_scale: float = math.inf,
+    iterations: int = 30,
+) -> tuple[float, float]:
+    """(offset, scale) minimizing the sum of |measured - offset - scale x
+    predicted| / measured over ``pairs`` of (predicted, measured) > 0, with
+    offset >= 0 and the scale within [``min_scale``, ``max_scale``].
+
+    Absolute relative error, not squared: a forecast is judged by its
+    typical relative error, and a few requests that waited far longer than
+    forecast (a burst, a stall) must not drag every promise toward them, as
+    they do a least-squares line. Solved by iteratively reweighted least
+    squares; the offset under a bound scale is a weighted median.
+    """
+    if not pairs:
+        raise ValueError("no pairs to fit")
+    offset, scale = 0.0, 1.0
+    for _ in range(iterations):
+        sw = swp = swpp = swm = swpm = 0.0
+        for p, m in pairs:
+            # |r| / m as a weighted square: weight 1 / (m |r|), floored so
+            # that a pair the line goes through does not take all the weight.
+            r = max(abs(m - offset - scale * p) / m, 1e-3)
+            w = 1.0 / (m * m * r)
+            sw += w
+            swp += w * p
+            swpp += w * p * p
+            swm += w * m
+            swpm += w * p * m
+        det = sw * swpp - swp * swp
+        if det <= 0.0:
+            break
+        new_scale = (sw * swpm - swp * swm) / det
+        new_offset = (swm - new_scale * swp) / sw
+        if new_offset < 0.0:
+            # Through the origin: the scale is the weighted median of the ratios.
+            new_offset = 0.0
+            new_scale = _weighted_median([m / p for p, m in pairs], [p / m for p, m in pairs])
+        new_scale = min(max(new_scale, min_scale), max_scale)
+        done = abs(new_scale - scale) <= 1e-9 * scale and abs(new_offset - offset) <= 1e-12
+        offset, scale = new_offset, new_scale
+        if done:
+            break
+    # The best offset for the scale found (a bound scale moves it).
+    offset = max(
+        0.0, _weighted_median([m - scale * p for p, m in pairs], [1.0 / m for _, m in pairs])
+    )
+    return offset, scale
+
+
+def _median_error(pairs: Iterable[tuple[float, float]], offset: float, scale: float) -> float:
+    return statistics.median(abs(offset + scale * p - m) / m for p, m in pairs)
+
+
 class Calibration:
     """Measured ≈ offset + scale × predicted, fitted on recent requests.
 
@@ -499,8 +569,9 @@ class Calibration:
     hops between nodes, the handoff and the event loops' other work. An
     entry node sees both the forecast and the outcome of every request it
     placed, so it corrects its forecasts by a line fitted to the recent
-    pairs (relative least squares, both terms >= 0; scale kept within
-    [``min_scale``, ``max_scale``]). Until ``min_samples`` pairs it is the identity.
+    pairs (least absolute relative error, ``fit_relative_l1``; both terms >=
+    0, the scale within [``min_scale``, ``max_scale``]). Until
+    ``min_samples`` pairs it is the identity.
     """
 
     def __init__(
@@ -528,16 +599,16 @@ class Calibration:
         self._since_fit += 1
         if len(self._pairs) >= self._min and self._since_fit >= 4:
             self._since_fit = 0
-            offset, scale = fit_nonnegative(
-                [(1.0, p) for p, _ in self._pairs], [m for _, m in self._pairs]
+            offset, scale = fit_relative_l1(
+                self._pairs, min_scale=self._min_scale, max_scale=self._max_scale
             )
-            clamped = min(max(scale, self._min_scale), self._max_scale)
-            if clamped != scale:
-                # The offset that fits best under the clamped scale: the
-                # median residual, not below 0.
-                residuals = sorted(m - clamped * p for p, m in self._pairs)
-                offset = max(0.0, residuals[len(residuals) // 2])
-            self.offset_s, self.scale = offset, clamped
+            # Kept only where it makes the recent forecasts better than the
+            # model alone, as judged (the median relative error): a model
+            # that is right needs no correction fitted to its noise.
+            if _median_error(self._pairs, offset, scale) < _median_error(self._pairs, 0.0, 1.0):
+                self.offset_s, self.scale = offset, scale
+            else:
+                self.offset_s, self.scale = 0.0, 1.0
 
     def __len__(self) -> int:
         return len(self._pairs)

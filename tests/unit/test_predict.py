@@ -17,6 +17,7 @@ from mooncaked.cluster.predict import (
     StepFeatures,
     StepFitter,
     fit_nonnegative,
+    fit_relative_l1,
     forecast_decode,
     predicted_queue_s,
     prefill_pairs,
@@ -178,3 +179,34 @@ def test_calibration_fits_a_line_and_keeps_the_model_in_play() -> None:
     # The scale stays at its floor; the offset is the median residual.
     assert flat.scale == 0.25
     assert flat.offset_s == pytest.approx(0.5 - 0.25 * 0.4)
+
+
+def test_calibration_is_not_dragged_by_stalls_and_leaves_a_right_model_alone() -> None:
+    rng = random.Random(3)
+    # A fixed 60 ms of hops on top of the model, a few percent of noise, and
+    # one request in ten stalled 5x: the line goes through the typical
+    # requests, not toward the stalls (a least-squares line would).
+    hops = Calibration(min_samples=8)
+    for i in range(128):
+        p = rng.uniform(0.05, 2.0)
+        m = (0.06 + p) * rng.uniform(0.97, 1.03) * (5.0 if i % 10 == 0 else 1.0)
+        hops.add(p, m)
+    assert hops.offset_s == pytest.approx(0.06, abs=0.02)
+    assert hops.scale == pytest.approx(1.0, abs=0.05)
+    # A model that is right up to symmetric noise keeps its own forecasts.
+    right = Calibration(min_samples=8)
+    for _ in range(128):
+        p = rng.uniform(0.05, 2.0)
+        right.add(p, p * rng.uniform(0.7, 1.3))
+    assert (right.offset_s, right.scale) == (0.0, 1.0)
+
+
+def test_relative_l1_fit_bounds() -> None:
+    pairs = [(p, 3.0 * p) for p in (0.1, 0.2, 0.4, 0.8)]
+    assert fit_relative_l1(pairs) == pytest.approx((0.0, 3.0), abs=1e-6)
+    # A bound scale: the offset is the median residual under it (0.1, 0.2,
+    # 0.4, 0.8), weighed by 1 / measured: the first already holds over half.
+    offset, scale = fit_relative_l1(pairs, max_scale=2.0)
+    assert scale == 2.0 and offset == pytest.approx(0.1, abs=1e-9)
+    with pytest.raises(ValueError):
+        fit_relative_l1([])
