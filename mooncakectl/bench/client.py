@@ -23,6 +23,8 @@ PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
 DECODE_NODE_HEADER = "x-mooncaked-decode-node"
 PREDICTED_TTFT_HEADER = "x-mooncaked-predicted-ttft-ms"
 PREDICTED_TBT_HEADER = "x-mooncaked-predicted-tbt-ms"
+MODEL_TTFT_HEADER = "x-mooncaked-model-ttft-ms"
+MODEL_TBT_HEADER = "x-mooncaked-model-tbt-ms"
 API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Error messages kept per record: enough to tell errors apart, not whole pages.
 _MAX_ERROR_CHARS = 300
@@ -203,6 +205,8 @@ async def send_request(
             rec.decode_node = resp.headers.get(DECODE_NODE_HEADER)
             rec.predicted_ttft_ms = _header_ms(resp.headers.get(PREDICTED_TTFT_HEADER))
             rec.predicted_tbt_ms = _header_ms(resp.headers.get(PREDICTED_TBT_HEADER))
+            rec.model_ttft_ms = _header_ms(resp.headers.get(MODEL_TTFT_HEADER))
+            rec.model_tbt_ms = _header_ms(resp.headers.get(MODEL_TBT_HEADER))
             if resp.status != 200:
                 raw = await resp.read()
                 rec.end_s = clock()

@@ -65,6 +65,9 @@ class RequestRecord:
     # The server's own forecasts for the request (mooncaked's Conductor), ms.
     predicted_ttft_ms: float | None = None
     predicted_tbt_ms: float | None = None
+    # ... and the cost model's before the entry node calibrated them.
+    model_ttft_ms: float | None = None
+    model_tbt_ms: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -324,6 +324,9 @@ DECODE_NODE_HEADER = "x-mooncaked-decode-node"
 # The Conductor's forecasts for the request, milliseconds (absent: none made).
 PREDICTED_TTFT_HEADER = "x-mooncaked-predicted-ttft-ms"
 PREDICTED_TBT_HEADER = "x-mooncaked-predicted-tbt-ms"
+# The same before the entry node's calibration: the cost model's own figures.
+MODEL_TTFT_HEADER = "x-mooncaked-model-ttft-ms"
+MODEL_TBT_HEADER = "x-mooncaked-model-tbt-ms"
 
 
 def _prediction_headers(sub: Submission) -> dict[str, str]:
@@ -333,6 +336,10 @@ def _prediction_headers(sub: Submission) -> dict[str, str]:
         out[PREDICTED_TTFT_HEADER] = f"{p.predicted_ttft_s * 1e3:.2f}"
     if p is not None and p.predicted_tbt_s > 0.0:
         out[PREDICTED_TBT_HEADER] = f"{p.predicted_tbt_s * 1e3:.2f}"
+    if p is not None and p.model_ttft_s > 0.0:
+        out[MODEL_TTFT_HEADER] = f"{p.model_ttft_s * 1e3:.2f}"
+    if p is not None and p.model_tbt_s > 0.0:
+        out[MODEL_TBT_HEADER] = f"{p.model_tbt_s * 1e3:.2f}"
     return out
 
 
