@@ -42,9 +42,12 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import itertools
 
 from bench_disagg import SECRET, Cluster, free_port
+
+from mooncakectl.bench.trace import TraceSlice, parse_conversations, read_trace
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("random", "load_balance", "local_cache", "conductor")
@@ -224,15 +227,17 @@ def summarize(result: dict[str, Any], slo_ttft_ms: float, slo_tbt_ms: float) -> 
     }
 
 
-def accuracy(result: dict[str, Any]) -> dict[str, Any]:
-    """Median |predicted - measured| / measured of TTFT and TBT over a run."""
+def accuracy(result: dict[str, Any], prefix: str = "predicted") -> dict[str, Any]:
+    """Median |predicted - measured| / measured of TTFT and TBT over a run:
+    of what the entry promised (``predicted``, calibrated by what it measured
+    before), or of the cost model's own figures (``model``)."""
     ttft: list[tuple[float, float]] = []
     tbt: list[tuple[float, float]] = []
     for r in result.get("requests", []):
-        t, p = _ttft_ms(r), r.get("predicted_ttft_ms")
+        t, p = _ttft_ms(r), r.get(f"{prefix}_ttft_ms")
         if t and p:
             ttft.append((p, t))
-        g, q = _tbt_ms(r), r.get("predicted_tbt_ms")
+        g, q = _tbt_ms(r), r.get(f"{prefix}_tbt_ms")
         if g and q:
             tbt.append((q, g))
 
@@ -249,6 +254,16 @@ def accuracy(result: dict[str, Any]) -> dict[str, Any]:
         "tbt_median_ratio": med(tbt, lambda p, m: p / m),
         "pairs_ms": {"ttft": ttft, "tbt": tbt},
     }
+
+
+def print_accuracy(acc: dict[str, Any], what: str) -> None:
+    print(
+        f"{what}: TTFT median |error| "
+        f"{_fmt(acc['ttft_median_rel_error'], '.1%')} over {acc['ttft_samples']}, "
+        f"TBT median |error| {_fmt(acc['tbt_median_rel_error'], '.1%')} "
+        f"over {acc['tbt_samples']} (median predicted/measured: TTFT "
+        f"{_fmt(acc['ttft_median_ratio'], '.2f')}, TBT {_fmt(acc['tbt_median_ratio'], '.2f')})"
+    )
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -302,7 +317,7 @@ def print_table(rows: dict[str, dict[str, Any]], base: str) -> None:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "args": {k: v for k, v in vars(args).items() if k not in ("json", "lines")}
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "lines", "records")}
     }
     slo = {"ttft_s": args.slo_ttft_ms / 1e3, "tbt_s": args.slo_tbt_ms / 1e3}
     with tempfile.TemporaryDirectory(prefix="bench-conductor-") as tmp:
@@ -310,9 +325,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         results: dict[str, dict[str, Any]] = {}
         summaries: dict[str, dict[str, Any]] = {}
         for policy in args.policies:
-            # Admission off: every policy serves every request, so the
-            # comparison is of placement alone.
-            conductor = {"policy": policy, "early_reject": "off"}
+            # Admission off by default: every policy serves every request,
+            # so the comparison is of placement alone.
+            conductor = {"policy": policy, "early_reject": args.early_reject}
             started = time.monotonic()
             results[policy] = await run_policy(
                 args, workdir, policy, conductor, slo, args.time_scale
@@ -325,24 +340,23 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             )
         print(
             f"\npolicies, {args.prefill}P+{args.decode}D, {args.entries} entry node(s), "
-            f"{args.count} trace records from "
-            f"{args.start}, time scale {args.time_scale}, SLO TTFT {args.slo_ttft_ms} ms "
+            f"{args.count} trace records ({args.selection}), {args.block_tokens} tokens per "
+            f"hash id, time scale {args.time_scale}, SLO TTFT {args.slo_ttft_ms} ms "
             f"TBT {args.slo_tbt_ms} ms"
         )
         base = "load_balance" if "load_balance" in summaries else next(iter(summaries))
         print_table(summaries, base)
         out["policies"] = summaries
+        # Every request as the bench recorded it, to study offline.
+        out["requests"] = {name: res["requests"] for name, res in results.items()}
         if "conductor" in results:
             acc = accuracy(results["conductor"])
             out["prediction"] = acc
+            out["model_prediction"] = model = accuracy(results["conductor"], "model")
             out["node_costs"] = results["conductor"].get("node_costs")
-            print(
-                f"\nprediction (conductor run): TTFT median |error| "
-                f"{_fmt(acc['ttft_median_rel_error'], '.1%')} over {acc['ttft_samples']}, "
-                f"TBT median |error| {_fmt(acc['tbt_median_rel_error'], '.1%')} "
-                f"over {acc['tbt_samples']} (median predicted/measured: TTFT "
-                f"{_fmt(acc['ttft_median_ratio'], '.2f')}, TBT {_fmt(acc['tbt_median_ratio'], '.2f')})"
-            )
+            print()
+            print_accuracy(acc, "prediction (conductor run, as promised)")
+            print_accuracy(model, "prediction (conductor run, cost model before calibration)")
         if args.overload:
             over: dict[str, dict[str, Any]] = {}
             for mode in ("off", "current", "predicted"):
@@ -367,14 +381,75 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def add_trace_args(
+    p: argparse.ArgumentParser,
+    *,
+    count: int,
+    block_tokens: int,
+    output_scale: float,
+    time_scale: float,
+) -> None:
+    """The options that pick and scale a trace's records (``select_records``)."""
     p.add_argument("--trace", required=True, help="a Mooncake trace (JSONL)")
     p.add_argument("--start", type=int, default=0, help="trace records to skip")
-    p.add_argument("--count", type=int, default=120, help="trace records to replay")
-    p.add_argument("--block-tokens", type=int, default=32, help="tokens per trace hash id")
-    p.add_argument("--output-scale", type=float, default=0.1)
-    p.add_argument("--time-scale", type=float, default=1.0, help="stretches the arrival gaps")
+    p.add_argument("--count", type=int, default=count, help="trace records to replay at most")
+    p.add_argument("--from-s", type=float, help="first trace timestamp to replay, seconds")
+    p.add_argument("--until-s", type=float, help="replay trace timestamps below this, seconds")
+    p.add_argument(
+        "--conversations",
+        metavar="[R/]K",
+        help="replay one conversation in K, every turn of it (R: which of the K parts)",
+    )
+    p.add_argument(
+        "--block-tokens", type=int, default=block_tokens, help="tokens per trace hash id"
+    )
+    p.add_argument("--output-scale", type=float, default=output_scale)
+    p.add_argument(
+        "--time-scale", type=float, default=time_scale, help="stretches the arrival gaps"
+    )
+
+
+def select_records(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The trace records the options select, as ``args.records``, their lines
+    as ``args.lines`` (what the bench replays) and a description."""
+    try:
+        every, part = parse_conversations(args.conversations) if args.conversations else (1, 0)
+        sl = TraceSlice(
+            args.start,
+            args.count,
+            None if args.from_s is None else args.from_s * 1e3,
+            None if args.until_s is None else args.until_s * 1e3,
+            every,
+            part,
+        )
+        records = read_trace(args.trace, sl)
+    except ValueError as exc:
+        p.error(str(exc))
+    # The bench reads each part file itself: the selected lines as they are.
+    with open(args.trace) as f:
+        raw = f.readlines()
+    args.lines = [
+        raw[r.line - 1] if raw[r.line - 1].endswith("\n") else raw[r.line - 1] + "\n"
+        for r in records
+    ]
+    args.records = records
+    args.count = len(records)
+    args.selection = ", ".join(
+        x
+        for x in (
+            f"from {args.from_s:g} s" if args.from_s is not None else "",
+            f"until {args.until_s:g} s" if args.until_s is not None else "",
+            f"conversations {part}/{every}" if every > 1 else "",
+            f"skipping {args.start}" if args.start else "",
+            f"lines {records[0].line}..{records[-1].line}",
+        )
+        if x
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_trace_args(p, count=120, block_tokens=32, output_scale=0.1, time_scale=1.0)
     p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=1)
@@ -385,6 +460,12 @@ def main() -> int:
     p.add_argument("--dram-mb", type=int, default=256)
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
+    p.add_argument(
+        "--early-reject",
+        choices=("off", "current", "predicted"),
+        default="off",
+        help="admission in the policy comparison (off: every policy serves every request)",
+    )
     p.add_argument("--overload", type=float, default=0.0, help="also run F times faster")
     p.add_argument(
         "--entries",
@@ -400,8 +481,7 @@ def main() -> int:
         p.error(f"--policies: unknown {bad}; known {list(POLICIES)}")
     if not Path(args.trace).is_file():
         p.error(f"--trace: no file {args.trace!r}")
-    with open(args.trace) as f:
-        args.lines = [ln for ln in f if ln.strip()][args.start : args.start + args.count]
+    select_records(p, args)
     out = asyncio.run(main_async(args))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -5,7 +5,8 @@
 
 A cluster of ``--prefill`` prefill + ``--decode`` decode ``python -m
 mooncaked`` daemons (as ``bench_conductor.py`` starts them, one policy)
-replays records ``--start`` .. ``--start + --count`` of the trace with
+replays the records of the trace that the options select (``--start``,
+``--count``, ``--from-s``, ``--until-s``, ``--conversations``) with
 ``mooncakectl bench trace``. The same records, sized and timed as the bench
 sizes and times them, then go through ``mooncakectl simulate``'s
 simulation of the same cluster shape, on the costs the real nodes measured:
@@ -42,9 +43,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_conductor import POLICIES, run_policy
+from bench_conductor import POLICIES, add_trace_args, run_policy, select_records
 
-from mooncakectl.bench.trace import TraceSlice, read_trace
 from mooncakectl.bench.workloads import TraceScale
 from mooncakectl.simulate.cluster import Shape, SimConfig, Simulation, trace_requests
 from mooncakectl.simulate.costs import NodeSpec, costs_from_json
@@ -125,7 +125,7 @@ def sim_figures(
     max_model_len: int | None,
     host_cores: float,
 ) -> dict[str, Any]:
-    records = read_trace(args.trace, TraceSlice(args.start, args.count))
+    records = args.records
     scale = TraceScale(args.block_tokens, None, args.output_scale, args.time_scale)
     cfg = SimConfig(
         shape=Shape(args.prefill, args.decode),
@@ -206,8 +206,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         ),
     }
     print(
-        f"\n{args.prefill}P+{args.decode}D {args.model}, policy {args.policy}, trace records "
-        f"{args.start}..{args.start + args.count - 1}, {args.block_tokens} tokens per hash id, "
+        f"\n{args.prefill}P+{args.decode}D {args.model}, policy {args.policy}, {args.count} trace "
+        f"records ({args.selection}), {args.block_tokens} tokens per hash id, "
         f"time scale {args.time_scale}, output scale {args.output_scale}; shared host: "
         f"{args.host_cores:g} cores, {args.cpu_threads} per node"
     )
@@ -217,7 +217,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     )
     print_table(real, sims)
     return {
-        "args": {k: v for k, v in vars(args).items() if k not in ("lines",)},
+        "args": {k: v for k, v in vars(args).items() if k not in ("lines", "records")},
         "real": real,
         "simulated": sims,
         "profiles": {"before": before, "after": after},
@@ -226,12 +226,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--trace", required=True, help="a Mooncake trace (JSONL)")
-    p.add_argument("--start", type=int, default=0, help="trace records to skip")
-    p.add_argument("--count", type=int, default=100, help="trace records to replay")
-    p.add_argument("--block-tokens", type=int, default=16, help="tokens per trace hash id")
-    p.add_argument("--output-scale", type=float, default=0.25)
-    p.add_argument("--time-scale", type=float, default=2.0, help="stretches the arrival gaps")
+    add_trace_args(p, count=100, block_tokens=16, output_scale=0.25, time_scale=2.0)
     p.add_argument("--policy", choices=POLICIES, default="conductor")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=1)
@@ -254,12 +249,9 @@ def main() -> int:
     args = p.parse_args()
     if not Path(args.trace).is_file():
         p.error(f"--trace: no file {args.trace!r}")
-    if args.count < 1:
-        p.error(f"--count must be >= 1, got {args.count}")
     if not args.host_cores > 0:
         p.error(f"--host-cores must be > 0, got {args.host_cores}")
-    with open(args.trace) as f:
-        args.lines = [ln for ln in f if ln.strip()][args.start : args.start + args.count]
+    select_records(p, args)
     args.entries = 1
     out = asyncio.run(main_async(args))
     if args.json:
