@@ -391,10 +391,16 @@ class SloConfig:
     ttft_s: float = 0.0
     # Time between tokens, seconds.
     tbt_s: float = 0.0
+    # The share of admitted requests meant to meet the SLOs: admission allows
+    # for the forecasts' error on the entry's recent requests up to that
+    # share (0: the forecast alone decides, and about half of the requests
+    # forecast near an SLO miss it).
+    target: float = 0.95
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.ttft_s <= 3600.0, "ttft_s", "must be in [0, 3600]")
         _check(0.0 <= self.tbt_s <= 60.0, "tbt_s", "must be in [0, 60]")
+        _check(0.0 <= self.target < 1.0, "target", "must be in [0, 1)")
 
 
 @dataclass(frozen=True, slots=True)

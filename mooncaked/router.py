@@ -405,6 +405,7 @@ class Router:
         )
         slo_cfg = slo if slo is not None else SloConfig()
         self.slo = Slo(slo_cfg.ttft_s, slo_cfg.tbt_s)
+        self.slo_target = slo_cfg.target
         self._lengths = lengths
         self.ledger = PendingLedger()
         # Forecasts corrected by what this entry measured of its requests.
@@ -499,6 +500,8 @@ class Router:
                 ttft_scale=self.ttft_calibration.scale,
                 tbt_offset_s=self.tbt_calibration.offset_s,
                 tbt_scale=self.tbt_calibration.scale,
+                ttft_margin=self.ttft_calibration.margin(self.slo_target),
+                tbt_margin=self.tbt_calibration.margin(self.slo_target),
             ),
             slo=self.slo,
             pending=self.ledger.pending(view, now),

@@ -80,7 +80,7 @@ class ConductorAPI:
         out: dict[str, Any] = {
             "policy": r.params.policy.value,
             "early_reject": r.params.early_reject.value,
-            "slo": {"ttft_s": r.slo.ttft_s, "tbt_s": r.slo.tbt_s},
+            "slo": {"ttft_s": r.slo.ttft_s, "tbt_s": r.slo.tbt_s, "target": r.slo_target},
             "decisions": [
                 {"policy": p, "outcome": o, "count": n} for (p, o), n in sorted(r.decisions.items())
             ],
@@ -93,6 +93,8 @@ class ConductorAPI:
                 name: {
                     "offset_s": round(c.offset_s, 6),
                     "scale": round(c.scale, 4),
+                    # What admission multiplies the corrected forecast by.
+                    "margin": round(c.margin(r.slo_target), 4),
                     "samples": len(c),
                 }
                 for name, c in (("ttft", r.ttft_calibration), ("tbt", r.tbt_calibration))

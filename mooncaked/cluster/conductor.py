@@ -132,6 +132,12 @@ class ConductorParams:
     ttft_scale: float = 1.0
     tbt_offset_s: float = 0.0
     tbt_scale: float = 1.0
+    # Admission judges the corrected forecast times these: the ratio of
+    # measured to forecast that the SLO's target share of recent requests
+    # stayed within (predict.Calibration.margin), so that share of the
+    # requests admitted meets the SLO, not half of those forecast near it.
+    ttft_margin: float = 1.0
+    tbt_margin: float = 1.0
 
     def ttft(self, model_s: float) -> float:
         return self.ttft_offset_s + self.ttft_scale * model_s if model_s > 0.0 else model_s
@@ -673,16 +679,21 @@ def _check_ttft(params: ConductorParams, slo: Slo, best: PrefillScore | None) ->
         or params.early_reject is EarlyReject.OFF
         or slo.ttft_s <= 0.0
         or not best.costs_known
-        or params.ttft(best.ttft_s) <= slo.ttft_s
+        or params.ttft(best.ttft_s) * params.ttft_margin <= slo.ttft_s
     ):
         return None
     ttft = params.ttft(best.ttft_s)
+    margin = (
+        f", {params.ttft_margin:.2f}x with the margin recent requests needed"
+        if params.ttft_margin != 1.0
+        else ""
+    )
     return Reject(
         429,
-        f"predicted time to first token {ttft:.2f} s exceeds the SLO of "
+        f"predicted time to first token {ttft:.2f} s{margin} exceeds the SLO of "
         f"{slo.ttft_s:.2f} s (queue {best.queue_s:.2f} s on the best node, {best.node_id}); "
         "retry later",
-        retry_after_s=max(1.0, math.ceil(ttft - slo.ttft_s)),
+        retry_after_s=max(1.0, math.ceil(ttft * params.ttft_margin - slo.ttft_s)),
         code="ttft_slo",
     )
 
@@ -714,7 +725,9 @@ def _decode_score(
         else 0.0
     )
     room = n.costs.max_batch <= 0 or batch + 1 <= n.costs.max_batch
-    within = room and (not known or slo.tbt_s <= 0.0 or params.tbt(tbt) <= slo.tbt_s)
+    within = room and (
+        not known or slo.tbt_s <= 0.0 or params.tbt(tbt) * params.tbt_margin <= slo.tbt_s
+    )
     return DecodeScore(n.cand.node_id, batch_now, round(batch, 3), tbt, within, known)
 
 

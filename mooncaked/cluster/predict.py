@@ -591,11 +591,13 @@ class Calibration:
         self.offset_s = 0.0
         self.scale = 1.0
         self._since_fit = 0
+        self._margins: dict[float, float] = {}
 
     def add(self, predicted_s: float, measured_s: float) -> None:
         if predicted_s <= 0.0 or measured_s <= 0.0:
             return
         self._pairs.append((predicted_s, measured_s))
+        self._margins.clear()
         self._since_fit += 1
         if len(self._pairs) >= self._min and self._since_fit >= 4:
             self._since_fit = 0
@@ -612,6 +614,20 @@ class Calibration:
 
     def __len__(self) -> int:
         return len(self._pairs)
+
+    def margin(self, target: float) -> float:
+        """The factor the corrected forecast needs for ``target`` of the
+        recent requests to have come within it: the ``target`` quantile of
+        measured / corrected forecast (1 below ``min_samples`` pairs or for
+        a target of 0). Below 1 where the forecasts ran long."""
+        if target <= 0.0 or len(self._pairs) < self._min:
+            return 1.0
+        cached = self._margins.get(target)
+        if cached is None:
+            ratios = sorted(m / self.apply(p) for p, m in self._pairs)
+            k = min(len(ratios) - 1, max(0, math.ceil(target * len(ratios)) - 1))
+            cached = self._margins[target] = min(max(ratios[k], self._min_scale), self._max_scale)
+        return cached
 
     def apply(self, predicted_s: float) -> float:
         return self.offset_s + self.scale * predicted_s if predicted_s > 0.0 else predicted_s

@@ -67,8 +67,9 @@ async def test_costs_gossip_placement_explain_and_slo_rejection(
             assert float(resp.headers["x-mooncaked-predicted-tbt-ms"]) > 0
             # The cost model's own figures; no request measured yet, so no
             # calibration: the promise is the model's.
-            assert resp.headers["x-mooncaked-model-ttft-ms"] == (
-                resp.headers["x-mooncaked-predicted-ttft-ms"]
+            assert (
+                resp.headers["x-mooncaked-model-ttft-ms"]
+                == (resp.headers["x-mooncaked-predicted-ttft-ms"])
             )
             assert float(resp.headers["x-mooncaked-model-tbt-ms"]) > 0
 

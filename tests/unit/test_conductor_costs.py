@@ -214,6 +214,33 @@ def test_reject_when_the_best_ttft_misses_the_slo() -> None:
     assert isinstance(decide(view, request(), 0.0, slo=Slo(1.0), params=off).result, Placement)
 
 
+def test_admission_allows_for_the_margin_recent_requests_needed() -> None:
+    # The forecast, 3.035 s, meets a 3.5 s SLO; with a margin of 1.2 (the
+    # ratio measured / forecast a target share of recent requests stayed
+    # within) it does not: 3.64 s.
+    view = ClusterView("p1", clock=lambda: 0.0)
+    q = NodeLoad(queued_prefill_tokens=2000, predicted_queue_s=2.0)
+    add(view, "p1", "prefill", load=q)
+    add(view, "d1", "decode")
+    assert isinstance(decide(view, request(), 0.0, slo=Slo(ttft_s=3.5)).result, Placement)
+    r = decide(view, request(), 0.0, slo=Slo(ttft_s=3.5), params=params(ttft_margin=1.2)).result
+    assert isinstance(r, Reject) and r.code == "ttft_slo"
+    assert "3.04 s, 1.20x with the margin" in r.reason and r.retry_after_s == 1.0
+    # A margin below 1 (forecasts that ran long) admits what the forecast alone would not.
+    low = params(ttft_margin=0.8)
+    assert isinstance(
+        decide(view, request(), 0.0, slo=Slo(ttft_s=3.0), params=low).result, Placement
+    )
+    # The TBT side likewise: 10 ms + 41 x 1 ms at batch 40 is within 60 ms, not x 1.3.
+    add(view, "d1", "decode", load=NodeLoad(running_decode_batch=40, pending_decode=40))
+    cur = EarlyReject.CURRENT
+    ok = decide(view, request(), 0.0, slo=Slo(tbt_s=0.060), params=params(early_reject=cur))
+    assert isinstance(ok.result, Placement)
+    tight = params(early_reject=cur, tbt_margin=1.3)
+    r = decide(view, request(), 0.0, slo=Slo(tbt_s=0.060), params=tight).result
+    assert isinstance(r, Reject) and r.code == "tbt_slo"
+
+
 def test_costs_not_measured_never_reject() -> None:
     view = ClusterView("p1", clock=lambda: 0.0)
     add(view, "p1", "prefill", costs=NodeCosts(), load=NodeLoad(queued_prefill_tokens=10**6))

@@ -210,3 +210,18 @@ def test_relative_l1_fit_bounds() -> None:
     assert scale == 2.0 and offset == pytest.approx(0.1, abs=1e-9)
     with pytest.raises(ValueError):
         fit_relative_l1([])
+
+
+def test_calibration_margin_is_the_target_quantile_of_measured_over_forecast() -> None:
+    cal = Calibration(min_samples=8)
+    assert cal.margin(0.95) == 1.0  # nothing measured yet
+    # A right model, requests taking 0.8x to 1.3x of it in steps of 0.05.
+    ratios = [0.8 + 0.05 * i for i in range(11)]
+    for i in range(40):
+        cal.add(1.0, ratios[i % len(ratios)])
+    assert (cal.offset_s, cal.scale) == (0.0, 1.0)
+    seen = sorted(ratios[i % 11] for i in range(40))
+    # 95% of the 40 pairs: the 38th smallest ratio (1.3); half: the 20th (1.0).
+    assert cal.margin(0.95) == pytest.approx(seen[37]) == pytest.approx(1.3)
+    assert cal.margin(0.5) == pytest.approx(seen[19]) == pytest.approx(1.0)
+    assert cal.margin(0.0) == 1.0
