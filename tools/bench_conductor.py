@@ -152,6 +152,8 @@ async def run_policy(
                 "--goodput",
                 f"ttft:{args.slo_ttft_ms}",
                 f"tpot:{args.slo_tbt_ms}",
+                "--num-warmups",
+                str(args.warmups),
                 "--result-json",
                 str(out),
                 "--label",
@@ -227,6 +229,24 @@ def summarize(result: dict[str, Any], slo_ttft_ms: float, slo_tbt_ms: float) -> 
     }
 
 
+def _rejections(result: dict[str, Any]) -> dict[str, int]:
+    """The timed run's rejections by cause, read from each 429's message."""
+    out: dict[str, int] = {}
+    for r in result.get("requests", []):
+        if r.get("warmup") or r.get("error_kind") != "rejected":
+            continue
+        text = r.get("error") or ""
+        why = (
+            "ttft_slo"
+            if "time to first token" in text
+            else "tbt_slo"
+            if "time between tokens" in text
+            else "other"
+        )
+        out[why] = out.get(why, 0) + 1
+    return out
+
+
 def accuracy(result: dict[str, Any], prefix: str = "predicted") -> dict[str, Any]:
     """Median |predicted - measured| / measured of TTFT and TBT over a run:
     of what the entry promised (``predicted``, calibrated by what it measured
@@ -234,6 +254,8 @@ def accuracy(result: dict[str, Any], prefix: str = "predicted") -> dict[str, Any
     ttft: list[tuple[float, float]] = []
     tbt: list[tuple[float, float]] = []
     for r in result.get("requests", []):
+        if r.get("warmup"):
+            continue
         t, p = _ttft_ms(r), r.get(f"{prefix}_ttft_ms")
         if t and p:
             ttft.append((p, t))
@@ -370,12 +392,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                     args.time_scale / args.overload,
                 )
                 over[mode] = summarize(res, args.slo_ttft_ms, args.slo_tbt_ms)
+                over[mode]["rejections"] = _rejections(res)
+                out.setdefault("overload_requests", {})[mode] = res["requests"]
             print(f"\noverload: the same slice {args.overload:g}x faster, SLOs enforced")
-            print("early rejection  sent  rejected  admitted meeting SLOs  goodput r/s")
+            print(
+                "early rejection  sent  rejected  admitted meeting SLOs  goodput r/s  rejected for"
+            )
             for mode, s in over.items():
+                why = ", ".join(f"{k} {v}" for k, v in sorted(s["rejections"].items())) or "-"
                 print(
                     f"{mode:<16} {s['sent']:<5} {s['rejected']:<9} "
-                    f"{_fmt(s['admitted_meeting_slo'], '.1%'):<22} {_fmt(s['goodput_rps'], '.3f')}"
+                    f"{_fmt(s['admitted_meeting_slo'], '.1%'):<22} "
+                    f"{_fmt(s['goodput_rps'], '.3f'):<12} {why}"
                 )
             out["overload"] = over
     return out
@@ -465,6 +493,13 @@ def main() -> int:
         choices=("off", "current", "predicted"),
         default="off",
         help="admission in the policy comparison (off: every policy serves every request)",
+    )
+    p.add_argument(
+        "--warmups",
+        type=int,
+        default=0,
+        help="requests of random tokens each run sends first, all at once, unmeasured "
+        "(the entry then starts with measured requests to calibrate by)",
     )
     p.add_argument("--overload", type=float, default=0.0, help="also run F times faster")
     p.add_argument(
