@@ -1,7 +1,14 @@
 """The Conductor's policies side by side on a loopback cluster replaying a trace.
 
     python tools/bench_conductor.py --trace ../shared/data/traces/conversation_trace.jsonl
-    python tools/bench_conductor.py --trace T --count 150 --time-scale 2 --overload 3
+    python tools/bench_conductor.py --trace T --until-s 600 --conversations 4/10 \
+        --count 1000 --block-tokens 128 --time-scale 0.1 --overload 3 --warmups 16
+
+Which records: ``--start``/``--count`` of those in ``--from-s``..``--until-s``
+and, with ``--conversations [R/]K``, only one conversation in K, every turn
+of it. Consecutive records of the conversation trace share almost no prefix
+(a follow-up turn comes minutes later), so a policy comparison on a small
+machine thins the trace by conversation instead, which keeps its reuse.
 
 For each policy (``--policies``, default random, load_balance, local_cache,
 conductor) a fresh cluster of ``--prefill`` prefill + ``--decode`` decode
@@ -14,9 +21,12 @@ attainment (requests meeting ``--slo-ttft-ms`` and ``--slo-tbt-ms`` over all
 sent), goodput (requests/s meeting both), rejections; and ratios against
 ``load_balance``.
 
-Prediction accuracy: every response carries the Conductor's predicted TTFT
-and TBT (headers); over the requests of the ``conductor`` run, the median of
-|predicted - measured| / measured for each.
+Prediction accuracy: every response carries the Conductor's forecasts of TTFT
+and TBT (headers: as promised, corrected by the entry's calibration, and the
+cost model's own); over the requests of the ``conductor`` run, the median of
+|forecast - measured| / measured for each. ``--warmups N`` sends N requests
+of random tokens first in every run, unmeasured, so the entry starts
+calibrated as it would after running a while.
 
 ``--overload F`` adds an overload comparison: the same slice F times faster
 with ``[slo]`` set, early rejection on the current decode load vs on the
@@ -441,7 +451,11 @@ def select_records(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     """The trace records the options select, as ``args.records``, their lines
     as ``args.lines`` (what the bench replays) and a description."""
     try:
-        every, part = parse_conversations(args.conversations) if args.conversations else (1, 0)
+        every, part = (
+            parse_conversations(args.conversations, "--conversations")
+            if args.conversations
+            else (1, 0)
+        )
         sl = TraceSlice(
             args.start,
             args.count,

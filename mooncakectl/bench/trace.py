@@ -136,16 +136,16 @@ class TraceSlice:
         return k == 1 or _spread(conversation_key(rec)) % k == self.conversations_part
 
 
-def parse_conversations(text: str) -> tuple[int, int]:
+def parse_conversations(text: str, flag: str = "--trace-conversations") -> tuple[int, int]:
     """``K`` (one conversation in K, the first part) or ``R/K`` (the R-th of
-    K parts, from 0) -> (K, R)."""
+    K parts, from 0) -> (K, R); errors name ``flag``."""
     part, _, every = text.rpartition("/")
     try:
         k, r = int(every), int(part) if part else 0
     except ValueError:
-        raise ValueError(f"--trace-conversations: expected K or R/K, got {text!r}") from None
+        raise ValueError(f"{flag}: expected K or R/K, got {text!r}") from None
     if k < 1 or not 0 <= r < k:
-        raise ValueError(f"--trace-conversations: part {r} of {k} does not exist ({text!r})")
+        raise ValueError(f"{flag}: part {r} of {k} does not exist ({text!r})")
     return k, r
 
 
