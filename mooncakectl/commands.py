@@ -75,6 +75,43 @@ def status_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
     else:
         rows.append(("kv cache", "-"))
     rows.append(("prefix hit rate", _pct(prefix["hit_rate"]) if prefix else "-"))
+    compute = st.get("compute")
+    if compute:
+        quant = compute.get("quantization")
+        threads = compute.get("cpu_threads")
+        rows.append(
+            (
+                "compute",
+                f"{compute['device']} {compute['dtype']}, "
+                f"{quant if quant and quant != 'none' else 'unquantized'}, "
+                f"{compute['linear_kernel']} linears, "
+                + (f"{threads} threads" if threads else "torch's default threads"),
+            )
+        )
+    cond = st.get("conductor")
+    if cond:
+        rows.append(("placement", f"{cond['policy']}, early rejection {cond['early_reject']}"))
+        slo = cond.get("slo") or {}
+        targets = [
+            f"TTFT {slo['ttft_s']:g} s" if slo.get("ttft_s") else "",
+            f"TBT {slo['tbt_s'] * 1e3:g} ms" if slo.get("tbt_s") else "",
+        ]
+        shown = ", ".join(t for t in targets if t)
+        if shown and slo.get("target"):
+            shown += f", {_pct(slo['target'])} of admitted meant to meet them"
+        rows.append(("slo", shown or "none"))
+        # How this entry corrects its forecasts by what it measured, and the
+        # margin admission allows for their error: why requests are rejected.
+        for name in ("ttft", "tbt"):
+            c = (cond.get("calibration") or {}).get(name)
+            if c and c.get("samples"):
+                rows.append(
+                    (
+                        f"{name} forecast",
+                        f"x{c['scale']:g} + {c['offset_s'] * 1e3:.1f} ms, admission margin "
+                        f"x{c.get('margin', 1.0):g} ({c['samples']} requests measured)",
+                    )
+                )
     return rows
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 
 from mooncakectl.cli import DEFAULT_URL, build_parser, run
+from mooncakectl.commands import status_rows
 from mooncakectl.registry import COMMANDS, Env, ExitStatus
 from tests.conftest import wait_until
 
@@ -141,6 +142,12 @@ async def test_status_plain(node: Any) -> None:
     assert fields["load"] == "0 running, 0 waiting"
     assert fields["kv cache"] == "0/512 blocks (0.0%)"
     assert fields["prefix hit rate"] == "0.0%"
+    # builtin:tiny computes in float32 through plain F.linear on every CPU.
+    assert fields["compute"].startswith("cpu float32, unquantized, dense linears")
+    assert fields["placement"] == "conductor, early rejection predicted"
+    assert fields["slo"] == "none"
+    # Nothing measured yet: no forecast correction to show.
+    assert "ttft forecast" not in fields
 
 
 async def test_status_json(node: Any) -> None:
@@ -244,3 +251,34 @@ async def test_secret_prints_a_fresh_long_secret() -> None:
     a, b = out(env1).strip(), out(env2).strip()
     assert status1 == status2 == 0
     assert a != b and len(a) >= 32
+
+
+def test_status_rows_explain_admission() -> None:
+    st = {
+        "node_id": "d0",
+        "ready": True,
+        "compute": {
+            "device": "cpu",
+            "dtype": "bfloat16",
+            "quantization": "int8",
+            "linear_kernel": "packed",
+            "cpu_threads": 2,
+        },
+        "conductor": {
+            "policy": "conductor",
+            "early_reject": "current",
+            "slo": {"ttft_s": 2.0, "tbt_s": 0.025, "target": 0.95},
+            "calibration": {
+                "ttft": {"offset_s": 0.012, "scale": 0.9, "margin": 1.31, "samples": 128},
+                "tbt": {"offset_s": 0.0, "scale": 1.0, "margin": 1.0, "samples": 0},
+            },
+        },
+    }
+    rows = dict(status_rows(st))
+    assert rows["compute"] == "cpu bfloat16, int8, packed linears, 2 threads"
+    assert rows["placement"] == "conductor, early rejection current"
+    assert rows["slo"] == "TTFT 2 s, TBT 25 ms, 95.0% of admitted meant to meet them"
+    assert rows["ttft forecast"] == (
+        "x0.9 + 12.0 ms, admission margin x1.31 (128 requests measured)"
+    )
+    assert "tbt forecast" not in rows  # nothing measured yet
