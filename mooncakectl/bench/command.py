@@ -37,7 +37,12 @@ from mooncakectl.bench.report import (
     result_json,
     write_result,
 )
-from mooncakectl.bench.trace import TraceRecord, TraceSlice, parse_conversations, read_trace
+from mooncakectl.bench.trace import (
+    TraceRecord,
+    add_slice_arguments,
+    read_trace,
+    slice_from_args,
+)
 from mooncakectl.bench.workloads import (
     DEFAULT_VOCAB_SIZE,
     BenchRequest,
@@ -142,15 +147,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     t.add_argument("trace_file", metavar="FILE")
     _add_common(t)
     g = t.add_argument_group("trace workload")
-    g.add_argument("--trace-start", type=int, default=0, help="records to skip")
-    g.add_argument("--trace-count", type=int, help="records to replay")
-    g.add_argument("--trace-from-ms", type=float, help="first timestamp to replay")
-    g.add_argument("--trace-until-ms", type=float, help="replay timestamps below this")
-    g.add_argument(
-        "--trace-conversations",
-        metavar="[R/]K",
-        help="replay one conversation in K, every turn of it (R: which of the K parts)",
-    )
+    add_slice_arguments(g)
     g.add_argument("--trace-block-tokens", type=int, default=512, help="tokens per hash id")
     g.add_argument("--input-scale", type=float, help="default: block tokens / 512")
     g.add_argument("--output-scale", type=float, default=1.0)
@@ -256,20 +253,7 @@ def _bench(args: argparse.Namespace, env: Env) -> int:
             output_scale=args.output_scale,
             time_scale=args.time_scale,
         )
-        every, part = (
-            parse_conversations(args.trace_conversations) if args.trace_conversations else (1, 0)
-        )
-        inp.trace_records = read_trace(
-            args.trace_file,
-            TraceSlice(
-                args.trace_start,
-                args.trace_count,
-                args.trace_from_ms,
-                args.trace_until_ms,
-                every,
-                part,
-            ),
-        )
+        inp.trace_records = read_trace(args.trace_file, slice_from_args(args))
     if args.tokenizer:
         inp.text_of, inp.tokenizer_vocab = tokenizer_text(args.tokenizer)
     return asyncio.run(_run(args, env, inp))

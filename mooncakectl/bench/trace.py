@@ -11,6 +11,7 @@ simulator can replay the same records without any HTTP.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Iterable, Iterator
@@ -124,6 +125,20 @@ class TraceSlice:
         if k < 1 or not 0 <= r < k:
             raise ValueError(f"--trace-conversations: part {r} of {k} does not exist")
 
+    @classmethod
+    def from_options(
+        cls,
+        start: int = 0,
+        count: int | None = None,
+        window_start_ms: float | None = None,
+        window_end_ms: float | None = None,
+        conversations: str | None = None,
+        flag: str = "--trace-conversations",
+    ) -> TraceSlice:
+        """The slice a command line asks for; ``conversations`` as ``parse_conversations`` reads it."""
+        every, part = parse_conversations(conversations, flag) if conversations else (1, 0)
+        return cls(start, count, window_start_ms, window_end_ms, every, part)
+
     def in_window(self, rec: TraceRecord) -> bool:
         if self.window_start_ms is not None and rec.timestamp_ms < self.window_start_ms:
             return False
@@ -147,6 +162,29 @@ def parse_conversations(text: str, flag: str = "--trace-conversations") -> tuple
     if k < 1 or not 0 <= r < k:
         raise ValueError(f"{flag}: part {r} of {k} does not exist ({text!r})")
     return k, r
+
+
+def add_slice_arguments(group: argparse._ArgumentGroup) -> None:
+    """The ``--trace-*`` options that pick records (``slice_from_args`` reads them)."""
+    group.add_argument("--trace-start", type=int, default=0, help="records to skip")
+    group.add_argument("--trace-count", type=int, help="records to replay at most")
+    group.add_argument("--trace-from-ms", type=float, help="first timestamp to replay")
+    group.add_argument("--trace-until-ms", type=float, help="replay timestamps below this")
+    group.add_argument(
+        "--trace-conversations",
+        metavar="[R/]K",
+        help="one conversation in K, every turn of it (R: which of the K parts)",
+    )
+
+
+def slice_from_args(args: argparse.Namespace) -> TraceSlice:
+    return TraceSlice.from_options(
+        args.trace_start,
+        args.trace_count,
+        args.trace_from_ms,
+        args.trace_until_ms,
+        args.trace_conversations,
+    )
 
 
 def read_trace(path: str | Path, sl: TraceSlice | None = None) -> list[TraceRecord]:

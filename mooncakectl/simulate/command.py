@@ -17,7 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from mooncakectl.bench.report import write_result
-from mooncakectl.bench.trace import TraceRecord, TraceSlice, parse_conversations, read_trace
+from mooncakectl.bench.trace import (
+    TraceRecord,
+    add_slice_arguments,
+    read_trace,
+    slice_from_args,
+)
 from mooncakectl.bench.workloads import TraceScale
 from mooncakectl.registry import Env, ExitStatus, command
 from mooncakectl.simulate.cluster import Shape, SimConfig, SimResult, Simulation, trace_requests
@@ -95,15 +100,7 @@ def shape_for(ratio: tuple[int, int] | None, nodes: int) -> Shape | None:
 def _configure(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("trace")
     t.add_argument("--trace", required=True, metavar="FILE", help="Mooncake trace (JSON lines)")
-    t.add_argument("--trace-start", type=int, default=0, help="records to skip")
-    t.add_argument("--trace-count", type=int, help="records to replay at most")
-    t.add_argument("--trace-from-ms", type=float, help="first timestamp to replay")
-    t.add_argument("--trace-until-ms", type=float, help="replay timestamps below this")
-    t.add_argument(
-        "--trace-conversations",
-        metavar="[R/]K",
-        help="one conversation in K, every turn of it (R: which of the K parts)",
-    )
+    add_slice_arguments(t)
     t.add_argument("--trace-block-tokens", type=int, default=512, help="tokens per hash id")
     t.add_argument("--input-scale", type=float, help="default: block tokens / 512")
     t.add_argument("--output-scale", type=float, default=1.0)
@@ -235,20 +232,7 @@ def _inputs(args: argparse.Namespace) -> Inputs:
         raise ValueError(f"--max-replicas must be >= 1, got {args.max_replicas}")
     node = _node(args, args.profile)
     decode_node = _node(args, args.decode_profile) if args.decode_profile else None
-    every, part = (
-        parse_conversations(args.trace_conversations) if args.trace_conversations else (1, 0)
-    )
-    records = read_trace(
-        args.trace,
-        TraceSlice(
-            args.trace_start,
-            args.trace_count,
-            args.trace_from_ms,
-            args.trace_until_ms,
-            every,
-            part,
-        ),
-    )
+    records = read_trace(args.trace, slice_from_args(args))
     base = SimConfig(
         shape=Shape(args.prefill, args.decode, args.both) if not args.sweep else Shape(num_both=1),
         node=node,
