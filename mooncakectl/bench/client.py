@@ -56,6 +56,15 @@ def _error_text(raw: bytes) -> str:
     return msg[:_MAX_ERROR_CHARS]
 
 
+def _error_code(raw: bytes) -> str | None:
+    """The OpenAI error's ``code`` (mooncaked's rejections say why: ``ttft_slo``...)."""
+    try:
+        code = json.loads(raw)["error"].get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return None if code is None else str(code)
+
+
 async def probe_server(
     session: aiohttp.ClientSession, base_url: str, model: str | None, timeout_s: float
 ) -> ServerInfo:
@@ -211,6 +220,7 @@ async def send_request(
                 raw = await resp.read()
                 rec.end_s = clock()
                 rec.error = _error_text(raw)
+                rec.error_code = _error_code(raw)
                 if resp.status == 429:
                     rec.error_kind = REJECTED
                     retry = resp.headers.get("Retry-After", "")

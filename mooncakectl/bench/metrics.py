@@ -55,6 +55,8 @@ class RequestRecord:
     # None on success; "rejected" (429), "http_<status>", "timeout", "connection", "stream".
     error_kind: str | None = None
     error: str | None = None
+    # The error's ``code`` where the server gives one.
+    error_code: str | None = None
     retry_after_s: float | None = None
     # From the server's usage report, when it sends one.
     prompt_tokens: int | None = None

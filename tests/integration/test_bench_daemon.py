@@ -274,6 +274,8 @@ def test_rejections_are_counted_apart_from_errors(daemon_factory: Any, tmp_path:
     assert rejected, "a burst of 8 into a queue of 1 must overflow"
     for r in rejected:
         assert r["error_kind"] == "rejected" and r["retry_after_s"] >= 1
+        # The error's code, as the daemon gives it: a full queue.
+        assert r["error_code"] == "queue_full"
     assert s["rejected"] == len(rejected)
     assert s["completed"] == sum(1 for r in records if r["error_kind"] is None)
     assert s["completed"] + s["rejected"] + s["failed"] == 8
