@@ -57,7 +57,7 @@ import itertools
 
 from bench_disagg import SECRET, Cluster, free_port
 
-from mooncakectl.bench.trace import TraceSlice, parse_conversations, read_trace
+from mooncakectl.bench.trace import TraceSlice, read_trace
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("random", "load_balance", "local_cache", "conductor")
@@ -240,19 +240,12 @@ def summarize(result: dict[str, Any], slo_ttft_ms: float, slo_tbt_ms: float) -> 
 
 
 def _rejections(result: dict[str, Any]) -> dict[str, int]:
-    """The timed run's rejections by cause, read from each 429's message."""
+    """The timed run's rejections by the code of each 429 (``ttft_slo``, ``tbt_slo``...)."""
     out: dict[str, int] = {}
     for r in result.get("requests", []):
         if r.get("warmup") or r.get("error_kind") != "rejected":
             continue
-        text = r.get("error") or ""
-        why = (
-            "ttft_slo"
-            if "time to first token" in text
-            else "tbt_slo"
-            if "time between tokens" in text
-            else "other"
-        )
+        why = r.get("error_code") or "other"
         out[why] = out.get(why, 0) + 1
     return out
 
@@ -451,27 +444,28 @@ def select_records(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
     """The trace records the options select, as ``args.records``, their lines
     as ``args.lines`` (what the bench replays) and a description."""
     try:
-        every, part = (
-            parse_conversations(args.conversations, "--conversations")
-            if args.conversations
-            else (1, 0)
-        )
-        sl = TraceSlice(
+        sl = TraceSlice.from_options(
             args.start,
             args.count,
             None if args.from_s is None else args.from_s * 1e3,
             None if args.until_s is None else args.until_s * 1e3,
-            every,
-            part,
+            args.conversations,
+            "--conversations",
         )
         records = read_trace(args.trace, sl)
     except ValueError as exc:
         p.error(str(exc))
-    # The bench reads each part file itself: the selected lines as they are.
-    with open(args.trace) as f:
-        raw = f.readlines()
+    # What the bench replays: the selected records, written back as trace lines.
     args.lines = [
-        raw[r.line - 1] if raw[r.line - 1].endswith("\n") else raw[r.line - 1] + "\n"
+        json.dumps(
+            {
+                "timestamp": r.timestamp_ms,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+        )
+        + "\n"
         for r in records
     ]
     args.records = records
@@ -481,7 +475,9 @@ def select_records(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
         for x in (
             f"from {args.from_s:g} s" if args.from_s is not None else "",
             f"until {args.until_s:g} s" if args.until_s is not None else "",
-            f"conversations {part}/{every}" if every > 1 else "",
+            f"conversations {sl.conversations_part}/{sl.conversations_every}"
+            if sl.conversations_every > 1
+            else "",
             f"skipping {args.start}" if args.start else "",
             f"lines {records[0].line}..{records[-1].line}",
         )

@@ -51,8 +51,9 @@ from mooncakectl.bench.workloads import TraceScale
 from mooncakectl.simulate.cluster import Shape, SimConfig, Simulation, trace_requests
 from mooncakectl.simulate.costs import NodeSpec, costs_from_json
 from mooncakectl.simulate.node import slowest_mean
-from mooncakectl.simulate.results import summarize
+from mooncakectl.simulate.results import latency_stats, summarize
 from mooncaked.cluster.conductor import ConductorParams, EarlyReject, Policy, Slo
+from mooncaked.cluster.predict import StepCost
 
 METRICS = (
     ("requests/s", "req_s", ".3f"),
@@ -65,22 +66,18 @@ METRICS = (
 )
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
-
-
 def real_figures(result: dict[str, Any]) -> dict[str, Any]:
     recs = [r for r in result["requests"] if not r.get("warmup")]
     done = [r for r in recs if r.get("error_kind") is None and r.get("chunk_s")]
-    ttft = [(r["chunk_s"][0] - r["start_s"]) * 1e3 for r in done]
-    tbt = [
-        slowest_mean([b - a for a, b in itertools.pairwise(r["chunk_s"])]) * 1e3
-        for r in done
-        if len(r["chunk_s"]) >= 2
-    ]
+    # As the simulator counts them (results.latency_stats, node.slowest_mean).
+    ttft = latency_stats([r["chunk_s"][0] - r["start_s"] for r in done])
+    tbt = latency_stats(
+        [
+            slowest_mean([b - a for a, b in itertools.pairwise(r["chunk_s"])])
+            for r in done
+            if len(r["chunk_s"]) >= 2
+        ]
+    )
     start = min(r["start_s"] for r in recs)
     end = max(r["end_s"] for r in done)
     duration = max(end - start, 1e-9)
@@ -92,37 +89,30 @@ def real_figures(result: dict[str, Any]) -> dict[str, Any]:
         "completed": len(done),
         "req_s": len(done) / duration,
         "tok_s": tokens / duration,
-        "ttft_mean": statistics.fmean(ttft) if ttft else None,
-        "ttft_p50": _pct(ttft, 0.5),
-        "ttft_p90": _pct(ttft, 0.9),
-        "tbt_mean": statistics.fmean(tbt) if tbt else None,
+        "ttft_mean": ttft["mean"],
+        "ttft_p50": ttft["p50"],
+        "ttft_p90": ttft["p90"],
+        "tbt_mean": tbt["mean"],
         "cached_tokens": cached,
         # The engine's cached tokens: its own tiers' and what it fetched.
         "hit": cached / prompt if prompt else None,
     }
 
 
-def _spec(doc: dict[str, Any], args: argparse.Namespace, source: str) -> NodeSpec:
-    costs = costs_from_json(doc, source)
-    # Loopback links: the fastest a node measured stands for its NIC.
-    nic = costs.links[0][1] if costs.links else 1e9
+def _spec(docs: list[dict[str, Any]], args: argparse.Namespace, source: str) -> NodeSpec:
+    """One simulated node from the measured costs of the real nodes of a role:
+    their step coefficients averaged (each fitted on its own)."""
+    costs = [costs_from_json(d, source) for d in docs]
+    columns = zip(*(c.step.coefficients() for c in costs), strict=True)
+    step = StepCost(*(statistics.fmean(col) for col in columns))
+    links = [bps for c in costs for _, bps in c.links]
     return NodeSpec(
-        replace(costs, links=()),
-        nic_bps=nic,
+        replace(costs[0], step=step, links=()),
+        # Loopback links: the fastest a node measured stands for its NIC.
+        nic_bps=max(links, default=1e9),
         dram_bytes=float(args.dram_mb << 20),
         kv_capacity_tokens=args.kv_blocks * args.block_size,
     )
-
-
-def _average(docs: list[dict[str, Any]], source: str) -> dict[str, Any]:
-    """One cost document whose step coefficients are the mean of ``docs``'
-    (the prefill nodes of one kind, each fitted on its own)."""
-    out = json.loads(json.dumps(docs[0]["conductor"]["costs"]))
-    for name in ("base_s", "token_s", "pair_s", "seq_s", "ctx_s"):
-        out["step"][name] = statistics.fmean(
-            getattr(costs_from_json(d, source).step, name) for d in docs
-        )
-    return out
 
 
 def sim_figures(
@@ -136,8 +126,8 @@ def sim_figures(
     scale = TraceScale(args.block_tokens, None, args.output_scale, args.time_scale)
     cfg = SimConfig(
         shape=Shape(args.prefill, args.decode),
-        node=_spec(_average(prefill_docs, "prefill"), args, "prefill"),
-        decode_node=_spec(_average(decode_docs, "decode"), args, "decode"),
+        node=_spec(prefill_docs, args, "prefill"),
+        decode_node=_spec(decode_docs, args, "decode"),
         params=ConductorParams(policy=Policy(args.policy), early_reject=EarlyReject.OFF),
         slo=Slo(args.slo_ttft_ms / 1e3, args.slo_tbt_ms / 1e3),
         gossip_s=0.1,
@@ -192,7 +182,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             args.time_scale,
         )
     before = result["status_before"]
-    after = {n: {"conductor": c} for n, c in result["node_costs"].items()}
+    after = result["node_costs"]
     prefill_ids = [n for n, s in before.items() if s.get("role") == "prefill"]
     decode_ids = [n for n, s in before.items() if s.get("role") == "decode"]
     mml = args.max_model_len or result.get("max_model_len")

@@ -25,7 +25,8 @@ from mooncaked.cluster.conductor import Slo
 RESULT_FORMAT = "mooncakectl-simulate/1"
 
 
-def _stats(values_s: Sequence[float]) -> dict[str, float | None]:
+def latency_stats(values_s: Sequence[float]) -> dict[str, float | None]:
+    """Mean and percentiles, ms, of latencies in seconds (None for none)."""
     if not values_s:
         return {"mean": None, "p50": None, "p90": None, "p99": None}
     a = np.asarray(values_s, dtype=np.float64) * 1000.0
@@ -114,8 +115,8 @@ def summarize(result: SimResult) -> SimSummary:
         slo_tbt_s=cfg.slo.tbt_s,
         slo_attainment=good / len(reqs) if reqs else 0.0,
         goodput=good / duration,
-        ttft_ms=_stats([r.ttft_s for r in done if r.ttft_s is not None]),
-        tbt_ms=_stats([r.tbt_s for r in done if r.tbt_s is not None]),
+        ttft_ms=latency_stats([r.ttft_s for r in done if r.ttft_s is not None]),
+        tbt_ms=latency_stats([r.tbt_s for r in done if r.tbt_s is not None]),
         local_hit_rate=local / prompt,
         global_hit_rate=(local + fetched) / prompt,
         fetched_tokens=fetched,

@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import load_tool
 
-
-def _load() -> ModuleType:
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location(
-        "bench_conductor", REPO_ROOT / "tools/bench_conductor.py"
-    )
-    if spec is None or spec.loader is None:
-        raise RuntimeError("cannot load tools/bench_conductor.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bc = _load()
+bc = load_tool("bench_conductor")
 
 
 def rec(start: float, chunks: list[float], **kw: Any) -> dict[str, Any]:
@@ -58,3 +41,18 @@ def test_summary_counts_slo_attainment_over_all_sent_and_goodput() -> None:
     assert acc["ttft_median_ratio"] == pytest.approx((0.8 + 0.5) / 2)
     # TBT: 50 vs 50 (0) and 25 vs 50 (0.5).
     assert acc["tbt_median_rel_error"] == pytest.approx(0.25)
+
+
+def test_rejections_are_counted_by_the_code_of_each_429() -> None:
+    rejected = {"start_s": 0.0, "chunk_s": [], "end_s": 0.01, "error_kind": "rejected"}
+    result = {
+        "requests": [
+            {**rejected, "error_code": "ttft_slo"},
+            {**rejected, "error_code": "ttft_slo"},
+            {**rejected, "error_code": "tbt_slo"},
+            {**rejected, "error_code": "queue_full"},
+            {**rejected, "error_code": "ttft_slo", "warmup": True},  # not timed
+            rec(0.0, [0.5, 0.6]),
+        ]
+    }
+    assert bc._rejections(result) == {"ttft_slo": 2, "tbt_slo": 1, "queue_full": 1}

@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import load_tool
 
-
-def load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_disagg", REPO_ROOT / "tools/bench_disagg.py"
-    )
-    if spec is None or spec.loader is None:
-        raise RuntimeError("cannot load tools/bench_disagg.py")
-    mod = importlib.util.module_from_spec(spec)
-    # Dataclasses look their module up by name.
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bench = load_tool()
+bench = load_tool("bench_disagg")
 
 
 def test_percentile_nearest_rank() -> None:

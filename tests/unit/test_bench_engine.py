@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, load_tool
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "bench_engine", REPO_ROOT / "tools/bench_engine.py"
-    )
-    if spec is None or spec.loader is None:
-        raise RuntimeError("cannot load tools/bench_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_engine"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_engine")
 
 
 def test_built_in_quantiles_follow_the_trace_fixture(bench: ModuleType) -> None:

@@ -2,30 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
+import argparse
 from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import load_tool
 
-
-def _load() -> ModuleType:
-    sys.path.insert(0, str(REPO_ROOT / "tools"))
-    spec = importlib.util.spec_from_file_location(
-        "bench_simcheck", REPO_ROOT / "tools/bench_simcheck.py"
-    )
-    if spec is None or spec.loader is None:
-        raise RuntimeError("cannot load tools/bench_simcheck.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-sc = _load()
+sc = load_tool("bench_simcheck")
 
 
 def rec(start: float, chunks: list[float], **kw: Any) -> dict[str, Any]:
@@ -57,3 +41,18 @@ def test_real_figures_as_the_simulator_measures() -> None:
     assert f["ttft_mean"] == pytest.approx(400.0)
     assert f["tbt_mean"] == pytest.approx((100.0 + 40.0) / 2)
     assert f["hit"] == pytest.approx(50 / 200)
+
+
+def test_a_role_is_simulated_on_its_nodes_averaged_costs() -> None:
+    def status(base_s: float, token_s: float, links: dict[str, float]) -> dict[str, Any]:
+        step = {"base_s": base_s, "token_s": token_s, "pair_s": 0.0, "seq_s": 0.0, "ctx_s": 0.0}
+        costs = {"step": step, "kv_bytes_per_token": 2048, "chunk_tokens": 1024, "max_batch": 64}
+        return {"conductor": {"costs": {**costs, "links": links}}}
+
+    args = argparse.Namespace(dram_mb=256, kv_blocks=4096, block_size=16)
+    spec = sc._spec([status(0.004, 1e-4, {"d0": 2e8}), status(0.006, 3e-4, {})], args, "prefill")
+    assert spec.costs.step.base_s == pytest.approx(0.005)
+    assert spec.costs.step.token_s == pytest.approx(2e-4)
+    assert spec.costs.kv_bytes_per_token == 2048 and spec.costs.links == ()
+    assert spec.nic_bps == 2e8  # the fastest link either measured
+    assert spec.kv_capacity_tokens == 4096 * 16 and spec.dram_bytes == 256 << 20
