@@ -120,7 +120,9 @@ def run_in_compute_thread(fn: Callable[[], T]) -> T:
 
 
 def set_step_threads(threads: int) -> None:
-    """The calling thread's OpenMP team (and MKL's count) becomes ``threads``."""
+    """The calling thread's OpenMP team (and MKL's count) becomes ``threads``;
+    so does the process's compute count, so that a pick measured in the step
+    thread is what ``compute_threads`` reports and later compute threads get."""
     global _compute_threads
     import torch
 
