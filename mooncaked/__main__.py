@@ -91,6 +91,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mooncaked: config error: {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
 
+    from mooncaked.process import pin_cpus
+
+    try:
+        # Before the engine starts its threads, which inherit the CPUs.
+        pin_cpus(config.node.cpus)
+    except ConfigError as exc:
+        print(f"mooncaked: config error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+
     # Imported after the config is known good: the engine pulls in torch.
     from mooncaked.daemon import Node
     from mooncaked.log import configure_logging

@@ -59,9 +59,35 @@ class NodeConfig:
     # Where the daemon keeps state (SSD tier, logs of its own); empty: a
     # per-user directory under the system temp dir.
     data_dir: str = ""
+    # CPUs the daemon runs on, as a Linux CPU list ("0-3,8"); empty: those it
+    # was started with. Daemons sharing a host each get cores of their own,
+    # so one node's steps do not slow another's, as on machines of their own.
+    cpus: str = ""
 
     def __post_init__(self) -> None:
         _check(len(self.cluster_secret) >= 8, "cluster_secret", "must be at least 8 characters")
+        if self.cpus:
+            try:
+                parse_cpu_list(self.cpus)
+            except ValueError as exc:
+                raise ConfigValueError("cpus", str(exc)) from None
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """The CPUs of a Linux CPU list ("0-3,8"), as in taskset and cpuset."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        try:
+            first = int(lo)
+            last = int(hi) if sep else first
+        except ValueError:
+            raise ValueError(f"{part!r} in {text!r} is not a CPU or a range of CPUs") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{part!r} in {text!r} is not a CPU or a range of CPUs")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
 
 
 # model.path of the seeded test models (engine/loader.py builds them).

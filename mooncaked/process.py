@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from mooncaked.config import ModelConfig
+from mooncaked.config import ConfigError, ModelConfig, parse_cpu_list
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -166,6 +166,50 @@ def cpu_threads(configured: int) -> int:
     if configured > 0:
         return configured
     return max(1, cores() - 1)
+
+
+def pin_cpus(cpu_list: str) -> frozenset[int]:
+    """Run this process on the CPUs of ``cpu_list`` (``node.cpus``); all it may use when empty.
+
+    Applied before torch starts its threads, which inherit it, and before the
+    thread count is chosen, which counts these CPUs.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        if cpu_list:
+            raise ConfigError(f"node.cpus: {cpu_list!r} cannot be applied on this platform")
+        return frozenset(range(os.cpu_count() or 1))
+    allowed = frozenset(os.sched_getaffinity(0))
+    if not cpu_list:
+        return allowed
+    wanted = parse_cpu_list(cpu_list)
+    if not wanted <= allowed:
+        missing = ",".join(str(c) for c in sorted(wanted - allowed))
+        raise ConfigError(
+            f"node.cpus: {cpu_list!r} names CPUs this process may not use ({missing}); "
+            f"it may use {format_cpu_list(allowed)}"
+        )
+    # Pid 0 is the calling thread only; any thread already started is moved too.
+    try:
+        tasks = [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")]
+    except OSError:
+        tasks = [0]
+    for tid in tasks:
+        os.sched_setaffinity(tid, wanted)
+    return wanted
+
+
+def format_cpu_list(cpus: frozenset[int]) -> str:
+    """``cpus`` as a Linux CPU list, ranges joined: {0, 1, 2, 5} -> "0-2,5"."""
+    out: list[str] = []
+    run: list[int] = []
+    for c in sorted(cpus):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
 
 
 def cores() -> int:

@@ -42,10 +42,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +65,32 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("random", "load_balance", "local_cache", "conductor")
 
 
-def _sections(args: argparse.Namespace, node_id: str, role: str) -> dict[str, dict[str, Any]]:
+def pool_cpus(prefill: int, decode: int, cpus: Sequence[int]) -> list[str]:
+    """``node.cpus`` of each daemon (prefill ones first) for ``--pin``.
+
+    The prefill and decode pools get disjoint cores, split by their sizes
+    (at least one each), so neither pool's work slows the other's steps, as
+    on machines of their own; within a pool, daemons take its cores in turn.
+    """
+    cpus = sorted(cpus)
+    if len(cpus) < 2:
+        raise ValueError(f"--pin needs two CPUs or more, this process may use {len(cpus)}")
+    n_pre = min(len(cpus) - 1, max(1, round(len(cpus) * prefill / (prefill + decode))))
+    pools = (cpus[:n_pre], cpus[n_pre:])
+    out = []
+    for pool, count in zip(pools, (prefill, decode), strict=True):
+        per = max(1, len(pool) // count)
+        for i in range(count):
+            start = (i * per) % len(pool)
+            out.append(",".join(str(c) for c in pool[start : start + per]))
+    return out
+
+
+def _sections(
+    args: argparse.Namespace, node_id: str, role: str, cpus: str = ""
+) -> dict[str, dict[str, Any]]:
     return {
-        "node": {"id": node_id, "role": role, "cluster_secret": SECRET},
+        "node": {"id": node_id, "role": role, "cluster_secret": SECRET, "cpus": cpus},
         "server": {"host": "127.0.0.1", "port": 0, "drain_timeout_s": 5.0},
         "model": {"cpu_threads": args.cpu_threads, "path": args.model},
         "kv": {"num_blocks": args.kv_blocks},
@@ -111,8 +136,13 @@ async def run_policy(
     try:
         gossip = free_port()
         daemons = []
+        cpus = (
+            pool_cpus(args.prefill, args.decode, sorted(os.sched_getaffinity(0)))
+            if args.pin
+            else [""] * (args.prefill + args.decode)
+        )
         for i in range(args.prefill):
-            s = _sections(args, f"{label}-p{i}", "prefill")
+            s = _sections(args, f"{label}-p{i}", "prefill", cpus[i])
             s["conductor"] = conductor
             s["slo"] = slo
             s["cluster"] = (
@@ -122,7 +152,7 @@ async def run_policy(
             )
             daemons.append(await cluster.start(f"{label}-p{i}", s))
         for i in range(args.decode):
-            s = _sections(args, f"{label}-d{i}", "decode")
+            s = _sections(args, f"{label}-d{i}", "decode", cpus[args.prefill + i])
             s["conductor"] = conductor
             s["slo"] = slo
             s["cluster"] = {"seeds": [f"127.0.0.1:{gossip}"], "gossip_interval_s": 0.1}
@@ -518,6 +548,12 @@ def main() -> int:
         default=1,
         help="nodes the clients enter at (1: the decode node; n: the first n nodes, "
         "each its share of the records), to compare decisions on different views",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="give the prefill and the decode daemons cores of their own (node.cpus), "
+        "so that nodes sharing this machine compute as on machines of their own",
     )
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args()

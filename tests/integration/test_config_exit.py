@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,20 @@ def test_bad_model_setting_exits_2_with_one_line(tmp_path: Path, model: str, exp
 def test_ssd_path_with_zero_bytes_is_refused() -> None:
     with pytest.raises(ConfigValueError, match="ssd_bytes"):
         StoreConfig(ssd_path="/tmp/x", ssd_bytes=0)
+
+
+def test_cpus_the_daemon_may_not_use_exit_2_naming_them(tmp_path: Path) -> None:
+    beyond = max(os.sched_getaffinity(0)) + 1
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TEST_TOML + f'\n[node]\ncpus = "{beyond}"\n')
+    proc = subprocess.run(
+        [sys.executable, "-m", "mooncaked", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("mooncaked: config error: node.cpus:"), last
+    assert f"({beyond})" in last and "it may use" in last, last

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from mooncaked.__main__ import _parser, build_config
-from mooncaked.config import Config, ConfigError, config_from_dict, load_config, with_overrides
+from mooncaked.config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    load_config,
+    parse_cpu_list,
+    with_overrides,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SINGLE = REPO_ROOT / "config" / "single.toml"
@@ -84,6 +91,9 @@ def test_values_are_read_and_ints_accepted_for_floats(tmp_path: Path) -> None:
         ("[cluster]\nprobe_timeout_s = 1.0\n", ["'cluster.probe_timeout_s'", "probe_interval_s"]),
         ('[cluster]\nseeds = ["nohostport"]\n', ["'cluster.seeds'", "host:port"]),
         ('[node]\ncluster_secret = "short"\n', ["'node.cluster_secret'", "8 characters"]),
+        ('[node]\ncpus = "0-x"\n', ["'node.cpus'", "'0-x'", "not a CPU"]),
+        ('[node]\ncpus = "3-1"\n', ["'node.cpus'", "'3-1'"]),
+        ('[node]\ncpus = "0,,1"\n', ["'node.cpus'", "''"]),
         ("server = 1\n", ["[server] must be a table"]),
         ("[server\nport = 1\n", ["not valid TOML"]),
     ],
@@ -166,3 +176,11 @@ def test_bad_flag_names_key_file_and_command_line(tmp_path: Path) -> None:
         build_config(_parser().parse_args(["--config", str(path), "--role", "router"]))
     msg = str(exc.value)
     assert "'node.role'" in msg and str(path) in msg and "command line" in msg
+
+
+def test_cpu_lists_read_as_taskset_writes_them() -> None:
+    assert parse_cpu_list("0") == {0}
+    assert parse_cpu_list("0-2,5, 7-8") == {0, 1, 2, 5, 7, 8}
+    for bad in ("", "-1", "a", "1-", "2-1"):
+        with pytest.raises(ValueError, match="not a CPU"):
+            parse_cpu_list(bad)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -10,7 +13,7 @@ import pytest
 import torch
 
 from mooncaked import process
-from mooncaked.config import Config
+from mooncaked.config import Config, ConfigError
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import load_model
 
@@ -110,3 +113,55 @@ def test_only_real_models_at_cpu_threads_zero_are_measured(
     assert process.thread_candidates() == () and process.compute_threads() == 2
     process.tune_process(ModelConfig())
     assert process.thread_candidates() == () and process.compute_threads() == 3
+
+
+_PIN_CHILD = """
+import os, sys, threading
+from mooncaked import process
+started = threading.Event()
+stop = threading.Event()
+def idle():
+    started.set()
+    stop.wait()
+t = threading.Thread(target=idle)
+t.start()
+started.wait()
+cpus = process.pin_cpus(sys.argv[1])
+seen = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
+stop.set()
+t.join()
+print(sorted(cpus), sorted(os.sched_getaffinity(0)), process.cores(), sorted(seen.values()))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_pin_cpus_moves_every_thread_of_the_process() -> None:
+    # In a child: pinning the test process would stay for every test after.
+    first = min(os.sched_getaffinity(0))
+    out = subprocess.run(
+        [sys.executable, "-c", _PIN_CHILD, str(first)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split("] ")
+    assert out[0] == f"[{first}"
+    assert out[1] == f"[{first}"
+    assert out[2].startswith("1 ")
+    # The thread started before the pinning was moved as well.
+    assert out[2].split(" ", 1)[1].strip() == f"[[{first}], [{first}]]"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_pin_cpus_refuses_cpus_the_process_may_not_use() -> None:
+    allowed = os.sched_getaffinity(0)
+    beyond = max(allowed) + 1
+    with pytest.raises(ConfigError, match=f"may not use \\({beyond}\\)"):
+        process.pin_cpus(f"{min(allowed)},{beyond}")
+    assert os.sched_getaffinity(0) == allowed
+    assert process.pin_cpus("") == allowed
+
+
+def test_cpu_lists_are_written_with_their_ranges() -> None:
+    assert process.format_cpu_list(frozenset({0, 1, 2, 5, 7, 8})) == "0-2,5,7-8"
+    assert process.format_cpu_list(frozenset({3})) == "3"
