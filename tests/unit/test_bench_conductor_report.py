@@ -56,3 +56,13 @@ def test_rejections_are_counted_by_the_code_of_each_429() -> None:
         ]
     }
     assert bc._rejections(result) == {"ttft_slo": 2, "tbt_slo": 1, "queue_full": 1}
+
+
+def test_pin_gives_each_pool_cores_of_its_own() -> None:
+    # Two cores: both prefill daemons on the first, the decode daemon alone on the second.
+    assert bc.pool_cpus(2, 1, [0, 1]) == ["0", "0", "1"]
+    assert bc.pool_cpus(1, 1, [4, 7]) == ["4", "7"]
+    # Sixteen: split by the pools' sizes, each daemon its own share.
+    assert bc.pool_cpus(2, 2, list(range(16))) == ["0,1,2,3", "4,5,6,7", "8,9,10,11", "12,13,14,15"]
+    with pytest.raises(ValueError, match="two CPUs"):
+        bc.pool_cpus(1, 1, [0])
