@@ -93,6 +93,9 @@ class Request:
     # on a prefill node, where its KV goes (the decode node's grant).
     kv_source: object | None = None
     kv_sink: object | None = None
+    # When the placement expects a handoff's KV in (time.monotonic(); 0:
+    # unknown): the decode node's load forecast counts it from then on.
+    kv_ready_at: float = 0.0
     # Sampled tokens this request continues from (a resumed stream): seeded
     # sampling picks up at this output index.
     output_offset: int = 0

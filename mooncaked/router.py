@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -30,6 +31,7 @@ import aiohttp
 import orjson
 import structlog
 
+from mooncaked.api.disagg import MAX_KV_READY_IN_S
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cluster.conductor import (
     Candidate,
@@ -61,6 +63,10 @@ from mooncaked.rpc import derive_key, signed_headers
 log = structlog.get_logger(__name__)
 
 GENERATE_PATH = "/internal/generate"
+# Gaps between tokens a stream needs before its mean gap calibrates the TBT
+# forecast (a shorter one says more about one step than about the batch).
+MIN_TBT_GAPS = 2
+
 # Decode nodes tried for one request (first placement, refusals, resumes).
 MAX_DECODE_ATTEMPTS = 4
 
@@ -120,7 +126,8 @@ class Submission:
         self.placement: Placement | None = None
         self._first_token_at: float | None = None
         self._tbt_from = 0
-        self._tbt_reported = False
+        self._last_token_at = 0.0
+        self._num_gaps = 0
 
     # -- iteration ---------------------------------------------------------------
 
@@ -176,6 +183,7 @@ class Submission:
             self._observe(len(self._tokens))
         if out.finished:
             self._done = True
+            self._observe_tbt()
         return dataclasses.replace(
             out,
             request_id=self.request_id,
@@ -197,11 +205,23 @@ class Submission:
                 self._router.ttft_calibration.add(p.model_ttft_s, now - self.req.arrival)
             self._tbt_from = num_tokens
             return
-        # The mean gap over the tokens after the first, once enough arrived.
-        n = num_tokens - self._tbt_from
-        if n >= 8 and p.model_tbt_s > 0.0 and self._tbt_reported is False:
-            self._tbt_reported = True
-            self._router.tbt_calibration.add(p.model_tbt_s, (now - self._first_token_at) / n)
+        self._last_token_at = now
+        self._num_gaps = num_tokens - self._tbt_from
+
+    def _observe_tbt(self) -> None:
+        """The mean gap between tokens after the first over the whole stream,
+        as the TBT SLO judges it, against the forecast: once, at its end."""
+        p = self.placement
+        if (
+            p is None
+            or p.model_tbt_s <= 0.0
+            or self._first_token_at is None
+            or self._num_gaps < MIN_TBT_GAPS
+            or self._router.resumed_since(self)
+        ):
+            return
+        mean_gap = (self._last_token_at - self._first_token_at) / self._num_gaps
+        self._router.tbt_calibration.add(p.model_tbt_s, mean_gap)
 
     # -- placement ---------------------------------------------------------------
 
@@ -248,6 +268,7 @@ class Submission:
                 kv_source=PrefillSource(targets) if targets else None,
                 output_offset=resumed,
                 peer_fetch=placement.fetch,
+                kv_ready_in_s=_kv_ready_in_s(placement) if targets else 0.0,
             )
             self._stream = stream
             self._closer = stream.aclose
@@ -260,6 +281,7 @@ class Submission:
             targets,
             resumed,
             f"{self.request_id}~{self._attempts}",
+            _kv_ready_in_s(placement) if targets else 0.0,
         )
         try:
             await remote.open()
@@ -288,6 +310,12 @@ class Submission:
         await self._close_stream()
 
 
+def _kv_ready_in_s(placement: Placement) -> float:
+    """When the placement expects the prefill's KV at the decode node: its TTFT forecast."""
+    t = placement.predicted_ttft_s
+    return min(t, MAX_KV_READY_IN_S) if math.isfinite(t) and t > 0.0 else 0.0
+
+
 class _RemoteStream:
     """Outputs a decode node streams back for a forwarded request (NDJSON)."""
 
@@ -300,6 +328,7 @@ class _RemoteStream:
         targets: tuple[PrefillTarget, ...],
         output_offset: int,
         request_id: str,
+        kv_ready_in_s: float = 0.0,
     ) -> None:
         self._router = router
         self._node = node
@@ -312,6 +341,7 @@ class _RemoteStream:
                     {"node_id": t.node_id, "url": t.url, "fetch": t.fetch} for t in targets
                 ],
                 "output_offset": output_offset,
+                "kv_ready_in_s": round(kv_ready_in_s, 6),
             }
         )
         self._resp: aiohttp.ClientResponse | None = None

@@ -333,7 +333,7 @@ class Simulation:
         else:
             ledger.add(view, pnode.node_id, PendingLoad(work, tokens, 0), now)
             ledger.add(view, dnode.node_id, PendingLoad(0.0, 0, 1), now)
-        dnode.expect_decode()
+        dnode.expect_decode(r)
         self._start_prefill(r, pnode, result.fetch and score is not None and score.fetch, score)
 
     def _start_prefill(

@@ -124,7 +124,9 @@ class SimNode:
         self.prefill_queue: deque[SimRequest] = deque()
         self.queued_tokens = 0
         # Decode: placed here and not yet in the batch (KV on its way, or waiting for room).
-        self.incoming = 0
+        # Decodes placed here whose prefill is not done, as the real node's
+        # handoffs waiting for their KV.
+        self.incoming: list[SimRequest] = []
         self.waiting: deque[SimRequest] = deque()
         self.running: dict[SimRequest, int] = {}
         self.context_tokens = 0
@@ -162,13 +164,13 @@ class SimNode:
 
     # -- decode -------------------------------------------------------------------
 
-    def expect_decode(self) -> None:
-        self.incoming += 1
+    def expect_decode(self, r: SimRequest) -> None:
+        self.incoming.append(r)
         self.version += 1
 
     def admit_decode(self, r: SimRequest) -> None:
         """``r``'s KV is here and its first token out: it joins the batch when there is room."""
-        self.incoming -= 1
+        self.incoming.remove(r)
         self.waiting.append(r)
         self.version += 1
         self.kick()
@@ -339,7 +341,7 @@ class SimNode:
 
     def finish_without_decode(self, r: SimRequest) -> None:
         """A one-token request: its first token was its last."""
-        self.incoming -= 1
+        self.incoming.remove(r)
         self.version += 1
         r.done_s = r.first_token_s
         self.lengths.add(r.num_output_tokens)
@@ -358,7 +360,7 @@ class SimNode:
             kv_usage=round(min(1.0, context / cap), 3) if cap > 0 else 0.0,
             predicted_queue_s=round(predicted_queue_s(self.costs, work, decode_seqs=running), 3),
             decode_context_tokens=context,
-            pending_decode=running + len(self.waiting) + self.incoming,
+            pending_decode=running + len(self.waiting) + len(self.incoming),
         )
 
     def forecast(self, now: float) -> DecodeForecast:
@@ -372,6 +374,15 @@ class SimNode:
                     produced,
                     max(0, r.num_output_tokens - produced),
                 )
+            )
+        # As the real scheduler's work(): KV in, room awaited, from now; KV
+        # still to come, from when the placement expected its prefill done.
+        for r in self.waiting:
+            work.append(DecodeWork(r.num_prompt_tokens, 0, r.num_output_tokens))
+        for r in self.incoming:
+            ready = r.arrival_s + r.predicted_ttft_s if r.predicted_ttft_s > 0.0 else now
+            work.append(
+                DecodeWork(r.num_prompt_tokens, 0, r.num_output_tokens, max(0.0, ready - now))
             )
         return forecast_decode(
             self.costs,

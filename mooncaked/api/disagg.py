@@ -2,9 +2,11 @@
 
 - ``POST /internal/generate`` (entry node -> decode node):
   ``{"request_id", "prompt_token_ids", "sampling", "prefill": [{"node_id", "url"}],
-  "output_offset"}`` -> the request's outputs as JSON lines, as the engine
-  produces them. The decode node asks the listed prefill nodes in order for
-  the prompt's KV (an empty list: it computes the prompt itself). Closing the
+  "output_offset", "kv_ready_in_s"}`` -> the request's outputs as JSON lines,
+  as the engine produces them. The decode node asks the listed prefill nodes
+  in order for the prompt's KV (an empty list: it computes the prompt itself);
+  ``kv_ready_in_s`` is when the entry expects that KV in, for the decode
+  node's load forecast (optional, 0: unknown). Closing the
   connection aborts the request. 429 / 400 / 503 as the public API answers.
 - ``POST /internal/prefill`` (decode node -> prefill node):
   ``{"request_id", "prompt_token_ids", "sampling", "grant"}`` -> once the
@@ -59,6 +61,10 @@ from mooncaked.transfer import TransferEngine, TransferOp, WriteGrant
 
 log = structlog.get_logger(__name__)
 
+# A forecast further out than this is no forecast: the request is refused
+# (the router clamps what it sends to it).
+MAX_KV_READY_IN_S = 3600.0
+
 GENERATE_PATH = "/internal/generate"
 PREFILL_PATH = "/internal/prefill"
 # Largest prompt a node-to-node call carries (token ids).
@@ -80,6 +86,20 @@ def _request_id(raw: Any) -> str:
     if not isinstance(raw, str) or not 0 < len(raw) <= 256:
         raise ValueError("'request_id' must be a string of 1..256 characters")
     return raw
+
+
+def kv_ready_in_s(raw: Any) -> float:
+    """A generate call's ``kv_ready_in_s``: seconds, within [0, MAX_KV_READY_IN_S]."""
+    if (
+        isinstance(raw, bool)
+        or not isinstance(raw, int | float)
+        or not 0.0 <= raw <= MAX_KV_READY_IN_S
+    ):
+        raise ValueError(
+            f"'kv_ready_in_s' must be a number of seconds in [0, {MAX_KV_READY_IN_S:g}], "
+            f"got {raw!r}"
+        )
+    return float(raw)
 
 
 class DisaggAPI:
@@ -135,6 +155,7 @@ class DisaggAPI:
                 offset = data.get("output_offset", 0)
                 if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
                     raise ValueError("'output_offset' must be an integer >= 0")
+                ready_in = kv_ready_in_s(data.get("kv_ready_in_s", 0.0))
                 targets = tuple(
                     PrefillTarget(
                         str(t["node_id"]), str(t["url"]), t.get("fetch", True) is not False
@@ -150,6 +171,7 @@ class DisaggAPI:
                     rid,
                     kv_source=PrefillSource(targets) if targets else None,
                     output_offset=offset,
+                    kv_ready_in_s=ready_in if targets else 0.0,
                 )
             except QueueFullError as exc:
                 raise Rejected(

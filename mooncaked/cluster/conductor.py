@@ -254,7 +254,9 @@ class PrefillScore:
 class DecodeScore:
     node_id: str
     batch_now: int
-    # The batch this request would join (forecast at prefill end, or now).
+    # The batch this request would share its steps with, besides itself:
+    # forecast over its run from its prefill's end on, or the batch now
+    # (rejection on current load).
     batch_at_join: float
     tbt_s: float
     within_slo: bool
@@ -452,7 +454,7 @@ def decide(
     reject = _check_ttft(params, slo, best)
     if reject is not None:
         return Decision(reject, params.policy, tuple(scores), (), reject.reason)
-    dscores = [_decode_score(request, params, slo, n, ttft) for n in decode_pool]
+    dscores = [_decode_score(request, params, slo, n, params.ttft(ttft)) for n in decode_pool]
     dorder = _order_decode(params, decode_pool, dscores, rng)
     if params.early_reject is not EarlyReject.OFF and slo.tbt_s > 0.0:
         dorder = [i for i in dorder if dscores[i].within_slo]
@@ -511,7 +513,7 @@ def _colocated(
     if reject is not None:
         return Decision(reject, params.policy, tuple(scores), (), reject.reason)
     node = pool[order[0]]
-    d = _decode_score(request, params, slo, node, best.ttft_s)
+    d = _decode_score(request, params, slo, node, params.ttft(best.ttft_s))
     if params.early_reject is not EarlyReject.OFF and slo.tbt_s > 0.0 and not d.within_slo:
         reject = Reject(
             429,
@@ -704,16 +706,24 @@ def _decode_score(
     load = n.load
     batch_now = max(load.pending_decode, load.running_decode_batch) + n.pending.decodes
     ctx_now = load.decode_context_tokens
-    if params.early_reject is EarlyReject.PREDICTED:
-        batch, ctx = n.forecast.at(
-            join_in_s, max(load.pending_decode, load.running_decode_batch), ctx_now
+    expected = request.expected_output_tokens or request.max_tokens / 2
+    known = n.costs.known
+    if params.early_reject is not EarlyReject.CURRENT:
+        # Averaged over the request's own run, from when its prefill is to
+        # end: what it shares its steps with, which is what its TBT is.
+        # (Rejection on current load, the baseline, judges the batch now.)
+        now_b = max(load.pending_decode, load.running_decode_batch)
+        b0, c0 = n.forecast.at(join_in_s, now_b, ctx_now)
+        run_s = (
+            expected * n.costs.step.decode_step_s(max(1, math.ceil(b0) + 1), round(c0))
+            if known
+            else 0.0
         )
+        batch, ctx = n.forecast.mean_over(join_in_s, run_s, now_b, ctx_now)
         batch += n.pending.decodes
     else:
         batch, ctx = float(batch_now), float(ctx_now)
-    expected = request.expected_output_tokens or request.max_tokens / 2
     ctx += request.num_prompt_tokens + expected / 2
-    known = n.costs.known
     tbt = (
         predicted_tbt_s(
             n.costs,

@@ -201,7 +201,7 @@ class LoadMeter:
             return LocalState(role=self._role, api_addr=self._api_addr, draining=self._draining())
         load = engine.load
         costs = self.costs.costs() if self.costs is not None else NodeCosts()
-        prefill_raw, decode_raw = engine.scheduler.work()
+        prefill_raw, decode_raw = engine.scheduler.work(time.monotonic())
         prefill = [PrefillWork(n, c) for n, c in prefill_raw]
         decoding = [DecodeWork(*d) for d in decode_raw]
         forecast = (

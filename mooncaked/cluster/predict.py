@@ -337,6 +337,9 @@ class DecodeWork:
     context_tokens: int
     output_tokens: int
     max_more_tokens: int
+    # Seconds until a handoff's KV is expected in and it starts decoding (0:
+    # decoding now, or nothing better known).
+    starts_in_s: float = 0.0
 
 
 def predicted_queue_s(costs: NodeCosts, work: Iterable[PrefillWork], decode_seqs: int = 0) -> float:
@@ -418,6 +421,22 @@ class DecodeForecast:
                 return bs[i - 1] + f * (bs[i] - bs[i - 1]), cs[i - 1] + f * (cs[i] - cs[i - 1])
         return bs[-1], cs[-1]
 
+    def mean_over(
+        self, start_s: float, length_s: float, now_batch: int, now_ctx: int, *, points: int = 5
+    ) -> tuple[float, float]:
+        """Batch and context averaged over ``length_s`` from ``start_s`` on: what
+        a request that joins then and decodes that long shares its steps with."""
+        if length_s <= 0.0 or points < 2:
+            return self.at(start_s, now_batch, now_ctx)
+        samples = [
+            self.at(start_s + length_s * i / (points - 1), now_batch, now_ctx)
+            for i in range(points)
+        ]
+        return (
+            sum(b for b, _ in samples) / points,
+            sum(c for _, c in samples) / points,
+        )
+
 
 class DepartureRate:
     """Requests leaving a decode batch per second over a recent window, and
@@ -450,32 +469,48 @@ def forecast_decode(
     arrival_rate: float = 0.0,
     arrival_context_tokens: float = 0.0,
 ) -> DecodeForecast:
-    """Which of ``work`` will still decode at each horizon, and their context.
+    """Which of ``work`` will decode at each horizon, and their context.
 
-    Each request is expected to run ``lengths.expected_more`` more steps; the
-    step time is the model's at the current batch. Requests keep joining at
-    ``arrival_rate`` a second (the node's recent rate, whichever entry
-    placed them), each with ``arrival_context_tokens`` of context and as long
-    a run as the mean: those that joined in the last ``min(h, run)`` seconds
-    are still there at horizon ``h``. So a burst that has stopped arriving
-    forecasts a shrinking batch, and a steady load a steady one.
+    Each request starts when it is expected to (a handoff, once its KV is
+    in: ``starts_in_s``) and is expected to run ``lengths.expected_more``
+    more steps; the step time is the model's at the batch decoding now.
+    Handoffs already placed here are every arrival known: from the last of
+    them on, requests keep joining at ``arrival_rate`` a second (the node's
+    recent rate, whichever entry placed them), each with
+    ``arrival_context_tokens`` of context and as long a run as the mean:
+    those that joined in the last ``run`` seconds are still there at
+    horizon ``h``. So a burst that has stopped arriving forecasts a
+    shrinking batch, a steady load a steady one, and a queue of handoffs
+    waiting on slow prefills their joining one after another, not all at once.
     """
     if (not work and arrival_rate <= 0.0) or not costs.known:
         return DecodeForecast()
-    batch = len(work)
-    ctx = sum(w.context_tokens for w in work)
-    step = max(1e-6, costs.step.decode_step_s(max(1, batch), ctx))
-    ends = [(lengths.expected_more(w.output_tokens, w.max_more_tokens) * step, w) for w in work]
+    now = [w for w in work if w.starts_in_s <= 0.0]
+    step = max(
+        1e-6,
+        costs.step.decode_step_s(max(1, len(now)), sum(w.context_tokens for w in now)),
+    )
+    spans = [
+        (
+            w.starts_in_s,
+            w.starts_in_s + lengths.expected_more(w.output_tokens, w.max_more_tokens) * step,
+            w,
+        )
+        for w in work
+    ]
+    known_until = max((w.starts_in_s for w in work), default=0.0)
     run_s = lengths.mean() * step
     out_b: list[float] = []
     out_c: list[float] = []
     for h in FORECAST_HORIZONS_S:
-        alive = [(end, w) for end, w in ends if end > h]
-        joined = arrival_rate * min(h, run_s)
+        alive = [(start, w) for start, end, w in spans if start <= h < end]
+        # Unknown arrivals, from the last known one on, still there at h.
+        span = max(0.0, min(run_s, h - known_until))
+        joined = arrival_rate * span
         out_b.append(float(len(alive)) + joined)
         out_c.append(
-            float(sum(w.context_tokens + h / step for _, w in alive))
-            + joined * (arrival_context_tokens + min(h, run_s) / 2 / step)
+            float(sum(w.context_tokens + (h - start) / step for start, w in alive))
+            + joined * (arrival_context_tokens + span / 2 / step)
         )
     return DecodeForecast(tuple(round(b, 2) for b in out_b), tuple(float(round(c)) for c in out_c))
 

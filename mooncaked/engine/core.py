@@ -312,6 +312,7 @@ class EngineCore:
         kv_sink: object | None = None,
         output_offset: int = 0,
         peer_fetch: bool = True,
+        kv_ready_in_s: float = 0.0,
     ) -> RequestStream:
         """Queue a request; ``prompt_hashes`` are its full blocks' hashes if the
         caller computed them already (the entry node does, to place it).
@@ -319,7 +320,9 @@ class EngineCore:
         ``kv_source`` / ``kv_sink``: where its prompt's KV comes from or goes
         to (disaggregation; read by the KV connector); ``output_offset``: the
         tokens a resumed stream had sampled before (seeded sampling goes on
-        from there); ``peer_fetch``: whether its prefix may come from peers."""
+        from there); ``peer_fetch``: whether its prefix may come from peers;
+        ``kv_ready_in_s``: when the placement expects the KV from ``kv_source``
+        to be in, seconds from now (0: unknown), for the load forecast."""
         if self.failure is not None:
             raise EngineFailedError(f"the engine failed: {self.failure!r}")
         if self._closing or self._loop_task is None:
@@ -334,6 +337,7 @@ class EngineCore:
             kv_sink=kv_sink,
             output_offset=output_offset,
             peer_fetch=peer_fetch,
+            kv_ready_at=time.monotonic() + kv_ready_in_s if kv_ready_in_s > 0.0 else 0.0,
         )
         num_full = len(prompt_token_ids) // self.block_size
         if prompt_hashes is not None and len(prompt_hashes) >= num_full:

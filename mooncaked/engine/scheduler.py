@@ -367,23 +367,27 @@ class Scheduler:
                 queued += left
         return queued, decode
 
-    def work(self) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    def work(
+        self, now: float = 0.0
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, float]]]:
         """Plain data a cost forecast needs, split as ``load`` splits it.
 
         Prompts still to compute, each as (tokens left, tokens computed), in
         queue order; and requests that decode, or will once the KV they wait
         for is in (a decode node's handoffs), each as (context tokens, output
-        tokens, most output tokens still allowed).
+        tokens, most output tokens still allowed, seconds from ``now`` until
+        its placement expected the KV in: 0 once decoding or when unknown).
         """
         prefill: list[tuple[int, int]] = []
-        decode: list[tuple[int, int, int]] = []
+        decode: list[tuple[int, int, int, float]] = []
 
-        def decoding(req: Request) -> tuple[int, int, int]:
+        def decoding(req: Request, waits: bool = False) -> tuple[int, int, int, float]:
             out = req.output_offset + len(req.output_token_ids)
             return (
                 req.num_tokens,
                 out,
                 max(1, req.sampling.max_tokens - len(req.output_token_ids)),
+                max(0.0, req.kv_ready_at - now) if waits and req.kv_ready_at > 0.0 else 0.0,
             )
 
         for req in self.running:
@@ -396,7 +400,7 @@ class Scheduler:
             decode.append(decoding(req))
         for req in self.waiting:
             if req.kv_source is not None and not req.num_computed_tokens:
-                decode.append(decoding(req))
+                decode.append(decoding(req, waits=True))
             else:
                 prefill.append((req.num_tokens - req.num_computed_tokens, req.num_computed_tokens))
         return prefill, decode

@@ -72,6 +72,13 @@ async def test_costs_gossip_placement_explain_and_slo_rejection(
                 == (resp.headers["x-mooncaked-predicted-ttft-ms"])
             )
             assert float(resp.headers["x-mooncaked-model-tbt-ms"]) > 0
+            await resp.read()
+        # Measured against the forecasts: TTFT at the first token, the mean
+        # gap between the other three at the stream's end.
+        async with http.get(f"{decode.url}/admin/status") as resp:
+            calibration = (await resp.json())["conductor"]["calibration"]
+        assert calibration["ttft"]["samples"] == 1
+        assert calibration["tbt"]["samples"] == 1
 
     client = openai.AsyncOpenAI(base_url=f"{decode.url}/v1", api_key="unused", max_retries=0)
     try:

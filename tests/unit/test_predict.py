@@ -8,6 +8,7 @@ import pytest
 
 from mooncaked.cluster.predict import (
     Calibration,
+    DecodeForecast,
     DecodeWork,
     LinkMeter,
     NodeCosts,
@@ -225,3 +226,28 @@ def test_calibration_margin_is_the_target_quantile_of_measured_over_forecast() -
     assert cal.margin(0.95) == pytest.approx(seen[37]) == pytest.approx(1.3)
     assert cal.margin(0.5) == pytest.approx(seen[19]) == pytest.approx(1.0)
     assert cal.margin(0.0) == 1.0
+
+
+def test_handoffs_join_the_forecast_when_their_kv_is_expected_in() -> None:
+    costs = NodeCosts(StepCost(base_s=0.01), 1000, 256, 64)
+    lengths = OutputLengths()
+    for _ in range(10):
+        lengths.add(100)
+    # Runs of 1 s. One request decoding now; one handoff expected in at
+    # 1.5 s, so decoding over [1.5 s, 2.5 s): not counted before it starts.
+    work = [DecodeWork(100, 0, 1000), DecodeWork(300, 0, 1000, starts_in_s=1.5)]
+    fc = forecast_decode(costs, work, lengths)
+    assert fc.batch[:4] == (1.0, 0.0, 1.0, 0.0)  # at 0.5, 1, 2 and 4 s
+    # Its context at 2 s: its prompt and the 50 tokens of its first 0.5 s.
+    assert fc.context_tokens[2] == 350.0
+    # Unknown arrivals (two a second) only from the last known one on.
+    fc = forecast_decode(costs, work, lengths, arrival_rate=2.0, arrival_context_tokens=100)
+    assert fc.batch[:4] == (1.0, 0.0, 2.0, 2.0)
+
+
+def test_the_forecast_averages_over_a_run() -> None:
+    fc = DecodeForecast((4.0, 2.0, 0.0, 0.0, 0.0, 0.0), (400.0, 200.0, 0.0, 0.0, 0.0, 0.0))
+    # Over [0.5 s, 1.5 s], linear between the horizons 0.5, 1 and 2 s: 4, 3,
+    # 2, 1.5 and 1 at its five points.
+    assert fc.mean_over(0.5, 1.0, 8, 800) == pytest.approx((2.3, 230.0))
+    assert fc.mean_over(0.5, 0.0, 8, 800) == (4.0, 400.0)

@@ -280,3 +280,17 @@ def test_token_slice_equals_slicing_the_whole_sequence() -> None:
     for start in range(len(full) + 1):
         for end in range(start, len(full) + 2):
             assert r.token_slice(start, end) == full[start:end]
+
+
+def test_work_says_when_each_handoff_is_expected_to_start_decoding() -> None:
+    s = make()
+    s.add_request(req("local", 8))
+    for rid, base, ready_at in (("soon", 100, 10.5), ("late", 200, 9.0), ("unknown", 300, 0.0)):
+        handoff = req(rid, 8, base=base)
+        handoff.kv_source = object()
+        handoff.kv_ready_at = ready_at
+        s.add_request(handoff)
+    prefill, decode = s.work(now=10.0)
+    assert prefill == [(8, 0)]
+    # Half a second to go; overdue counts from now; no forecast, none known.
+    assert decode == [(8, 0, 4, 0.5), (8, 0, 4, 0.0), (8, 0, 4, 0.0)]

@@ -401,7 +401,7 @@ def test_decode_runs_give_the_step_by_step_timeline(shape: Shape) -> None:
     base = SimConfig(
         shape,
         node(chunk=256),
-        params=ConductorParams(early_reject=EarlyReject.PREDICTED),
+        params=ConductorParams(early_reject=EarlyReject.CURRENT),
         slo=Slo(ttft_s=5.0, tbt_s=0.05),
         scale=TraceScale(block_tokens=BS, input_scale=BS / 512, time_scale=0.2),
     )
