@@ -462,7 +462,8 @@ def decide(
             reject = Reject(
                 429,
                 f"no decode node can keep the time between tokens within "
-                f"{slo.tbt_s * 1e3:.0f} ms ({params.early_reject.value} load); retry later",
+                f"{slo.tbt_s * 1e3:.0f} ms ({params.early_reject.value} load; "
+                f"{_tbt_forecast(params, dscores)}); retry later",
                 retry_after_s=_tbt_retry_after(dscores),
                 code="tbt_slo",
             )
@@ -518,7 +519,7 @@ def _colocated(
         reject = Reject(
             429,
             f"this node cannot keep the time between tokens within {slo.tbt_s * 1e3:.0f} ms "
-            f"({params.early_reject.value} load); retry later",
+            f"({params.early_reject.value} load; {_tbt_forecast(params, [d])}); retry later",
             retry_after_s=_tbt_retry_after([d]),
             code="tbt_slo",
         )
@@ -770,6 +771,23 @@ def _order_decode(
             pool[i].load.kv_usage,
             pool[i].cand.node_id,
         ),
+    )
+
+
+def _tbt_forecast(params: ConductorParams, scores: Sequence[DecodeScore]) -> str:
+    """The least TBT forecast among ``scores``, as the rejection judged it."""
+    known = [s for s in scores if s.costs_known]
+    if not known:
+        return "no node has room"
+    best = min(known, key=lambda s: s.tbt_s)
+    margin = (
+        f", {params.tbt_margin:.2f}x with the margin recent requests needed"
+        if params.tbt_margin != 1.0
+        else ""
+    )
+    return (
+        f"predicted {params.tbt(best.tbt_s) * 1e3:.1f} ms{margin} on {best.node_id} "
+        f"at batch {best.batch_at_join:g}"
     )
 
 

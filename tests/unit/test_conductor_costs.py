@@ -239,6 +239,7 @@ def test_admission_allows_for_the_margin_recent_requests_needed() -> None:
     tight = params(early_reject=cur, tbt_margin=1.3)
     r = decide(view, request(), 0.0, slo=Slo(tbt_s=0.060), params=tight).result
     assert isinstance(r, Reject) and r.code == "tbt_slo"
+    assert "1.30x with the margin" in r.reason and "on d1 at batch 40" in r.reason
 
 
 def test_costs_not_measured_never_reject() -> None:
@@ -259,6 +260,8 @@ def test_no_decode_node_within_the_tbt_slo() -> None:
         view, request(), 0.0, slo=Slo(tbt_s=0.050), params=params(early_reject=EarlyReject.CURRENT)
     ).result
     assert isinstance(r, Reject) and r.code == "tbt_slo" and r.status == 429
+    # The message gives the best node's forecast, the one closest to the SLO.
+    assert "(current load; predicted 52.1 ms on d1 at batch 40)" in r.reason, r.reason
     # With a looser SLO the least loaded decode node takes it.
     p = placed(decide(view, request(), 0.0, slo=Slo(tbt_s=0.2)).result)
     assert p.decode.node_id == "d1"
