@@ -636,16 +636,24 @@ class Calibration:
         self._since_fit += 1
         if len(self._pairs) >= self._min and self._since_fit >= 4:
             self._since_fit = 0
-            offset, scale = fit_relative_l1(
-                self._pairs, min_scale=self._min_scale, max_scale=self._max_scale
-            )
-            # Kept only where it makes the recent forecasts better than the
-            # model alone, as judged (the median relative error): a model
-            # that is right needs no correction fitted to its noise.
-            if _median_error(self._pairs, offset, scale) < _median_error(self._pairs, 0.0, 1.0):
-                self.offset_s, self.scale = offset, scale
-            else:
-                self.offset_s, self.scale = 0.0, 1.0
+            self.offset_s, self.scale = self._fit()
+
+    def _fit(self) -> tuple[float, float]:
+        """The line, kept only where it makes forecasts better than the model
+        alone (the median relative error, as they are judged) on the newest
+        quarter of the pairs, fitted without them: a line fitted to a
+        window's noise beats the model on that window and on nothing else,
+        and a model that is right needs no correction."""
+        pairs = list(self._pairs)
+        held = max(2, len(pairs) // 4)
+        older, newest = pairs[:-held], pairs[-held:]
+        if len(older) < 2:
+            return 0.0, 1.0
+        bounds = {"min_scale": self._min_scale, "max_scale": self._max_scale}
+        offset, scale = fit_relative_l1(older, **bounds)
+        if _median_error(newest, offset, scale) >= _median_error(newest, 0.0, 1.0):
+            return 0.0, 1.0
+        return fit_relative_l1(pairs, **bounds)
 
     def __len__(self) -> int:
         return len(self._pairs)

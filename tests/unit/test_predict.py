@@ -202,6 +202,19 @@ def test_calibration_is_not_dragged_by_stalls_and_leaves_a_right_model_alone() -
     assert (right.offset_s, right.scale) == (0.0, 1.0)
 
 
+def test_a_correction_the_newest_requests_do_not_bear_out_is_dropped() -> None:
+    cal = Calibration(min_samples=8)
+    ps = [0.1 + 0.01 * i for i in range(100)]
+    for p in ps[:75]:
+        cal.add(p, 2.0 * p)  # twice the model for a while...
+    assert cal.scale == pytest.approx(2.0, rel=1e-3)
+    for p in ps[75:]:
+        cal.add(p, p)  # ...then the model is right again
+    # Fitted on all 100 pairs the line still says about 2x; judged on the
+    # newest quarter, which it was not fitted to, it is worse than the model.
+    assert (cal.offset_s, cal.scale) == (0.0, 1.0)
+
+
 def test_relative_l1_fit_bounds() -> None:
     pairs = [(p, 3.0 * p) for p in (0.1, 0.2, 0.4, 0.8)]
     assert fit_relative_l1(pairs) == pytest.approx((0.0, 3.0), abs=1e-6)
