@@ -67,6 +67,12 @@ GENERATE_PATH = "/internal/generate"
 # forecast (a shorter one says more about one step than about the batch).
 MIN_TBT_GAPS = 2
 
+# While nothing has been admitted for this long, a request that only the
+# admission margins reject is admitted anyway: the margins come from
+# measured requests, and rejecting everything measures nothing, so a margin
+# blown up by a burst would otherwise reject every request from then on.
+PROBE_AFTER_S = 1.0
+
 # Decode nodes tried for one request (first placement, refusals, resumes).
 MAX_DECODE_ATTEMPTS = 4
 
@@ -448,6 +454,9 @@ class Router:
         self.num_local = 0
         self.num_resumed = 0
         self.num_replaced = 0
+        # Requests admitted although the margins alone rejected them (PROBE_AFTER_S).
+        self.num_probes = 0
+        self._last_admitted = clock()
         # (policy, outcome) -> count, and (policy, reason) -> count of rejections.
         self.decisions: dict[tuple[str, str], int] = {}
         self.rejections: dict[tuple[str, str], int] = {}
@@ -499,9 +508,11 @@ class Router:
         *,
         slo: Slo | None = None,
         failed: frozenset[str] = frozenset(),
+        margins: bool = True,
     ) -> Decision:
         """The Conductor's decision for a prompt now, with every candidate's
-        figures; nothing is recorded (``explain`` shows it as is)."""
+        figures; nothing is recorded (``explain`` shows it as is).
+        ``margins=False`` judges the corrected forecasts without the margins."""
         engine = self.engine()
         if engine is None:
             raise RouteError(503, "the model is still loading; retry shortly")
@@ -530,8 +541,8 @@ class Router:
                 ttft_scale=self.ttft_calibration.scale,
                 tbt_offset_s=self.tbt_calibration.offset_s,
                 tbt_scale=self.tbt_calibration.scale,
-                ttft_margin=self.ttft_calibration.margin(self.slo_target),
-                tbt_margin=self.tbt_calibration.margin(self.slo_target),
+                ttft_margin=self.ttft_calibration.margin(self.slo_target) if margins else 1.0,
+                tbt_margin=self.tbt_calibration.margin(self.slo_target) if margins else 1.0,
             ),
             slo=self.slo,
             pending=self.ledger.pending(view, now),
@@ -551,14 +562,27 @@ class Router:
             return Placement(decode=Candidate(me, "", engine.config.node.role))
         resumed = len(prompt) != len(req.prompt_token_ids)
         hashes = () if resumed else tuple(req.hashes)
+        # A resumed request was admitted once: it is finished, not judged again.
+        slo = Slo() if resumed else req.slo
         decision = self.decide(
-            prompt,
-            hashes,
-            req.sampling.max_tokens,
-            # A resumed request was admitted once: it is finished, not judged again.
-            slo=Slo() if resumed else req.slo,
-            failed=frozenset(failed),
+            prompt, hashes, req.sampling.max_tokens, slo=slo, failed=frozenset(failed)
         )
+        if (
+            isinstance(decision.result, Reject)
+            and decision.result.code in ("ttft_slo", "tbt_slo")
+            and self._clock() - self._last_admitted >= PROBE_AFTER_S
+        ):
+            probe = self.decide(
+                prompt,
+                hashes,
+                req.sampling.max_tokens,
+                slo=slo,
+                failed=frozenset(failed),
+                margins=False,
+            )
+            if isinstance(probe.result, Placement):
+                decision = probe
+                self.num_probes += 1
         policy = decision.policy.value
         result = decision.result
         if isinstance(result, Reject):
@@ -573,6 +597,7 @@ class Router:
             "colocated" if result.colocated else ("fetch" if result.fetch else "disaggregated"),
         )
         self._record(view, decision, result)
+        self._last_admitted = self._clock()
         if result.decode.node_id == me:
             self.num_local += 1
         else:

@@ -88,6 +88,9 @@ class ConductorAPI:
                 {"policy": p, "reason": o, "count": n} for (p, o), n in sorted(r.rejections.items())
             ],
             "pending_placements": len(r.ledger),
+            # Admitted though only the margins rejected them, nothing else
+            # having been admitted for a while (router.PROBE_AFTER_S).
+            "probes": r.num_probes,
             # This entry's correction of the models by what it measured.
             "calibration": {
                 name: {
@@ -140,6 +143,12 @@ class ConductorCollector:
         for (policy, reason), n in sorted(r.rejections.items()):
             rejections.add_metric([policy, reason], n)
         yield rejections
+        yield CounterMetricFamily(
+            "mooncaked_conductor_probes",
+            "Requests admitted although only the admission margins rejected them, after "
+            "nothing had been admitted for a while (so the margins are measured again).",
+            value=r.num_probes,
+        )
         costs = self._costs()
         if costs is not None:
             step = costs.fitter.cost

@@ -58,6 +58,7 @@ def add(
     costs: NodeCosts = COSTS,
     forecast: DecodeForecast | None = None,
     version: int = 1,
+    model: str = MODEL,
 ) -> None:
     st = NodeState(
         node_id,
@@ -65,7 +66,7 @@ def add(
         version,
         "127.0.0.1:1",
         role,
-        MODEL,
+        model,
         f"{node_id}:80",
         False,
         load or NodeLoad(),

@@ -1,0 +1,70 @@
+"""An entry whose admission margins reject everything still admits a probe now and then."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncaked.cluster.conductor import Placement
+from mooncaked.cluster.state import ClusterView, NodeLoad
+from mooncaked.config import Config, ConductorConfig, SloConfig
+from mooncaked.engine.core import EngineCore
+from mooncaked.engine.loader import load_model
+from mooncaked.request import SamplingParams
+from mooncaked.router import PROBE_AFTER_S, RouteError, Router
+from tests.unit.test_conductor_costs import add
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on() -> None:
+    engine = EngineCore(Config(), load_model(Config().model))
+    clock = Clock()
+    view = ClusterView("d1", clock=clock)
+    add(view, "p1", "prefill", model=engine.model_id)
+    # A step of 10 ms + 2 x 1 ms with this request: within a 30 ms TBT SLO.
+    add(view, "d1", "decode", load=NodeLoad(running_decode_batch=1), model=engine.model_id)
+    router = Router(
+        node_id=lambda: "d1",
+        secret=b"s" * 32,
+        engine=lambda: engine,
+        view=lambda: view,
+        clock=clock,
+        conductor=ConductorConfig(early_reject="current"),
+        slo=SloConfig(tbt_s=0.030),
+    )
+    # Most recent requests took their forecast; a burst of them took 6x: the
+    # correction stays the identity and the margin for 95% of them is 6.
+    for i in range(16):
+        router.tbt_calibration.add(0.010, 0.060 if i % 8 == 0 else 0.010)
+    assert router.tbt_calibration.scale == 1.0
+    assert router.tbt_calibration.margin(router.slo_target) == pytest.approx(6.0)
+
+    def place() -> Placement | RouteError:
+        sub = router.submit(list(range(40)), SamplingParams(max_tokens=8), "r", [])
+        try:
+            return router.placement(sub.req, sub.req.prompt_token_ids, set())
+        except RouteError as exc:
+            return exc
+
+    clock.now += PROBE_AFTER_S / 2
+    first = place()
+    assert isinstance(first, RouteError) and first.code == "tbt_slo"
+    # Nothing admitted for PROBE_AFTER_S: one request is, judged without the margins...
+    clock.now += PROBE_AFTER_S
+    assert isinstance(place(), Placement)
+    assert router.num_probes == 1
+    # ...and only one: the next is judged with them again.
+    again = place()
+    assert isinstance(again, RouteError) and again.code == "tbt_slo"
+    # A forecast over the SLO even without the margins is never a probe.
+    add(view, "d1", "decode", load=NodeLoad(running_decode_batch=40), model=engine.model_id)
+    clock.now += 2 * PROBE_AFTER_S
+    over = place()
+    assert isinstance(over, RouteError) and over.code == "tbt_slo"
+    assert router.num_probes == 1
