@@ -6,7 +6,7 @@ import pytest
 
 from mooncaked.cluster.conductor import Placement
 from mooncaked.cluster.state import ClusterView, NodeLoad
-from mooncaked.config import Config, ConductorConfig, SloConfig
+from mooncaked.config import ConductorConfig, Config, SloConfig
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import load_model
 from mooncaked.request import SamplingParams
