@@ -401,11 +401,7 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
 )
 def up(args: argparse.Namespace, env: Env) -> int:
     plans = plan_nodes(args.prefill, args.decode, args.port)
-    cpus = (
-        node_cpus(len(plans), sorted(os.sched_getaffinity(0)))
-        if args.pin
-        else [""] * len(plans)
-    )
+    cpus = node_cpus(len(plans), sorted(os.sched_getaffinity(0))) if args.pin else [""] * len(plans)
     base = read_base_config(args.config)
     run_dir = _run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
