@@ -112,6 +112,14 @@ def status_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
                         f"x{c.get('margin', 1.0):g} ({c['samples']} requests measured)",
                     )
                 )
+        if cond.get("probes"):
+            rows.append(
+                (
+                    "probes",
+                    f"{cond['probes']} admitted that only the margins rejected, after a second "
+                    "with nothing admitted",
+                )
+            )
     return rows
 
 

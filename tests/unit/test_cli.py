@@ -272,6 +272,7 @@ def test_status_rows_explain_admission() -> None:
                 "ttft": {"offset_s": 0.012, "scale": 0.9, "margin": 1.31, "samples": 128},
                 "tbt": {"offset_s": 0.0, "scale": 1.0, "margin": 1.0, "samples": 0},
             },
+            "probes": 3,
         },
     }
     rows = dict(status_rows(st))
@@ -282,3 +283,4 @@ def test_status_rows_explain_admission() -> None:
         "x0.9 + 12.0 ms, admission margin x1.31 (128 requests measured)"
     )
     assert "tbt forecast" not in rows  # nothing measured yet
+    assert rows["probes"].startswith("3 admitted that only the margins rejected")
