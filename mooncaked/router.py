@@ -31,7 +31,6 @@ import aiohttp
 import orjson
 import structlog
 
-from mooncaked.api.disagg import MAX_KV_READY_IN_S
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cluster.conductor import (
     Candidate,
@@ -51,7 +50,7 @@ from mooncaked.cluster.predict import Calibration, OutputLengths
 from mooncaked.cluster.state import ClusterView
 from mooncaked.config import ConductorConfig, SloConfig
 from mooncaked.engine.core import EngineCore
-from mooncaked.engine.handoff import PrefillSource, PrefillTarget
+from mooncaked.engine.handoff import MAX_KV_READY_IN_S, PrefillSource, PrefillTarget
 from mooncaked.request import (
     RequestOutput,
     SamplingParams,

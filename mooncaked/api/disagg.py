@@ -39,6 +39,7 @@ from mooncaked.engine.core import (
     QueueFullError,
 )
 from mooncaked.engine.handoff import (
+    MAX_KV_READY_IN_S,
     KVGrant,
     KVSender,
     KVWrite,
@@ -60,10 +61,6 @@ from mooncaked.rpc import Verifier, derive_key, signed_headers
 from mooncaked.transfer import TransferEngine, TransferOp, WriteGrant
 
 log = structlog.get_logger(__name__)
-
-# A forecast further out than this is no forecast: the request is refused
-# (the router clamps what it sends to it).
-MAX_KV_READY_IN_S = 3600.0
 
 GENERATE_PATH = "/internal/generate"
 PREFILL_PATH = "/internal/prefill"

@@ -49,6 +49,7 @@ from mooncaked.request import Request
 log = structlog.get_logger(__name__)
 
 __all__ = [
+    "MAX_KV_READY_IN_S",
     "HandoffStats",
     "KVGrant",
     "KVReceiver",
@@ -67,6 +68,9 @@ __all__ = [
 _GRANT_GRACE_S = 2.0
 # Most blocks one grant may name (a 1M-token prompt in 16-token blocks).
 MAX_GRANT_BLOCKS = 1 << 16
+# Furthest out a placement's "KV in by" forecast for a handoff may be: the
+# decode node refuses more (api/disagg.py), the entry clamps to it (router.py).
+MAX_KV_READY_IN_S = 3600.0
 
 
 class PrefillError(Exception):
