@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -201,13 +202,9 @@ def pin_cpus(cpu_list: str) -> frozenset[int]:
 def format_cpu_list(cpus: frozenset[int]) -> str:
     """``cpus`` as a Linux CPU list, ranges joined: {0, 1, 2, 5} -> "0-2,5"."""
     out: list[str] = []
-    run: list[int] = []
-    for c in sorted(cpus):
-        if run and c != run[-1] + 1:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-            run = []
-        run.append(c)
-    if run:
+    # Consecutive CPUs share their value minus their rank.
+    for _, group in itertools.groupby(enumerate(sorted(cpus)), lambda ic: ic[1] - ic[0]):
+        run = [c for _, c in group]
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ",".join(out)
 

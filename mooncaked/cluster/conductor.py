@@ -705,7 +705,10 @@ def _decode_score(
     request: PlacementRequest, params: ConductorParams, slo: Slo, n: _Node, join_in_s: float
 ) -> DecodeScore:
     load = n.load
-    batch_now = max(load.pending_decode, load.running_decode_batch) + n.pending.decodes
+    # Its gossiped batch (handoffs waiting for KV included), and with what
+    # this entry placed there since.
+    gossiped = max(load.pending_decode, load.running_decode_batch)
+    batch_now = gossiped + n.pending.decodes
     ctx_now = load.decode_context_tokens
     expected = request.expected_output_tokens or request.max_tokens / 2
     known = n.costs.known
@@ -713,14 +716,13 @@ def _decode_score(
         # Averaged over the request's own run, from when its prefill is to
         # end: what it shares its steps with, which is what its TBT is.
         # (Rejection on current load, the baseline, judges the batch now.)
-        now_b = max(load.pending_decode, load.running_decode_batch)
-        b0, c0 = n.forecast.at(join_in_s, now_b, ctx_now)
+        b0, c0 = n.forecast.at(join_in_s, gossiped, ctx_now)
         run_s = (
             expected * n.costs.step.decode_step_s(max(1, math.ceil(b0) + 1), round(c0))
             if known
             else 0.0
         )
-        batch, ctx = n.forecast.mean_over(join_in_s, run_s, now_b, ctx_now)
+        batch, ctx = n.forecast.mean_over(join_in_s, run_s, gossiped, ctx_now)
         batch += n.pending.decodes
     else:
         batch, ctx = float(batch_now), float(ctx_now)
