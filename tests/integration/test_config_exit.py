@@ -21,8 +21,15 @@ from tests.conftest import TEST_TOML, _env
     ],
 )
 def test_bad_model_setting_exits_2_with_one_line(tmp_path: Path, model: str, expect: str) -> None:
-    cfg = tmp_path / "m.toml"
-    cfg.write_text(TEST_TOML + f"\n[model]\n{model}\n")
+    last = _config_error(tmp_path, f"[model]\n{model}\n")
+    assert expect in last, last
+
+
+def _config_error(tmp_path: Path, sections: str) -> str:
+    """Start a daemon on the test config plus ``sections``: it must exit 2,
+    no traceback; the last line of its stderr."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(TEST_TOML + "\n" + sections)
     proc = subprocess.run(
         [sys.executable, "-m", "mooncaked", "--config", str(cfg)],
         capture_output=True,
@@ -33,7 +40,8 @@ def test_bad_model_setting_exits_2_with_one_line(tmp_path: Path, model: str, exp
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("mooncaked: config error:") and expect in last, last
+    assert last.startswith("mooncaked: config error:"), last
+    return last
 
 
 def test_ssd_path_with_zero_bytes_is_refused() -> None:
@@ -43,16 +51,6 @@ def test_ssd_path_with_zero_bytes_is_refused() -> None:
 
 def test_cpus_the_daemon_may_not_use_exit_2_naming_them(tmp_path: Path) -> None:
     beyond = max(os.sched_getaffinity(0)) + 1
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(TEST_TOML + f'\n[node]\ncpus = "{beyond}"\n')
-    proc = subprocess.run(
-        [sys.executable, "-m", "mooncaked", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
+    last = _config_error(tmp_path, f'[node]\ncpus = "{beyond}"\n')
     assert last.startswith("mooncaked: config error: node.cpus:"), last
     assert f"({beyond})" in last and "it may use" in last, last

@@ -22,7 +22,7 @@ from mooncakectl.local import (
     read_base_config,
     to_toml,
 )
-from mooncaked.config import config_from_dict, load_config
+from mooncaked.config import Config, config_from_dict, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -165,23 +165,28 @@ def test_to_toml_names_a_value_it_cannot_write() -> None:
         to_toml({"node": {"extra": {"a": 1}}})
 
 
+def _cluster_node_config(tmp_path: Path, base: dict[str, dict[str, Any]], **kw: Any) -> Config:
+    """The config ``up`` writes for one prefill node of a local cluster, as the daemon reads it."""
+    doc = node_config(
+        base,
+        NodePlan("prefill-0", "prefill", 18000, 0),
+        cluster=True,
+        seed="127.0.0.1:17946",
+        secret="s" * 43,
+        model=None,
+        data_dir=tmp_path / "data",
+        **kw,
+    )
+    return config_from_dict(tomllib.loads(to_toml(doc)))
+
+
 def test_local_nodes_share_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import mooncakectl.local as local
 
     monkeypatch.setattr(local, "cores", lambda: 8)
 
     def threads(base: dict[str, dict[str, Any]], num_nodes: int) -> int:
-        doc = node_config(
-            base,
-            NodePlan("prefill-0", "prefill", 18000, 0),
-            cluster=True,
-            seed="127.0.0.1:17946",
-            secret="s" * 43,
-            model=None,
-            data_dir=tmp_path / "data",
-            num_nodes=num_nodes,
-        )
-        return config_from_dict(tomllib.loads(to_toml(doc))).model.cpu_threads
+        return _cluster_node_config(tmp_path, base, num_nodes=num_nodes).model.cpu_threads
 
     # One node alone measures its team at start-up (0); several share the cores.
     assert threads({}, 1) == 0
@@ -195,15 +200,4 @@ def test_pin_gives_each_local_node_cores_of_its_own(tmp_path: Path) -> None:
     assert node_cpus(3, [7, 0, 1, 2, 3, 4, 5, 6]) == ["0,1", "2,3", "4,5"]
     with pytest.raises(ValueError, match="--pin: 3 nodes need a core each"):
         node_cpus(3, [0, 1])
-    doc = node_config(
-        {},
-        NodePlan("decode-0", "decode", 18001, 0),
-        cluster=True,
-        seed="127.0.0.1:17946",
-        secret="s" * 43,
-        model=None,
-        data_dir=tmp_path / "data",
-        num_nodes=3,
-        cpus="4,5",
-    )
-    assert config_from_dict(tomllib.loads(to_toml(doc))).node.cpus == "4,5"
+    assert _cluster_node_config(tmp_path, {}, num_nodes=3, cpus="4,5").node.cpus == "4,5"

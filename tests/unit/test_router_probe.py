@@ -12,14 +12,7 @@ from mooncaked.engine.loader import load_model
 from mooncaked.request import SamplingParams
 from mooncaked.router import PROBE_AFTER_S, RouteError, Router
 from tests.unit.test_conductor_costs import add
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.test_transfer_access import Clock
 
 
 def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on() -> None:
