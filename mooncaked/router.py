@@ -467,6 +467,15 @@ class Router:
     def clock(self) -> float:
         return self._clock()
 
+    def ttft_margin(self) -> float:
+        """What admission multiplies the corrected TTFT forecast by: judged on
+        the recent requests forecast near the node's SLO."""
+        return self.ttft_calibration.margin(self.slo_target, self.slo.ttft_s)
+
+    def tbt_margin(self) -> float:
+        """The same for the TBT forecast."""
+        return self.tbt_calibration.margin(self.slo_target, self.slo.tbt_s)
+
     def resumed_since(self, sub: Submission) -> bool:
         """Whether ``sub`` ran on more than one decode node (its timing is no
         measure of one placement's forecast)."""
@@ -540,8 +549,8 @@ class Router:
                 ttft_scale=self.ttft_calibration.scale,
                 tbt_offset_s=self.tbt_calibration.offset_s,
                 tbt_scale=self.tbt_calibration.scale,
-                ttft_margin=self.ttft_calibration.margin(self.slo_target) if margins else 1.0,
-                tbt_margin=self.tbt_calibration.margin(self.slo_target) if margins else 1.0,
+                ttft_margin=self.ttft_margin() if margins else 1.0,
+                tbt_margin=self.tbt_margin() if margins else 1.0,
             ),
             slo=self.slo,
             pending=self.ledger.pending(view, now),

@@ -97,10 +97,13 @@ class ConductorAPI:
                     "offset_s": round(c.offset_s, 6),
                     "scale": round(c.scale, 4),
                     # What admission multiplies the corrected forecast by.
-                    "margin": round(c.margin(r.slo_target), 4),
+                    "margin": round(margin, 4),
                     "samples": len(c),
                 }
-                for name, c in (("ttft", r.ttft_calibration), ("tbt", r.tbt_calibration))
+                for name, c, margin in (
+                    ("ttft", r.ttft_calibration, r.ttft_margin()),
+                    ("tbt", r.tbt_calibration, r.tbt_margin()),
+                )
             },
         }
         if costs is not None:

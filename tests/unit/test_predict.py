@@ -241,6 +241,34 @@ def test_calibration_margin_is_the_target_quantile_of_measured_over_forecast() -
     assert cal.margin(0.0) == 1.0
 
 
+def test_calibration_margin_for_an_slo_is_judged_by_the_requests_forecast_near_it() -> None:
+    cal = Calibration(min_samples=8)
+    # A third of the requests forecast at 10 ms took 30 (short streams, a
+    # step stalled by a prefill chunk), a tenth of all: a quantile of every
+    # ratio says 3x. Those forecast at 80 ms, near a 100 ms SLO, took 0.9x to
+    # 1.1x of it. No line fits both, so the correction stays the identity.
+    near = [0.9, 0.95, 1.0, 1.05, 1.1]
+    for i in range(60):
+        if i % 10 == 0:
+            cal.add(0.010, 0.030)
+        elif i % 10 in (1, 2):
+            cal.add(0.010, 0.010)
+        else:
+            cal.add(0.080, 0.080 * near[i % 5])
+    assert (cal.offset_s, cal.scale) == (0.0, 1.0)
+    assert cal.margin(0.95) == pytest.approx(3.0)
+    # Forecasts from half the SLO up: 42 pairs, 95% of them within 1.1x.
+    assert cal.margin(0.95, 0.100) == pytest.approx(1.1)
+    # Where fewer than min_samples were forecast that high, the longest
+    # forecasts judge: the 8 at 80 ms (of which the longest took 1.1x).
+    assert cal.margin(0.95, 1.0) == pytest.approx(1.1)
+    # A margin below 1 where the long forecasts ran long.
+    fast = Calibration(min_samples=8)
+    for i in range(20):
+        fast.add(0.010, 0.010) if i % 2 else fast.add(0.080, 0.060)
+    assert fast.margin(0.95, 0.100) == pytest.approx(0.75)
+
+
 def test_handoffs_join_the_forecast_when_their_kv_is_expected_in() -> None:
     costs = NodeCosts(StepCost(base_s=0.01), 1000, 256, 64)
     lengths = OutputLengths()

@@ -36,7 +36,7 @@ def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on
     for i in range(16):
         router.tbt_calibration.add(0.010, 0.060 if i % 8 == 0 else 0.010)
     assert router.tbt_calibration.scale == 1.0
-    assert router.tbt_calibration.margin(router.slo_target) == pytest.approx(6.0)
+    assert router.tbt_margin() == pytest.approx(6.0)
 
     def place() -> Placement | RouteError:
         sub = router.submit(list(range(40)), SamplingParams(max_tokens=8), "r", [])
