@@ -63,6 +63,7 @@ from mooncakectl.bench.trace import TraceSlice, read_trace
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ("random", "load_balance", "local_cache", "conductor")
+EARLY_REJECT = ("off", "current", "predicted")
 
 
 def pool_cpus(prefill: int, decode: int, cpus: Sequence[int]) -> list[str]:
@@ -394,13 +395,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 file=sys.stderr,
             )
         print(
-            f"\npolicies, {args.prefill}P+{args.decode}D, {args.entries} entry node(s), "
+            f"\n{args.prefill}P+{args.decode}D, {args.entries} entry node(s), "
             f"{args.count} trace records ({args.selection}), {args.block_tokens} tokens per "
             f"hash id, time scale {args.time_scale}, SLO TTFT {args.slo_ttft_ms} ms "
             f"TBT {args.slo_tbt_ms} ms"
         )
-        base = "load_balance" if "load_balance" in summaries else next(iter(summaries))
-        print_table(summaries, base)
+        if summaries:
+            base = "load_balance" if "load_balance" in summaries else next(iter(summaries))
+            print_table(summaries, base)
         out["policies"] = summaries
         # Every request as the bench recorded it, to study offline.
         out["requests"] = {name: res["requests"] for name, res in results.items()}
@@ -413,33 +415,66 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             print_accuracy(acc, "prediction (conductor run, as promised)")
             print_accuracy(model, "prediction (conductor run, cost model before calibration)")
         if args.overload:
-            over: dict[str, dict[str, Any]] = {}
-            for mode in ("off", "current", "predicted"):
-                label = f"overload-{mode}"
-                res = await run_policy(
-                    args,
-                    workdir,
-                    label,
-                    {"policy": "conductor", "early_reject": mode},
-                    slo,
-                    args.time_scale / args.overload,
-                )
-                over[mode] = summarize(res, args.slo_ttft_ms, args.slo_tbt_ms)
-                over[mode]["rejections"] = _rejections(res)
-                out.setdefault("overload_requests", {})[mode] = res["requests"]
-            print(f"\noverload: the same slice {args.overload:g}x faster, SLOs enforced")
-            print(
-                "early rejection  sent  rejected  admitted meeting SLOs  goodput r/s  rejected for"
-            )
-            for mode, s in over.items():
-                why = ", ".join(f"{k} {v}" for k, v in sorted(s["rejections"].items())) or "-"
+            trials: list[dict[str, dict[str, Any]]] = []
+            for trial in range(args.overload_repeats):
+                over: dict[str, dict[str, Any]] = {}
+                for mode in args.overload_modes:
+                    label = f"overload-{mode}"
+                    res = await run_policy(
+                        args,
+                        workdir,
+                        label,
+                        {"policy": "conductor", "early_reject": mode},
+                        slo,
+                        args.time_scale / args.overload,
+                    )
+                    over[mode] = summarize(res, args.slo_ttft_ms, args.slo_tbt_ms)
+                    over[mode]["rejections"] = _rejections(res)
+                    out.setdefault("overload_requests", []).append(
+                        {"trial": trial, "mode": mode, "requests": res["requests"]}
+                    )
+                trials.append(over)
                 print(
-                    f"{mode:<16} {s['sent']:<5} {s['rejected']:<9} "
-                    f"{_fmt(s['admitted_meeting_slo'], '.1%'):<22} "
-                    f"{_fmt(s['goodput_rps'], '.3f'):<12} {why}"
+                    f"\noverload: the same slice {args.overload:g}x faster, SLOs enforced"
+                    + (f" (trial {trial + 1} of {args.overload_repeats})" if trial else "")
                 )
-            out["overload"] = over
+                print_overload(over)
+            out["overload"] = trials
+            if len(trials) > 1:
+                print_overload_trials(trials)
     return out
+
+
+def print_overload(over: dict[str, dict[str, Any]]) -> None:
+    print("early rejection  sent  rejected  admitted meeting SLOs  goodput r/s  rejected for")
+    for mode, s in over.items():
+        why = ", ".join(f"{k} {v}" for k, v in sorted(s["rejections"].items())) or "-"
+        print(
+            f"{mode:<16} {s['sent']:<5} {s['rejected']:<9} "
+            f"{_fmt(s['admitted_meeting_slo'], '.1%'):<22} "
+            f"{_fmt(s['goodput_rps'], '.3f'):<12} {why}"
+        )
+
+
+def print_overload_trials(trials: Sequence[dict[str, dict[str, Any]]]) -> None:
+    """Predicted against current load over every trial: the two goals of
+    early rejection, counted per trial (one run is one draw of a noisy
+    machine's timing, and admission feeds back on it)."""
+    pairs = [t for t in trials if "current" in t and "predicted" in t]
+    if not pairs:
+        return
+    fewer = sum(1 for t in pairs if t["predicted"]["rejected"] < t["current"]["rejected"])
+    met = sum(1 for t in pairs if (t["predicted"]["admitted_meeting_slo"] or 0.0) >= 0.95)
+    cur = sum(t["current"]["rejected"] for t in pairs)
+    pred = sum(t["predicted"]["rejected"] for t in pairs)
+    print(f"\noverload over {len(pairs)} trials, prediction-based vs current-load early rejection:")
+    print(
+        f"  rejected: {pred} vs {cur} in all ({pred / cur:.2f}x); fewer in {fewer} of "
+        f"{len(pairs)} trials"
+        if cur
+        else f"  rejected: {pred} vs {cur}"
+    )
+    print(f"  admitted meeting both SLOs >= 95% with prediction: {met} of {len(pairs)} trials")
 
 
 def add_trace_args(
@@ -518,7 +553,12 @@ def select_records(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_trace_args(p, count=120, block_tokens=32, output_scale=0.1, time_scale=1.0)
-    p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
+    p.add_argument(
+        "--policies",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=list(POLICIES),
+        help="the policies to compare ('': none, the overload runs only)",
+    )
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--model", default="builtin:tiny")
@@ -530,7 +570,7 @@ def main() -> int:
     p.add_argument("--slo-tbt-ms", type=float, default=100.0)
     p.add_argument(
         "--early-reject",
-        choices=("off", "current", "predicted"),
+        choices=EARLY_REJECT,
         default="off",
         help="admission in the policy comparison (off: every policy serves every request)",
     )
@@ -542,6 +582,18 @@ def main() -> int:
         "(the entry then starts with measured requests to calibrate by)",
     )
     p.add_argument("--overload", type=float, default=0.0, help="also run F times faster")
+    p.add_argument(
+        "--overload-modes",
+        type=lambda s: s.split(","),
+        default=list(EARLY_REJECT),
+        help="the early-rejection modes of the overload runs",
+    )
+    p.add_argument(
+        "--overload-repeats",
+        type=int,
+        default=1,
+        help="overload trials, each a run of every mode",
+    )
     p.add_argument(
         "--entries",
         type=int,
@@ -560,6 +612,11 @@ def main() -> int:
     bad = [x for x in args.policies if x not in POLICIES]
     if bad:
         p.error(f"--policies: unknown {bad}; known {list(POLICIES)}")
+    bad = [x for x in args.overload_modes if x not in EARLY_REJECT]
+    if bad:
+        p.error(f"--overload-modes: unknown {bad}; known {list(EARLY_REJECT)}")
+    if args.overload_repeats < 1:
+        p.error(f"--overload-repeats: {args.overload_repeats} is not a positive count")
     if not Path(args.trace).is_file():
         p.error(f"--trace: no file {args.trace!r}")
     select_records(p, args)
