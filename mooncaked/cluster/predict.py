@@ -597,9 +597,20 @@ def _median_error(pairs: Iterable[tuple[float, float]], offset: float, scale: fl
     return statistics.median(abs(offset + scale * p - m) / m for p, m in pairs)
 
 
-# Calibration.margin: the pairs that judge a margin for an SLO are those
-# forecast at this share of it or more.
-NEAR_FRACTION = 0.5
+# Calibration.margin for an SLO: the forecasts judged run from the SLO times
+# MARGIN_FLOOR to the SLO times MARGIN_CEIL (above it: forecasts may run
+# long) in MARGIN_GRID steps even in log scale, each by the pairs forecast
+# within a factor MARGIN_BAND of it.
+MARGIN_FLOOR = 0.02
+MARGIN_CEIL = 2.0
+MARGIN_GRID = 80
+MARGIN_BAND = 1.5
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    """The smallest value that ``q`` of ``values`` are at or below."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 class Calibration:
@@ -663,38 +674,53 @@ class Calibration:
     def __len__(self) -> int:
         return len(self._pairs)
 
-    def margin(self, target: float, near_s: float = 0.0) -> float:
-        """The factor the corrected forecast needs for ``target`` of the
-        recent requests to have come within it: the ``target`` quantile of
-        measured / corrected forecast (1 below ``min_samples`` pairs or for
-        a target of 0). Below 1 where the forecasts ran long.
+    def margin(self, target: float, slo_s: float = 0.0) -> float:
+        """The factor admission multiplies the corrected forecast by, so that
+        ``target`` of the requests it admits meet ``slo_s``. 1 below
+        ``min_samples`` pairs or for a target of 0.
 
-        With ``near_s`` (the SLO it is to judge against), only the pairs
-        forecast at ``NEAR_FRACTION`` of it or more count (the
-        ``min_samples`` forecast longest, where fewer were): admission
-        decides near the SLO, and a request forecast at a tenth of it that
-        took three times as long (a short stream, a step stalled by a
-        prefill chunk) says little about one forecast at nine tenths, while
-        its ratio would dominate the quantile of all pairs. Measured here:
-        95% of all ratios were within 2-4x, of the ratios forecast at half
-        the SLO or more within 1.1-1.3x.
+        Without an SLO: the ``target`` quantile of measured / corrected
+        forecast over every recent pair (below 1 where the forecasts ran
+        long). With one: how far a forecast errs depends on the forecast.
+        Under load a request forecast at a tenth of a 100 ms SLO took three
+        times as long (a short stream, a step stalled by a prefill chunk)
+        while those forecast near it took 0.9-1.3x; on nodes that share
+        cores the short forecasts ran 3x long as well, and they were the
+        ones to miss a 25 ms SLO. So each forecast f is judged by the pairs
+        forecast near it (``_ratio_near``): admitted is every forecast up to
+        the first f at which f x that quantile passes the SLO, and the
+        margin is SLO / f, the factor that admits exactly those (below 1
+        where the forecasts near the SLO ran long).
         """
         if target <= 0.0 or len(self._pairs) < self._min:
             return 1.0
-        key = (target, near_s)
+        key = (target, slo_s)
         cached = self._margins.get(key)
         if cached is None:
-            # Longest forecast first; among equal ones, the newest.
-            scored = sorted(
-                ((self.apply(p), i, m) for i, (p, m) in enumerate(self._pairs)), reverse=True
-            )
-            near = [fim for fim in scored if fim[0] >= NEAR_FRACTION * near_s]
-            if len(near) < self._min:
-                near = scored[: self._min]
-            ratios = sorted(m / f for f, _, m in near)
-            k = min(len(ratios) - 1, max(0, math.ceil(target * len(ratios)) - 1))
-            cached = self._margins[key] = min(max(ratios[k], self._min_scale), self._max_scale)
+            pairs = [(self.apply(p), m) for p, m in self._pairs]
+            if slo_s <= 0.0:
+                cached = _quantile([m / f for f, m in pairs], target)
+            else:
+                limit = slo_s * MARGIN_CEIL
+                for i in range(MARGIN_GRID + 1):
+                    f = slo_s * MARGIN_FLOOR * (MARGIN_CEIL / MARGIN_FLOOR) ** (i / MARGIN_GRID)
+                    if f * self._ratio_near(pairs, f, target) > slo_s:
+                        limit = f
+                        break
+                cached = slo_s / limit
+            cached = self._margins[key] = min(max(cached, self._min_scale), self._max_scale)
         return cached
+
+    def _ratio_near(self, pairs: Sequence[tuple[float, float]], f: float, target: float) -> float:
+        """The ``target`` quantile of measured / forecast over the pairs
+        (forecast, measured) forecast within ``MARGIN_BAND`` of ``f``, or the
+        ``min_samples`` nearest to it (in log scale; the newest among equals)
+        where fewer were. ``pairs`` oldest first."""
+        band = [m / p for p, m in pairs if f / MARGIN_BAND <= p <= f * MARGIN_BAND]
+        if len(band) < self._min:
+            order = sorted(range(len(pairs)), key=lambda i: (abs(math.log(pairs[i][0] / f)), -i))
+            band = [pairs[i][1] / pairs[i][0] for i in order[: self._min]]
+        return _quantile(band, target)
 
     def apply(self, predicted_s: float) -> float:
         return self.offset_s + self.scale * predicted_s if predicted_s > 0.0 else predicted_s
