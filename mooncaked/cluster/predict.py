@@ -613,6 +613,46 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
+class _NearPairs:
+    """Calibration pairs (forecast, measured), oldest first, looked up by
+    forecast: ``ratios(f)`` are the measured / forecast ratios of the pairs
+    forecast within ``MARGIN_BAND`` of ``f``, or of the ``min_count``
+    nearest to it in log scale (the newest among equals) where fewer were.
+    Sorted once, so that the margin's grid costs a bisection a point."""
+
+    def __init__(self, pairs: Sequence[tuple[float, float]], min_count: int) -> None:
+        self._order = sorted(range(len(pairs)), key=lambda i: pairs[i][0])
+        self._forecasts = [pairs[i][0] for i in self._order]
+        self._ratios = [pairs[i][1] / pairs[i][0] for i in self._order]
+        self._min = min_count
+
+    def ratios(self, f: float) -> list[float]:
+        fs = self._forecasts
+        lo = bisect.bisect_left(fs, f / MARGIN_BAND)
+        hi = bisect.bisect_right(fs, f * MARGIN_BAND)
+        want = min(self._min, len(fs))
+        if hi - lo >= want:
+            return self._ratios[lo:hi]
+
+        def dist(j: int) -> float:
+            return abs(math.log(fs[j] / f))
+
+        # The nearest are a run of the sorted forecasts: widen it towards
+        # the nearer neighbour.
+        while hi - lo < want:
+            if lo > 0 and (hi == len(fs) or dist(lo - 1) <= dist(hi)):
+                lo -= 1
+            else:
+                hi += 1
+        far = max(dist(lo), dist(hi - 1))
+        if (lo > 0 and dist(lo - 1) == far) or (hi < len(fs) and dist(hi) == far):
+            # Pairs as near as the farthest taken are left out: take the
+            # newest of them (rare: equal forecasts).
+            ranked = sorted(range(len(fs)), key=lambda j: (dist(j), -self._order[j]))
+            return [self._ratios[j] for j in ranked[:want]]
+        return self._ratios[lo:hi]
+
+
 class Calibration:
     """Measured ≈ offset + scale × predicted, fitted on recent requests.
 
@@ -687,7 +727,7 @@ class Calibration:
         while those forecast near it took 0.9-1.3x; on nodes that share
         cores the short forecasts ran 3x long as well, and they were the
         ones to miss a 25 ms SLO. So each forecast f is judged by the pairs
-        forecast near it (``_ratio_near``): admitted is every forecast up to
+        forecast near it (``_NearPairs``): admitted is every forecast up to
         the first f at which f x that quantile passes the SLO, and the
         margin is SLO / f, the factor that admits exactly those (below 1
         where the forecasts near the SLO ran long).
@@ -701,26 +741,16 @@ class Calibration:
             if slo_s <= 0.0:
                 cached = _quantile([m / f for f, m in pairs], target)
             else:
+                near = _NearPairs(pairs, self._min)
                 limit = slo_s * MARGIN_CEIL
                 for i in range(MARGIN_GRID + 1):
                     f = slo_s * MARGIN_FLOOR * (MARGIN_CEIL / MARGIN_FLOOR) ** (i / MARGIN_GRID)
-                    if f * self._ratio_near(pairs, f, target) > slo_s:
+                    if f * _quantile(near.ratios(f), target) > slo_s:
                         limit = f
                         break
                 cached = slo_s / limit
             cached = self._margins[key] = min(max(cached, self._min_scale), self._max_scale)
         return cached
-
-    def _ratio_near(self, pairs: Sequence[tuple[float, float]], f: float, target: float) -> float:
-        """The ``target`` quantile of measured / forecast over the pairs
-        (forecast, measured) forecast within ``MARGIN_BAND`` of ``f``, or the
-        ``min_samples`` nearest to it (in log scale; the newest among equals)
-        where fewer were. ``pairs`` oldest first."""
-        band = [m / p for p, m in pairs if f / MARGIN_BAND <= p <= f * MARGIN_BAND]
-        if len(band) < self._min:
-            order = sorted(range(len(pairs)), key=lambda i: (abs(math.log(pairs[i][0] / f)), -i))
-            band = [pairs[i][1] / pairs[i][0] for i in order[: self._min]]
-        return _quantile(band, target)
 
     def apply(self, predicted_s: float) -> float:
         return self.offset_s + self.scale * predicted_s if predicted_s > 0.0 else predicted_s
