@@ -60,10 +60,12 @@ import itertools
 from bench_disagg import SECRET, Cluster, free_port
 
 from mooncakectl.bench.trace import TraceSlice, read_trace
+from mooncaked.cluster.conductor import EarlyReject, Policy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-POLICIES = ("random", "load_balance", "local_cache", "conductor")
-EARLY_REJECT = ("off", "current", "predicted")
+# The daemon's own names: a flag here is a value of [conductor] there.
+POLICIES = tuple(p.value for p in Policy)
+EARLY_REJECT = tuple(e.value for e in EarlyReject)
 
 
 def pool_cpus(prefill: int, decode: int, cpus: Sequence[int]) -> list[str]:
