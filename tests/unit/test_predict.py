@@ -271,7 +271,10 @@ def test_calibration_margin_for_an_slo_judges_each_forecast_by_the_requests_fore
     # Forecasts that ran long near the SLO: a margin below 1.
     fast = Calibration(min_samples=8)
     for i in range(20):
-        fast.add(0.010, 0.010) if i % 2 else fast.add(0.090, 0.060)
+        if i % 2:
+            fast.add(0.010, 0.010)
+        else:
+            fast.add(0.090, 0.060)
     assert fast.margin(0.95, 0.100) < 1.0
 
 
