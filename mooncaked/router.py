@@ -46,7 +46,13 @@ from mooncaked.cluster.conductor import (
     Slo,
     decide,
 )
-from mooncaked.cluster.predict import Calibration, OutputLengths
+from mooncaked.cluster.predict import (
+    MIN_TBT_GAPS,
+    PROBE_AFTER_S,
+    Calibration,
+    OutputLengths,
+    target_each,
+)
 from mooncaked.cluster.state import ClusterView
 from mooncaked.config import ConductorConfig, SloConfig
 from mooncaked.engine.core import EngineCore
@@ -62,16 +68,6 @@ from mooncaked.rpc import derive_key, signed_headers
 log = structlog.get_logger(__name__)
 
 GENERATE_PATH = "/internal/generate"
-# Gaps between tokens a stream needs before its mean gap calibrates the TBT
-# forecast (a shorter one says more about one step than about the batch).
-MIN_TBT_GAPS = 2
-
-# While nothing has been admitted for this long, a request that only the
-# admission margins reject is admitted anyway: the margins come from
-# measured requests, and rejecting everything measures nothing, so a margin
-# blown up by a burst would otherwise reject every request from then on.
-PROBE_AFTER_S = 1.0
-
 # Decode nodes tried for one request (first placement, refusals, resumes).
 MAX_DECODE_ATTEMPTS = 4
 
@@ -208,6 +204,7 @@ class Submission:
             self._first_token_at = now
             if p.model_ttft_s > 0.0:
                 self._router.ttft_calibration.add(p.model_ttft_s, now - self.req.arrival)
+                self._router.last_heard = now
             self._tbt_from = num_tokens
             return
         self._last_token_at = now
@@ -227,6 +224,7 @@ class Submission:
             return
         mean_gap = (self._last_token_at - self._first_token_at) / self._num_gaps
         self._router.tbt_calibration.add(p.model_tbt_s, mean_gap)
+        self._router.last_heard = self._router.clock()
 
     # -- placement ---------------------------------------------------------------
 
@@ -455,7 +453,8 @@ class Router:
         self.num_replaced = 0
         # Requests admitted although the margins alone rejected them (PROBE_AFTER_S).
         self.num_probes = 0
-        self._last_admitted = clock()
+        # When this entry last admitted a request or measured one it placed.
+        self.last_heard = clock()
         # (policy, outcome) -> count, and (policy, reason) -> count of rejections.
         self.decisions: dict[tuple[str, str], int] = {}
         self.rejections: dict[tuple[str, str], int] = {}
@@ -467,24 +466,18 @@ class Router:
     def clock(self) -> float:
         return self._clock()
 
-    def _target_each(self) -> float:
-        """The share of admitted requests each SLO is judged to hold for, so
-        that ``slo_target`` of them meet both: a request misses if either
-        forecast runs long, so each may miss only half as often (measured
-        with both at the target on a loopback cluster: 89-92% of admitted
-        requests met both in two runs of six)."""
-        if self.slo.ttft_s > 0.0 and self.slo.tbt_s > 0.0:
-            return 1.0 - (1.0 - self.slo_target) / 2.0
-        return self.slo_target
-
     def ttft_margin(self) -> float:
         """What admission multiplies the corrected TTFT forecast by, for the
         node's SLO (``Calibration.margin``)."""
-        return self.ttft_calibration.margin(self._target_each(), self.slo.ttft_s)
+        return self.ttft_calibration.margin(
+            target_each(self.slo.ttft_s, self.slo.tbt_s, self.slo_target), self.slo.ttft_s
+        )
 
     def tbt_margin(self) -> float:
         """The same for the TBT forecast."""
-        return self.tbt_calibration.margin(self._target_each(), self.slo.tbt_s)
+        return self.tbt_calibration.margin(
+            target_each(self.slo.ttft_s, self.slo.tbt_s, self.slo_target), self.slo.tbt_s
+        )
 
     def resumed_since(self, sub: Submission) -> bool:
         """Whether ``sub`` ran on more than one decode node (its timing is no
@@ -588,7 +581,7 @@ class Router:
         if (
             isinstance(decision.result, Reject)
             and decision.result.code in ("ttft_slo", "tbt_slo")
-            and self._clock() - self._last_admitted >= PROBE_AFTER_S
+            and self._clock() - self.last_heard >= PROBE_AFTER_S
         ):
             probe = self.decide(
                 prompt,
@@ -615,7 +608,7 @@ class Router:
             "colocated" if result.colocated else ("fetch" if result.fetch else "disaggregated"),
         )
         self._record(view, decision, result)
-        self._last_admitted = self._clock()
+        self.last_heard = self._clock()
         if result.decode.node_id == me:
             self.num_local += 1
         else:

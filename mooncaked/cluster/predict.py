@@ -36,6 +36,20 @@ MAX_LINKS = 8
 # Forecast horizons (seconds ahead) of a decode node's batch, published in gossip.
 FORECAST_HORIZONS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
+# Gaps between tokens a stream needs before its mean gap calibrates the TBT
+# forecast (a shorter one says more about one step than about the batch).
+MIN_TBT_GAPS = 2
+
+# While an entry has neither admitted nor measured a request for this long,
+# a request that only the admission margins reject is admitted anyway: the
+# margins come from measured requests, and rejecting everything measures
+# nothing, so a margin blown up by a burst would otherwise reject every
+# request from then on. While requests it placed still report, the margins
+# move with them: admitting past them then only admits misses (with ten
+# entries in simulation, a probe a second each let 10% of the admitted
+# miss the TBT SLO at 3x load).
+PROBE_AFTER_S = 1.0
+
 
 def prefill_pairs(num_tokens: int, start_pos: int) -> int:
     """(query, key) pairs of a prefill chunk of ``num_tokens`` starting at ``start_pos``."""
@@ -688,11 +702,14 @@ class Calibration:
         if predicted_s <= 0.0 or measured_s <= 0.0:
             return
         self._pairs.append((predicted_s, measured_s))
-        self._margins.clear()
         self._since_fit += 1
         if len(self._pairs) >= self._min and self._since_fit >= 4:
+            # Line and margins move together, every fourth pair: a margin
+            # costs a scan of the window, and the entry asks for it on
+            # every request it places.
             self._since_fit = 0
             self.offset_s, self.scale = self._fit()
+            self._margins.clear()
 
     def _fit(self) -> tuple[float, float]:
         """The line, kept only where it makes forecasts better than the model
@@ -754,3 +771,14 @@ class Calibration:
 
     def apply(self, predicted_s: float) -> float:
         return self.offset_s + self.scale * predicted_s if predicted_s > 0.0 else predicted_s
+
+
+def target_each(ttft_s: float, tbt_s: float, target: float) -> float:
+    """The share of admitted requests each SLO is judged to hold for, so
+    that ``target`` of them meet both: a request misses if either forecast
+    runs long, so each may miss only half as often (measured with both at
+    the target on a loopback cluster: 89-92% of admitted requests met both
+    in two runs of six)."""
+    if ttft_s > 0.0 and tbt_s > 0.0:
+        return 1.0 - (1.0 - target) / 2.0
+    return target

@@ -1,4 +1,5 @@
-"""An entry whose admission margins reject everything still admits a probe now and then."""
+"""An entry whose admission margins reject everything, and that hears nothing more
+from the requests it placed, still admits a probe now and then."""
 
 from __future__ import annotations
 
@@ -47,19 +48,31 @@ def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on
     clock.now += PROBE_AFTER_S / 2
     first = place()
     assert isinstance(first, RouteError) and first.code == "tbt_slo"
-    # Nothing admitted for PROBE_AFTER_S: one request is, judged without the margins...
+    # Nothing admitted or measured for PROBE_AFTER_S: one request is,
+    # judged without the margins...
     clock.now += PROBE_AFTER_S
-    assert isinstance(place(), Placement)
-    assert router.num_probes == 1
+    probe = router.submit(list(range(40)), SamplingParams(max_tokens=8), "p", [])
+    probe.placement = router.placement(probe.req, probe.req.prompt_token_ids, set())
+    assert router.num_probes == 1 and probe.placement.model_ttft_s > 0.0
     # ...and only one: the next is judged with them again.
     again = place()
     assert isinstance(again, RouteError) and again.code == "tbt_slo"
+    # While the requests it placed report (the probe's first token here),
+    # the margins have news to move by: no probe until they fall quiet.
+    clock.now += PROBE_AFTER_S * 0.9
+    probe._observe(1)
+    assert len(router.ttft_calibration) == 1
+    clock.now += PROBE_AFTER_S * 0.5
+    quiet = place()
+    assert isinstance(quiet, RouteError) and router.num_probes == 1
+    clock.now += PROBE_AFTER_S * 0.5
+    assert isinstance(place(), Placement) and router.num_probes == 2
     # A forecast over the SLO even without the margins is never a probe.
     add(view, "d1", "decode", load=NodeLoad(running_decode_batch=40), model=engine.model_id)
     clock.now += 2 * PROBE_AFTER_S
     over = place()
     assert isinstance(over, RouteError) and over.code == "tbt_slo"
-    assert router.num_probes == 1
+    assert router.num_probes == 2
 
 
 def test_with_both_slos_each_is_judged_to_hold_for_half_the_misses() -> None:
