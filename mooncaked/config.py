@@ -391,8 +391,9 @@ class ConductorConfig:
     # random | load_balance | local_cache | conductor (cluster-wide cache and
     # cost aware, the default).
     policy: Literal["random", "load_balance", "local_cache", "conductor"] = "conductor"
-    # Judge the TBT SLO on the decode load forecast for when the prefill ends
-    # (predicted), on the load now (current), or admit everything (off).
+    # Judge the TBT SLO on the decode load forecast for the request's run from
+    # when its prefill ends (predicted), on the batch decoding now (current),
+    # or admit everything (off).
     early_reject: Literal["off", "current", "predicted"] = "predicted"
     # Fetch a remote prefix only when it is this many times longer than the
     # one the prefill node holds (and fetching beats recomputing).

@@ -87,10 +87,14 @@ class EarlyReject(enum.StrEnum):
 
     # Never: every request is admitted (the decode nodes may miss the SLO).
     OFF = "off"
-    # On the decode nodes' load now.
+    # On the decode nodes' load now: the batch decoding at the request's
+    # arrival, not the handoffs the prefills under way will bring (the
+    # Mooncake paper's baseline).
     CURRENT = "current"
-    # On the load forecast for when this request's prefill ends: decodes that
-    # will have finished by then no longer count.
+    # On the load forecast for this request's run, from when its prefill
+    # ends: decodes that will have finished by then no longer count, the
+    # handoffs placed there do once they are expected to join, and so do
+    # the arrivals the node's recent departures stand for.
     PREDICTED = "predicted"
 
 
@@ -255,8 +259,8 @@ class DecodeScore:
     node_id: str
     batch_now: int
     # The batch this request would share its steps with, besides itself:
-    # forecast over its run from its prefill's end on, or the batch now
-    # (rejection on current load).
+    # forecast over its run from its prefill's end on, or the batch
+    # decoding now (rejection on current load).
     batch_at_join: float
     tbt_s: float
     within_slo: bool
@@ -375,9 +379,9 @@ def decide(
       busy with a hot prefix thus makes an idle node fetch it and become a
       holder too.
     - Decode: the predicted time between tokens with this request added, at
-      the batch forecast for when its prefill ends (``early_reject =
-      predicted``) or at the batch now; the least of those within the TBT
-      SLO.
+      the batch forecast over its run from when its prefill ends
+      (``early_reject = predicted``) or at the batch decoding now; the
+      least of those within the TBT SLO.
     - Admission: a request whose best TTFT misses the TTFT SLO, or that no
       decode node can take within the TBT SLO, is rejected with 429 and a
       retry hint (unless ``early_reject`` is off).
@@ -715,7 +719,6 @@ def _decode_score(
     if params.early_reject is not EarlyReject.CURRENT:
         # Averaged over the request's own run, from when its prefill is to
         # end: what it shares its steps with, which is what its TBT is.
-        # (Rejection on current load, the baseline, judges the batch now.)
         b0, c0 = n.forecast.at(join_in_s, gossiped, ctx_now)
         run_s = (
             expected * n.costs.step.decode_step_s(max(1, math.ceil(b0) + 1), round(c0))
@@ -723,15 +726,19 @@ def _decode_score(
             else 0.0
         )
         batch, ctx = n.forecast.mean_over(join_in_s, run_s, gossiped, ctx_now)
-        batch += n.pending.decodes
     else:
-        batch, ctx = float(batch_now), float(ctx_now)
-    ctx += request.num_prompt_tokens + expected / 2
+        # The batch decoding now and its context (the handoffs' share taken
+        # out): the node's load at the request's arrival, Mooncake's
+        # baseline. Blind to what the prefills under way will hand over, it
+        # admits more than the decode side can then serve within the SLO.
+        batch = float(load.running_decode_batch)
+        ctx = ctx_now * batch / gossiped if gossiped > 0 else 0.0
+    batch += n.pending.decodes
     tbt = (
         predicted_tbt_s(
             n.costs,
             batch + 1,
-            ctx,
+            ctx + request.num_prompt_tokens + expected / 2,
             queued_prefill_tokens=load.queued_prefill_tokens if n.cand.role == "both" else 0,
         )
         if known

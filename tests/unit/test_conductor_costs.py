@@ -291,6 +291,33 @@ def test_early_rejection_judges_the_load_when_the_prefill_ends() -> None:
     assert p.predicted_tbt_s < 0.030
 
 
+def test_current_load_is_blind_to_handoffs_and_the_forecast_is_not() -> None:
+    view = ClusterView("p1", clock=lambda: 0.0)
+    add(view, "p1", "prefill", load=NodeLoad(queued_prefill_tokens=1000, predicted_queue_s=1.0))
+    # 2 decoding now, 38 handoffs whose prefills end within the second: the
+    # forecast has all 40 decoding from 1 s on.
+    fc = DecodeForecast((2.0, *[40.0] * 5), (2e3, *[4e4] * 5))
+    add(
+        view,
+        "d1",
+        "decode",
+        load=NodeLoad(running_decode_batch=2, pending_decode=40, decode_context_tokens=40000),
+        forecast=fc,
+    )
+    slo = Slo(tbt_s=0.030)
+    # The load now: a batch of 2 and its 2,000 tokens of context (a 40th of
+    # the 40,000 that the handoffs hold too), well within 30 ms.
+    now = decide(view, request(), 0.0, slo=slo, params=params(early_reject=EarlyReject.CURRENT))
+    assert now.decode[0].batch_at_join == 2.0
+    assert placed(now.result).predicted_tbt_s == pytest.approx(
+        0.010 + 3e-3 + (2000 + 1025 + 50) * 1e-6
+    )
+    # At the load forecast over its run: 40 others at every step.
+    later = decide(view, request(), 0.0, slo=slo, params=params(early_reject=EarlyReject.PREDICTED))
+    assert isinstance(later.result, Reject) and later.result.code == "tbt_slo"
+    assert later.decode[0].batch_at_join == 40.0
+
+
 def test_the_ledger_spreads_a_burst_until_gossip_catches_up() -> None:
     view = ClusterView("p1", clock=lambda: 0.0)
     for i in (1, 2, 3):

@@ -402,7 +402,7 @@ def test_decode_runs_give_the_step_by_step_timeline(shape: Shape) -> None:
         shape,
         node(chunk=256),
         params=ConductorParams(early_reject=EarlyReject.CURRENT),
-        slo=Slo(ttft_s=5.0, tbt_s=0.05),
+        slo=Slo(ttft_s=5.0, tbt_s=0.02),
         scale=TraceScale(block_tokens=BS, input_scale=BS / 512, time_scale=0.2),
     )
     runs = simulate(base, records)
