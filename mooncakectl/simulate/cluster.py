@@ -10,7 +10,11 @@ placements through a ``PendingLedger`` as the router does. Ticks are
 taken only where a request arrives (a tick nobody reads changes nothing).
 
 Each request enters at a node drawn at random (seeded): every node can
-act as the Conductor.
+act as the Conductor. As the router does, each entry corrects the
+Conductor's forecasts by the requests it placed (``predict.Calibration``:
+offset, scale and the admission margins for the SLO target), and admits a
+request that only the margins reject when for ``PROBE_AFTER_S`` it has
+neither admitted a request nor measured one.
 """
 
 from __future__ import annotations
@@ -39,7 +43,16 @@ from mooncaked.cluster.conductor import (
     Slo,
     decide,
 )
-from mooncaked.cluster.predict import MAX_LINKS, DecodeForecast, NodeCosts, OutputLengths
+from mooncaked.cluster.predict import (
+    MAX_LINKS,
+    MIN_TBT_GAPS,
+    PROBE_AFTER_S,
+    Calibration,
+    DecodeForecast,
+    NodeCosts,
+    OutputLengths,
+    target_each,
+)
 from mooncaked.cluster.state import ClusterView, Member, MemberStatus, NodeBlocks, NodeState
 
 MODEL_ID = "simulated"
@@ -90,6 +103,8 @@ class SimConfig:
     decode_node: NodeSpec | None = None
     params: ConductorParams = field(default_factory=ConductorParams)
     slo: Slo = field(default_factory=Slo)
+    # The share of admitted requests meant to meet the SLOs ([slo] target).
+    slo_target: float = 0.95
     # How old an entry node's view of the others may be.
     gossip_s: float = 0.2
     # Tokens per hash id, prompt and output scales, arrival gaps (as the bench scales them).
@@ -230,6 +245,11 @@ class Simulation:
             self.views[node_id] = view
         self.ledgers = {n: PendingLedger() for n in self.node_ids}
         self.entry_lengths = {n: OutputLengths() for n in self.node_ids}
+        self.ttft_calibration = {n: Calibration() for n in self.node_ids}
+        self.tbt_calibration = {n: Calibration() for n in self.node_ids}
+        # When each entry last admitted a request or measured one it had.
+        self._last_heard = dict.fromkeys(self.node_ids, 0.0)
+        self._target_each = target_each(config.slo.ttft_s, config.slo.tbt_s, config.slo_target)
         self._forecasts = self.params.early_reject is EarlyReject.PREDICTED
 
     # -- running ------------------------------------------------------------------
@@ -301,25 +321,44 @@ class Simulation:
         view = self.views[entry]
         ledger = self.ledgers[entry]
         expected = self.entry_lengths[entry].expected_more(0, r.num_output_tokens)
+        request = PlacementRequest(
+            MODEL_ID,
+            r.hashes,
+            r.num_prompt_tokens,
+            max_tokens=r.num_output_tokens,
+            expected_output_tokens=expected,
+        )
+        ttft_cal, tbt_cal = self.ttft_calibration[entry], self.tbt_calibration[entry]
+        slo = self.config.slo
+        params = replace(
+            self.params,
+            ttft_offset_s=ttft_cal.offset_s,
+            ttft_scale=ttft_cal.scale,
+            tbt_offset_s=tbt_cal.offset_s,
+            tbt_scale=tbt_cal.scale,
+            ttft_margin=ttft_cal.margin(self._target_each, slo.ttft_s),
+            tbt_margin=tbt_cal.margin(self._target_each, slo.tbt_s),
+        )
+        pending = ledger.pending(view, now)
         decision = decide(
-            view,
-            PlacementRequest(
-                MODEL_ID,
-                r.hashes,
-                r.num_prompt_tokens,
-                max_tokens=r.num_output_tokens,
-                expected_output_tokens=expected,
-            ),
-            now,
-            params=self.params,
-            slo=self.config.slo,
-            pending=ledger.pending(view, now),
-            rng=self._policy_rng,
+            view, request, now, params=params, slo=slo, pending=pending, rng=self._policy_rng
         )
         result = decision.result
+        if (
+            not isinstance(result, Placement)
+            and result.code in ("ttft_slo", "tbt_slo")
+            and now - self._last_heard[entry] >= PROBE_AFTER_S
+        ):
+            probe = replace(params, ttft_margin=1.0, tbt_margin=1.0)
+            decision = decide(
+                view, request, now, params=probe, slo=slo, pending=pending, rng=self._policy_rng
+            )
+            result = decision.result
         if not isinstance(result, Placement):
             r.reject_code = result.code
             return
+        self._last_heard[entry] = now
+        r.model_ttft_s, r.model_tbt_s = result.model_ttft_s, result.model_tbt_s
         dnode = self.nodes[result.decode.node_id]
         pnode = self.nodes[result.prefill[0].node_id] if result.prefill else dnode
         r.prefill_node, r.decode_node = pnode.node_id, dnode.node_id
@@ -397,6 +436,7 @@ class Simulation:
             if r.prefilled:
                 # The KV lagged the compute: the first token leaves once it is all in.
                 r.first_token_s = self.events.now
+                self._first_token(r)
                 self.nodes[r.decode_node or ""].admit_decode(r)
 
         self.network.start(pnode.node_id, r.decode_node or "", nbytes, arrived, "kv")
@@ -404,6 +444,8 @@ class Simulation:
     def _prefilled(self, pnode: SimNode, r: SimRequest) -> None:
         r.prefilled = True
         dnode = self.nodes[r.decode_node or ""]
+        if r.kv_in or r.num_output_tokens <= 1:
+            self._first_token(r)
         if r.num_output_tokens <= 1:
             dnode.finish_without_decode(r)
         elif r.kv_in:
@@ -413,8 +455,17 @@ class Simulation:
             # place on the decode node (``arrived`` sets it).
             r.first_token_s = None
 
+    def _first_token(self, r: SimRequest) -> None:
+        if r.ttft_s is not None and r.model_ttft_s > 0.0:
+            self.ttft_calibration[r.entry].add(r.model_ttft_s, r.ttft_s)
+            self._last_heard[r.entry] = self.events.now
+
     def _done(self, _node: SimNode, r: SimRequest) -> None:
         self.entry_lengths[r.entry].add(r.num_output_tokens)
+        # As the router: a stream of fewer than two gaps says little about its batch.
+        if r.tbt_s is not None and r.model_tbt_s > 0.0 and r.num_output_tokens > MIN_TBT_GAPS:
+            self.tbt_calibration[r.entry].add(r.model_tbt_s, r.tbt_s)
+            self._last_heard[r.entry] = self.events.now
 
 
 def simulate(config: SimConfig, records: Sequence[TraceRecord]) -> SimResult:

@@ -53,6 +53,9 @@ class SimRequest:
     decode_node: str | None = None
     reject_code: str | None = None
     predicted_ttft_s: float = 0.0
+    # The cost model's own forecasts, before the entry's calibration.
+    model_ttft_s: float = 0.0
+    model_tbt_s: float = 0.0
     # Prompt tokens found in the prefill node's own cache, fetched from a peer, read from SSD.
     local_cached_tokens: int = 0
     fetched_tokens: int = 0

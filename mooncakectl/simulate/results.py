@@ -62,6 +62,9 @@ class SimSummary:
     slo_ttft_s: float
     slo_tbt_s: float
     slo_attainment: float
+    # Of the requests admitted, the share that met both SLOs (what early
+    # rejection promises; 0 with none admitted).
+    admitted_slo_attainment: float
     goodput: float
     # ms: mean, p50, p90, p99
     ttft_ms: dict[str, float | None]
@@ -114,6 +117,7 @@ def summarize(result: SimResult) -> SimSummary:
         slo_ttft_s=cfg.slo.ttft_s,
         slo_tbt_s=cfg.slo.tbt_s,
         slo_attainment=good / len(reqs) if reqs else 0.0,
+        admitted_slo_attainment=good / len(placed) if placed else 0.0,
         goodput=good / duration,
         ttft_ms=latency_stats([r.ttft_s for r in done if r.ttft_s is not None]),
         tbt_ms=latency_stats([r.tbt_s for r in done if r.tbt_s is not None]),

@@ -129,8 +129,9 @@ def test_early_rejection_on_the_ttft_slo_only_when_enabled() -> None:
     assert on.requests[2].ttft_s == pytest.approx(0.82)
     s = summarize(on)
     assert s.rejected == 1 and s.rejections == {"ttft_slo": 1}
-    # B and C met the 1 s SLO; A was rejected: two of three.
+    # B and C met the 1 s SLO; A was rejected: two of three, both admitted.
     assert s.slo_attainment == pytest.approx(2 / 3)
+    assert s.admitted_slo_attainment == 1.0
 
 
 def fetch_trace() -> list[TraceRecord]:
@@ -433,6 +434,32 @@ def test_slow_kv_delays_the_first_token_and_decode_nodes_prefill_alone() -> None
     res = run_sim(chunked_trace(), Shape(0, 1), node(chunk=400))
     assert [r.prefill_node for r in res.requests] == ["d0", "d0", "d0"]
     assert all(r.done_s is not None for r in res.requests)
+
+
+def test_entries_calibrate_their_forecasts_by_what_they_measured() -> None:
+    # As the first half of the test above, one request every 5 s: each
+    # waits 2 s for its KV against a forecast of its 1.01 s of compute. With
+    # a 1.5 s TTFT SLO the forecast alone admits every one and every one
+    # misses; the entry, once it has measured enough of them, forecasts
+    # what it measured and rejects the rest.
+    trace = [rec(i, 5000 * i, 1000, 3, [10 * i + k for k in range(10)]) for i in range(40)]
+    res = run_sim(
+        trace,
+        Shape(1, 1),
+        node(chunk=1000, nic_bps=5e5),
+        early_reject=EarlyReject.CURRENT,
+        slo=Slo(ttft_s=1.5),
+    )
+    admitted = [r for r in res.requests if r.reject_code is None]
+    assert all(r.ttft_s == pytest.approx(2.0) for r in admitted)
+    assert all(r.model_ttft_s == pytest.approx(1.01) for r in admitted)
+    # Each entry (two: requests enter at either node) calibrates by its own.
+    for entry in ("p0", "d0"):
+        mine = [r for r in res.requests if r.entry == entry]
+        served = [r.reject_code is None for r in mine]
+        first_reject = served.index(False)
+        assert first_reject >= 8 and not any(served[first_reject:])
+        assert {r.reject_code for r in mine[first_reject:]} == {"ttft_slo"}
 
 
 def test_nodes_on_one_host_share_its_cores_by_hand() -> None:
