@@ -224,7 +224,7 @@ class Simulation:
         # The published view, shared by every entry's ClusterView.
         self._members: dict[str, Member] = {}
         self._blocks: dict[str, NodeBlocks] = {}
-        self._published: dict[str, int] = {}
+        self._published: dict[str, tuple[int, int]] = {}
         self._state_version = 0
         self._costs: dict[str, NodeCosts] = {}
         for node_id in self.node_ids:
@@ -291,9 +291,10 @@ class Simulation:
                         masks[h] = mask
                     else:
                         masks.pop(h, None)
-            if self._published.get(node_id) == node.version and not changes:
+            key = node.state_key()
+            if self._published.get(node_id) == key and not changes:
                 continue
-            self._published[node_id] = node.version
+            self._published[node_id] = key
             self._state_version += 1
             self._members[node_id].state = NodeState(
                 node_id,

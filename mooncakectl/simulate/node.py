@@ -305,6 +305,13 @@ class SimNode:
         self.busy = True
         self.events.at(ends[-1], self._end_run, self._run_id)
 
+    def state_key(self) -> tuple[int, int]:
+        """Changes whenever what the node would gossip may have: its version,
+        and the decode steps it has completed, those of a run under way too
+        (a run's steps change its context and its forecast as separate
+        steps do, though the run ends, and bumps the version, only once)."""
+        return self.version, len(self.step_ends) + self._steps_done_in_run()
+
     def _steps_done_in_run(self) -> int:
         return bisect.bisect_right(self._run_ends, self.events.now) if self._run_ends else 0
 

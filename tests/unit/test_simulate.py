@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import mooncakectl.simulate.cluster as cluster_mod
 import mooncaked.cluster.conductor as conductor_mod
 from mooncakectl.bench.trace import TraceRecord
 from mooncakectl.bench.workloads import TraceScale
@@ -28,7 +29,7 @@ from mooncakectl.simulate.costs import (
 )
 from mooncakectl.simulate.events import EventQueue
 from mooncakectl.simulate.network import Flow, Network
-from mooncakectl.simulate.node import slowest_mean
+from mooncakectl.simulate.node import SimRequest, slowest_mean
 from mooncakectl.simulate.results import summarize
 from mooncaked.cluster.conductor import ConductorParams, EarlyReject, Policy, Slo
 from mooncaked.cluster.predict import NodeCosts, StepCost, StepFeatures, prefill_pairs
@@ -421,6 +422,42 @@ def test_decode_runs_give_the_step_by_step_timeline(shape: Shape) -> None:
         assert a.ttft_s == pytest.approx(b.ttft_s)
         assert a.tbt_s == pytest.approx(b.tbt_s)
         assert a.done_s == pytest.approx(b.done_s)
+
+
+def test_a_decode_run_under_way_is_gossiped_as_its_steps_complete(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A decodes on one node from ~1.2 s on, in one run (nothing joins it: C
+    # goes to the other, idle decode node). Ticks at 2 s (C) and 3 s (B)
+    # must both show A's context as it is then, in runs as in steps.
+    trace = [
+        rec(1, 0, 1000, 400, list(range(1, 11))),
+        rec(2, 2000, 100, 50, [101]),
+        rec(3, 3000, 100, 50, [201]),
+    ]
+    seen: dict[bool, list[tuple[str, int]]] = {}
+    arrive = cluster_mod.Simulation._arrive
+
+    def spy(self: cluster_mod.Simulation, r: SimRequest) -> None:
+        busiest = max(self._members.items(), key=lambda m: m[1].state.load.decode_context_tokens)
+        seen[self.config.coalesce_decode].append(
+            (busiest[0], busiest[1].state.load.decode_context_tokens)
+        )
+        arrive(self, r)
+
+    monkeypatch.setattr(cluster_mod.Simulation, "_arrive", spy)
+    base = SimConfig(
+        Shape(1, 2),
+        node(chunk=1000),
+        gossip_s=0.0,
+        scale=TraceScale(block_tokens=BS, input_scale=1.0),
+    )
+    for coalesce in (True, False):
+        seen[coalesce] = []
+        simulate(replace(base, coalesce_decode=coalesce), trace)
+    assert seen[True] == seen[False]
+    (_, c0), (n2, c2), (n3, c3) = seen[True]
+    assert c0 == 0 and n2 == n3 and 1001 < c2 < c3 < 1400
 
 
 def test_slow_kv_delays_the_first_token_and_decode_nodes_prefill_alone() -> None:
