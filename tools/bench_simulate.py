@@ -3,10 +3,10 @@
     python tools/bench_simulate.py --trace ../shared/data/traces/conversation_trace.jsonl
     python tools/bench_simulate.py --trace FILE --count 3000 --prefill 8 --decode 8
 
-Both modes simulate the same timeline on the unit test's fixture; on the
-full conversation trace a few requests' TBT differ by under a millisecond
-and decisions part after them (the summary lines show how far). The ratio
-is what coalescing decode-only steps into runs saves. CPU seconds are the
+Both modes place every request alike; on the unit tests' fixtures their
+times agree too, and on the full conversation trace a few requests' times
+differ (the summary lines show how far). The ratio is what coalescing
+decode-only steps into runs saves. CPU seconds are the
 process's own (``time.process_time``), so a busy machine slows the wall
 clock but not them.
 """
