@@ -45,9 +45,10 @@ MIN_TBT_GAPS = 2
 # margins come from measured requests, and rejecting everything measures
 # nothing, so a margin blown up by a burst would otherwise reject every
 # request from then on. While requests it placed still report, the margins
-# move with them: admitting past them then only admits misses (with ten
-# entries in simulation, a probe a second each let 10% of the admitted
-# miss the TBT SLO at 3x load).
+# move with them: admitting past them then only admits misses (simulated,
+# ten entries at 3x load on 8 prefill + 2 decode nodes: with a probe after
+# a second of no admission, 89-90% of the admitted met both SLOs; with
+# this rule 92-95%).
 PROBE_AFTER_S = 1.0
 
 
