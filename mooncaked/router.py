@@ -44,11 +44,12 @@ from mooncaked.cluster.conductor import (
     Policy,
     Reject,
     Slo,
+    calibrated,
     decide,
+    may_probe,
 )
 from mooncaked.cluster.predict import (
     MIN_TBT_GAPS,
-    PROBE_AFTER_S,
     Calibration,
     OutputLengths,
     target_each,
@@ -545,15 +546,13 @@ class Router:
             ),
             now,
             exclude=failed,
-            params=dataclasses.replace(
-                self.params,
-                block_size=engine.block_size,
-                ttft_offset_s=self.ttft_calibration.offset_s,
-                ttft_scale=self.ttft_calibration.scale,
-                tbt_offset_s=self.tbt_calibration.offset_s,
-                tbt_scale=self.tbt_calibration.scale,
-                ttft_margin=self.ttft_margin() if margins else 1.0,
-                tbt_margin=self.tbt_margin() if margins else 1.0,
+            params=calibrated(
+                dataclasses.replace(self.params, block_size=engine.block_size),
+                self.ttft_calibration,
+                self.tbt_calibration,
+                self.slo,
+                self.slo_target,
+                margins=margins,
             ),
             slo=self.slo,
             pending=self.ledger.pending(view, now),
@@ -578,11 +577,7 @@ class Router:
         decision = self.decide(
             prompt, hashes, req.sampling.max_tokens, slo=slo, failed=frozenset(failed)
         )
-        if (
-            isinstance(decision.result, Reject)
-            and decision.result.code in ("ttft_slo", "tbt_slo")
-            and self._clock() - self.last_heard >= PROBE_AFTER_S
-        ):
+        if may_probe(decision.result, self._clock() - self.last_heard):
             probe = self.decide(
                 prompt,
                 hashes,

@@ -41,17 +41,17 @@ from mooncaked.cluster.conductor import (
     PlacementRequest,
     PrefillScore,
     Slo,
+    calibrated,
     decide,
+    may_probe,
 )
 from mooncaked.cluster.predict import (
     MAX_LINKS,
     MIN_TBT_GAPS,
-    PROBE_AFTER_S,
     Calibration,
     DecodeForecast,
     NodeCosts,
     OutputLengths,
-    target_each,
 )
 from mooncaked.cluster.state import ClusterView, Member, MemberStatus, NodeBlocks, NodeState
 
@@ -249,7 +249,6 @@ class Simulation:
         self.tbt_calibration = {n: Calibration() for n in self.node_ids}
         # When each entry last admitted a request or measured one it had.
         self._last_heard = dict.fromkeys(self.node_ids, 0.0)
-        self._target_each = target_each(config.slo.ttft_s, config.slo.tbt_s, config.slo_target)
         self._forecasts = self.params.early_reject is EarlyReject.PREDICTED
 
     # -- running ------------------------------------------------------------------
@@ -331,26 +330,20 @@ class Simulation:
         )
         ttft_cal, tbt_cal = self.ttft_calibration[entry], self.tbt_calibration[entry]
         slo = self.config.slo
-        params = replace(
-            self.params,
-            ttft_offset_s=ttft_cal.offset_s,
-            ttft_scale=ttft_cal.scale,
-            tbt_offset_s=tbt_cal.offset_s,
-            tbt_scale=tbt_cal.scale,
-            ttft_margin=ttft_cal.margin(self._target_each, slo.ttft_s),
-            tbt_margin=tbt_cal.margin(self._target_each, slo.tbt_s),
-        )
+        target = self.config.slo_target
         pending = ledger.pending(view, now)
         decision = decide(
-            view, request, now, params=params, slo=slo, pending=pending, rng=self._policy_rng
+            view,
+            request,
+            now,
+            params=calibrated(self.params, ttft_cal, tbt_cal, slo, target),
+            slo=slo,
+            pending=pending,
+            rng=self._policy_rng,
         )
         result = decision.result
-        if (
-            not isinstance(result, Placement)
-            and result.code in ("ttft_slo", "tbt_slo")
-            and now - self._last_heard[entry] >= PROBE_AFTER_S
-        ):
-            probe = replace(params, ttft_margin=1.0, tbt_margin=1.0)
+        if may_probe(result, now - self._last_heard[entry]):
+            probe = calibrated(self.params, ttft_cal, tbt_cal, slo, target, margins=False)
             decision = decide(
                 view, request, now, params=probe, slo=slo, pending=pending, rng=self._policy_rng
             )

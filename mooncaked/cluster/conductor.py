@@ -15,7 +15,15 @@ from dataclasses import dataclass
 
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.tiers import Tier
-from mooncaked.cluster.predict import DecodeForecast, NodeCosts, predicted_tbt_s, transfer_s
+from mooncaked.cluster.predict import (
+    PROBE_AFTER_S,
+    Calibration,
+    DecodeForecast,
+    NodeCosts,
+    predicted_tbt_s,
+    target_each,
+    transfer_s,
+)
 from mooncaked.cluster.state import (
     ClusterView,
     MemberStatus,
@@ -212,6 +220,41 @@ class Reject:
     retry_after_s: float | None = None
     # A short machine-readable cause, for metrics: ttft_slo, tbt_slo, no_node...
     code: str = "no_node"
+
+
+def calibrated(
+    params: ConductorParams,
+    ttft: Calibration,
+    tbt: Calibration,
+    slo: Slo,
+    target: float,
+    *,
+    margins: bool = True,
+) -> ConductorParams:
+    """``params`` with an entry's corrections of the forecasts (``ttft``,
+    ``tbt``) and, unless ``margins`` is False, the admission margins that
+    let ``target`` of the admitted meet both of ``slo``."""
+    each = target_each(slo.ttft_s, slo.tbt_s, target)
+    return dataclasses.replace(
+        params,
+        ttft_offset_s=ttft.offset_s,
+        ttft_scale=ttft.scale,
+        tbt_offset_s=tbt.offset_s,
+        tbt_scale=tbt.scale,
+        ttft_margin=ttft.margin(each, slo.ttft_s) if margins else 1.0,
+        tbt_margin=tbt.margin(each, slo.tbt_s) if margins else 1.0,
+    )
+
+
+def may_probe(result: Placement | Reject, quiet_s: float) -> bool:
+    """Whether to judge ``result`` again without the margins: an SLO
+    rejection by an entry that has neither admitted nor measured a request
+    for ``quiet_s`` (``PROBE_AFTER_S``)."""
+    return (
+        isinstance(result, Reject)
+        and result.code in ("ttft_slo", "tbt_slo")
+        and quiet_s >= PROBE_AFTER_S
+    )
 
 
 @dataclass(frozen=True, slots=True)

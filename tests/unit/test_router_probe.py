@@ -4,12 +4,13 @@ from the requests it placed, still admits a probe now and then."""
 from __future__ import annotations
 
 from mooncaked.cluster.conductor import Placement
+from mooncaked.cluster.predict import PROBE_AFTER_S
 from mooncaked.cluster.state import ClusterView, NodeLoad
 from mooncaked.config import ConductorConfig, Config, SloConfig
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import load_model
 from mooncaked.request import SamplingParams
-from mooncaked.router import PROBE_AFTER_S, RouteError, Router
+from mooncaked.router import RouteError, Router
 from tests.unit.test_conductor_costs import add
 from tests.unit.test_transfer_access import Clock
 
