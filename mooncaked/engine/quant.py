@@ -19,6 +19,7 @@ next to it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -150,6 +151,21 @@ def packed_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
         return f"it packs float32 and bfloat16 weights, the model runs in {dtype}"
     if not torch.backends.mkldnn.is_available():
         return "this torch build has no oneDNN (mkldnn)"
+    if dtype == torch.bfloat16:
+        return _bf16_packing_unavailable()
+    return None
+
+
+@functools.cache
+def _bf16_packing_unavailable() -> str | None:
+    # oneDNN packs bf16 weights only on CPUs with AVX-512 (BW, VL, DQ) or
+    # AVX-NE-CONVERT; elsewhere the reorder raises. Asked of oneDNN itself
+    # on a tiny weight, not guessed from CPU flags.
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return f"oneDNN cannot pack bfloat16 weights on this CPU ({first})"
     return None
 
 

@@ -236,11 +236,25 @@ def test_bad_quantization_is_refused_by_name(tmp_path: Path) -> None:
 FP32_PACKED_TOL = 1e-4
 
 
+def _bf16_packing() -> str | None:
+    from mooncaked.engine.quant import packed_unavailable
+
+    return packed_unavailable(CPU, torch.bfloat16)
+
+
+needs_bf16_packing = pytest.mark.skipif(
+    _bf16_packing() is not None, reason=f"packed bf16: {_bf16_packing()}"
+)
+
+
 def test_packed_linear_computes_the_dense_product() -> None:
     from mooncaked.engine.quant import PackedLinear
 
     gen = torch.Generator().manual_seed(0)
-    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.0)):
+    cases = [(torch.float32, 1e-4)]
+    if _bf16_packing() is None:
+        cases.append((torch.bfloat16, 0.0))
+    for dtype, tol in cases:
         w = torch.randn(96, 64, generator=gen).to(dtype)
         b = torch.randn(96, generator=gen).to(dtype)
         layer = PackedLinear(w, b)
@@ -252,7 +266,7 @@ def test_packed_linear_computes_the_dense_product() -> None:
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_packing)])
 def test_packed_kernel_replaces_every_dense_projection(fp32_case: Any, dtype: str) -> None:
     from mooncaked.engine.quant import PackedLinear
 
@@ -283,6 +297,7 @@ def test_packed_float32_logits_and_greedy_match_hf_float32(fp32_case: Any) -> No
     assert check_greedy_parity(ours, theirs, FP32_PACKED_TOL) == 0
 
 
+@needs_bf16_packing
 def test_packed_bfloat16_matches_dense_bfloat16(fp32_case: Any) -> None:
     _hf, d = fp32_case
     prompt, new_tokens = _prompt(5, 19), 12
@@ -303,7 +318,8 @@ def test_packed_kernel_refusals_name_the_reason(tmp_path: Path) -> None:
     from mooncaked.engine.quant import PackedLinear, dense_factory
 
     assert dense_factory("auto", CPU, torch.float32) is PackedLinear
-    assert dense_factory("auto", CPU, torch.bfloat16) is PackedLinear
+    if _bf16_packing() is None:
+        assert dense_factory("auto", CPU, torch.bfloat16) is PackedLinear
     assert dense_factory("dense", CPU, torch.float32) is None
     # auto falls back where packing cannot run; an explicit "packed" says why.
     assert dense_factory("auto", CPU, torch.float16) is None
@@ -318,3 +334,21 @@ def test_packed_kernel_refusals_name_the_reason(tmp_path: Path) -> None:
     path.write_text('[model]\nlinear_kernel = "fast"\n')
     with pytest.raises(ConfigError, match="linear_kernel"):
         load_config(path)
+
+
+def test_bfloat16_falls_back_to_dense_where_onednn_cannot_pack_it(
+    fp32_case: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without AVX-512 oneDNN refuses to pack bf16: auto loads dense, packed says why."""
+    from mooncaked.engine import quant
+
+    why = "oneDNN cannot pack bfloat16 weights on this CPU (needs avx512bw)"
+    monkeypatch.setattr(quant, "_bf16_packing_unavailable", lambda: why)
+    assert quant.dense_factory("auto", CPU, torch.bfloat16) is None
+    assert quant.dense_factory("auto", CPU, torch.float32) is quant.PackedLinear
+    with pytest.raises(ValueError, match="cannot pack bfloat16"):
+        quant.dense_factory("packed", CPU, torch.bfloat16)
+    _hf, d = fp32_case
+    loaded = load_model(ModelConfig(path=str(d), dtype="bfloat16"))
+    assert loaded.linear_kernel == "dense" and loaded.dtype == torch.bfloat16
+    assert isinstance(loaded.model.lm_head, torch.nn.Linear)
