@@ -79,12 +79,15 @@ def status_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
     if compute:
         quant = compute.get("quantization")
         threads = compute.get("cpu_threads")
+        kernel = compute["linear_kernel"]
+        if kernel == "packed" and compute.get("packed_layout_rows"):
+            kernel += f" ({compute['packed_layout_rows']}-row layout)"
         rows.append(
             (
                 "compute",
                 f"{compute['device']} {compute['dtype']}, "
                 f"{quant if quant and quant != 'none' else 'unquantized'}, "
-                f"{compute['linear_kernel']} linears, "
+                f"{kernel} linears, "
                 + (f"{threads} threads" if threads else "torch's default threads"),
             )
         )

@@ -113,6 +113,10 @@ class ModelConfig:
     # "auto": packed on the CPU wherever oneDNN runs, dense elsewhere (and for
     # builtin:tiny, whose reference is F.linear in float32).
     linear_kernel: Literal["auto", "packed", "dense"] = "auto"
+    # Packed: the rows oneDNN lays each weight out for. The fastest layout
+    # depends on the CPU (engine/quant.py pick_pack_hint); 0: measured at load
+    # on the model's own weights.
+    packed_layout_rows: int = 0
     device: str = "auto"
     # 0: the model's own limit.
     max_model_len: int = 0
@@ -132,6 +136,7 @@ class ModelConfig:
         _check(bool(self.path), "path", "must not be empty")
         _check(self.max_model_len >= 0, "max_model_len", "must be >= 0")
         _check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0")
+        _check(self.packed_layout_rows >= 0, "packed_layout_rows", "must be >= 0")
         _check(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             "device",

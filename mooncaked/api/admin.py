@@ -174,6 +174,13 @@ class AdminAPI:
                 "dtype": str(loaded.dtype).removeprefix("torch."),
                 "quantization": loaded.quantization,
                 "linear_kernel": loaded.linear_kernel,
+                # Packed: the layout's rows, and the ms each layout took
+                # at load for 1, 4, 16 and 64 rows (empty when configured).
+                "packed_layout_rows": loaded.packed_layout_rows,
+                "packed_layout_measured": {
+                    str(t.hint): [round(x * 1e3, 3) for x in t.seconds]
+                    for t in loaded.packed_layout_timings
+                },
                 "cpu_threads": engine.cpu_threads,
                 # ms per token (a decode row plus a prefill row) at each team
                 # size measured at start-up; empty when cpu_threads is fixed.

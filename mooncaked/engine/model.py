@@ -413,6 +413,22 @@ class CausalLM(nn.Module):
                 mlp.down_proj = make(mlp.down_proj.weight, None)
             self.lm_head = make(self.lm_head.weight, None)
 
+    def dense_weights(self, layers: int) -> list[torch.Tensor]:
+        """The projection weights of the first ``layers`` layers, fused where fused."""
+        out: list[torch.Tensor] = []
+        for layer in self.model.layers[:layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            for fused, parts in (
+                (attn.qkv, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                (mlp.gate_up, (mlp.gate_proj, mlp.up_proj)),
+            ):
+                if fused.weight is not None:
+                    out.append(fused.weight)
+                else:
+                    out += [p.weight for p in parts]
+            out += [attn.o_proj.weight, mlp.down_proj.weight]
+        return out
+
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

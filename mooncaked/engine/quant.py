@@ -20,7 +20,9 @@ next to it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -124,19 +126,108 @@ class PackedLinear(nn.Module):
     graphs, leaves one pass over the weight per step (measured in
     tools/bench_engine.py). The packed tensor is opaque (no storage): the
     dense weight is not kept.
+
+    ``batch_hint`` is the row count oneDNN lays the weight out for; which
+    layout is fastest depends on the CPU (``pick_pack_hint`` measures it).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 1
+    ) -> None:
         super().__init__()
         w = weight.detach().contiguous()
         self.out_features, self.in_features = w.shape
-        # The batch hint picks the layout; 1 favours decode, and measured
-        # prefill chunks (512 rows) run no slower with it than with dense.
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, 1))
+        self.batch_hint = batch_hint
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(w, batch_hint))
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+# The layouts tried (oneDNN's batch hint), and the row counts each is timed
+# at: a decode of one sequence, decode batches, a prefill chunk. The one-row
+# layout, first, was chosen on a 2-core AVX-512 EPYC, where it favoured
+# decode; on a 2-core AVX2 EPYC it was as fast as 16 or 64 for one row and
+# 25-40% slower for 4-16 rows (eight SmolLM2-135M-shaped layers, one thread).
+PACK_HINTS = (1, 16, 64)
+PACK_ROWS = (1, 4, 16, 64)
+# Best of five: with best of three a noisy host picked the one-row layout in
+# one load of four where the others picked 64.
+PACK_REPEATS = 5
+# The first hint is kept unless another's worst ratio is this much lower:
+# nodes of one kind of machine then pick alike despite timing noise (float32
+# results differ in the last bits between layouts).
+PACK_MARGIN = 0.10
+
+
+@dataclass(frozen=True, slots=True)
+class PackTiming:
+    hint: int
+    # Best of PACK_REPEATS, seconds, for every sample weight once at each of PACK_ROWS.
+    seconds: tuple[float, ...]
+
+
+def _time_packed(
+    layers: Sequence[PackedLinear], rows: int, dtype: torch.dtype, repeats: int
+) -> float:
+    gen = torch.Generator().manual_seed(rows)
+    inputs = {
+        n: torch.randn(rows, n, generator=gen).to(dtype) for n in {p.in_features for p in layers}
+    }
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            for layer in layers:
+                layer(inputs[layer.in_features])
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def choose_pack_hint(timings: Sequence[PackTiming]) -> int:
+    """The layout never far from the fastest at any row count.
+
+    For each row count each hint's time is taken relative to the fastest
+    hint's; the pick is the hint whose worst ratio is least, so no shape pays
+    much for another's gain, and the first hint unless the pick beats it by
+    ``PACK_MARGIN``.
+    """
+    if not timings:
+        raise ValueError("choose_pack_hint needs at least one timing")
+    fastest = [min(col) for col in zip(*(t.seconds for t in timings), strict=True)]
+
+    def worst_ratio(t: PackTiming) -> float:
+        return max(s / f for s, f in zip(t.seconds, fastest, strict=True))
+
+    best = min(timings, key=worst_ratio)
+    if worst_ratio(best) > worst_ratio(timings[0]) * (1.0 - PACK_MARGIN):
+        best = timings[0]
+    return best.hint
+
+
+def pick_pack_hint(
+    weights: Sequence[torch.Tensor],
+    hints: Sequence[int] = PACK_HINTS,
+    rows: Sequence[int] = PACK_ROWS,
+    repeats: int = PACK_REPEATS,
+) -> tuple[int, list[PackTiming]]:
+    """Each hint timed on ``weights`` at each row count; the choice and every timing.
+
+    ``weights`` are some of the model's own (a few layers': more than the
+    caches hold, as in a step).
+    """
+    if not weights or not hints:
+        raise ValueError("pick_pack_hint needs weights and at least one hint")
+    dtype = weights[0].dtype
+    timings: list[PackTiming] = []
+    for hint in hints:
+        layers = [PackedLinear(w, None, hint) for w in weights]
+        timings.append(
+            PackTiming(hint, tuple(_time_packed(layers, n, dtype, repeats) for n in rows))
+        )
+        del layers
+    return choose_pack_hint(timings), timings
 
 
 LINEAR_KERNELS = ("auto", "packed", "dense")

@@ -107,6 +107,10 @@ def test_up_serves_smollm2_by_default(tmp_path: Path) -> None:
         # A real model at cpu_threads = 0: its team size was measured at start-up.
         compute = json.loads(status.stdout)["compute"]
         assert compute["device"] == "cpu" and compute["linear_kernel"] == "packed"
+        # Its packed layout too, at load: each layout's ms at each row count.
+        layouts = compute["packed_layout_measured"]
+        assert str(compute["packed_layout_rows"]) in layouts
+        assert all(len(ms) == 4 and min(ms) > 0 for ms in layouts.values())
         if len(os.sched_getaffinity(0)) > 1:
             assert len(compute["cpu_threads_measured"]) == 2
             assert str(compute["cpu_threads"]) in compute["cpu_threads_measured"]

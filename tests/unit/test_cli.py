@@ -277,6 +277,10 @@ def test_status_rows_explain_admission() -> None:
     }
     rows = dict(status_rows(st))
     assert rows["compute"] == "cpu bfloat16, int8, packed linears, 2 threads"
+    st["compute"] |= {"quantization": "none", "packed_layout_rows": 16}
+    assert dict(status_rows(st))["compute"] == (
+        "cpu bfloat16, unquantized, packed (16-row layout) linears, 2 threads"
+    )
     assert rows["placement"] == "conductor, early rejection current"
     assert rows["slo"] == "TTFT 2 s, TBT 25 ms, 95.0% of admitted meant to meet them"
     assert rows["ttft forecast"] == (

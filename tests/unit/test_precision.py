@@ -352,3 +352,67 @@ def test_bfloat16_falls_back_to_dense_where_onednn_cannot_pack_it(
     loaded = load_model(ModelConfig(path=str(d), dtype="bfloat16"))
     assert loaded.linear_kernel == "dense" and loaded.dtype == torch.bfloat16
     assert isinstance(loaded.model.lm_head, torch.nn.Linear)
+
+
+def test_every_packed_layout_computes_the_dense_product() -> None:
+    from mooncaked.engine.quant import PACK_HINTS, PackedLinear
+
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 64, generator=gen)
+    for hint in PACK_HINTS:
+        layer = PackedLinear(w, None, hint)
+        for rows in (1, 5, 16, 64):
+            x = torch.randn(rows, 64, generator=gen)
+            with torch.inference_mode():
+                got = layer(x)
+            want = torch.nn.functional.linear(x, w)
+            torch.testing.assert_close(got, want, atol=FP32_PACKED_TOL, rtol=FP32_PACKED_TOL)
+
+
+def test_the_packed_layout_is_the_one_never_far_from_the_fastest() -> None:
+    from mooncaked.engine.quant import PackTiming, choose_pack_hint
+
+    def pick(*rows: tuple[float, ...]) -> int:
+        return choose_pack_hint([PackTiming(int(h), tuple(t)) for h, *t in rows])
+
+    # Measured on an AVX2 EPYC: the one-row layout ties for one row and
+    # loses 25-40% at 16 rows.
+    assert pick((1, 30.7, 60.4, 140.9), (16, 27.6, 43.4, 126.8), (64, 37.1, 44.5, 138.1)) == 16
+    # Worst ratio, not the sum: 64 wins 16 rows by far but loses one row by 50%.
+    assert pick((1, 10.0, 20.0, 50.0), (16, 10.5, 14.0, 50.0), (64, 15.0, 10.0, 40.0)) == 16
+    # Within the margin of the first hint: the first is kept.
+    assert pick((1, 10.0, 20.0, 50.0), (16, 9.8, 19.0, 49.0), (64, 10.5, 19.5, 48.0)) == 1
+    assert pick((64, 1.0, 1.0, 1.0)) == 64
+    with pytest.raises(ValueError):
+        choose_pack_hint([])
+
+
+def test_packed_layout_is_measured_at_load_unless_configured(fp32_case: Any) -> None:
+    from mooncaked.config import ConfigError, load_config
+    from mooncaked.engine.quant import PACK_HINTS, PACK_ROWS, PackedLinear
+
+    _hf, d = fp32_case
+    measured = load_model(ModelConfig(path=str(d), dtype="float32", linear_kernel="packed"))
+    timings = measured.packed_layout_timings
+    assert [t.hint for t in timings] == list(PACK_HINTS)
+    assert all(len(t.seconds) == len(PACK_ROWS) and min(t.seconds) > 0 for t in timings)
+    assert measured.packed_layout_rows in PACK_HINTS
+    assert measured.model.lm_head.batch_hint == measured.packed_layout_rows
+    fixed = load_model(
+        ModelConfig(path=str(d), dtype="float32", linear_kernel="packed", packed_layout_rows=16)
+    )
+    assert fixed.packed_layout_rows == 16 and fixed.packed_layout_timings == []
+    layers = [m for m in fixed.model.modules() if isinstance(m, PackedLinear)]
+    assert layers and {m.batch_hint for m in layers} == {16}
+    # Another layout, the same numbers within the packed float32 bound.
+    prompt = _prompt(7, 13)
+    torch.testing.assert_close(
+        greedy_logits(fixed, prompt, 6),
+        greedy_logits(measured, prompt, 6),
+        atol=FP32_PACKED_TOL,
+        rtol=0,
+    )
+    path = Path(d).parent / "bad.toml"
+    path.write_text("[model]\npacked_layout_rows = -1\n")
+    with pytest.raises(ConfigError, match="packed_layout_rows"):
+        load_config(path)
