@@ -13,7 +13,8 @@ unquantized linears through ``--linear-kernel`` (``model.linear_kernel``:
 auto packs them for oneDNN on the CPU):
 
 1. Single-stream decode, tokens/s: one request, ``--decode-tokens`` tokens
-   after the first (medians of ``--repeats``).
+   after the first (medians of ``--repeats``). With ``--decode-batch N``
+   (ours only), also N such requests together: tokens/s while all decode.
 2. Prompt processing, tokens/s: a ``--prompt-tokens`` prompt (512) with
    nothing cached, time to its first token.
 3. Throughput, output tokens/s: ``--requests`` requests submitted at once,
@@ -113,7 +114,19 @@ def make_workload(n: int, lo: int, hi: int, max_output_len: int, seed: int, voca
     return Workload(prompts, trace_output_lengths(n, max_output_len, rng))
 
 
-def engine_config(args: argparse.Namespace, precision: str, kernel: str | None = None) -> Config:
+def _layout_rows(value: str) -> list[int]:
+    try:
+        rows = [int(x) for x in value.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: give rows >= 0, comma-separated")
+    return rows
+
+
+def engine_config(
+    args: argparse.Namespace, precision: str, kernel: str | None = None, layout_rows: int = 0
+) -> Config:
     dtype, quantization = PRECISIONS[precision]
     return with_overrides(
         Config(),
@@ -122,6 +135,7 @@ def engine_config(args: argparse.Namespace, precision: str, kernel: str | None =
             "dtype": dtype,
             "quantization": quantization,
             "linear_kernel": kernel or args.linear_kernel,
+            "packed_layout_rows": layout_rows,
         },
         scheduler={
             "max_num_seqs": args.max_num_seqs,
@@ -138,6 +152,8 @@ class Figures:
     decode_tps: float = 0.0
     prefill_tps: float = 0.0
     throughput_tps: float = 0.0
+    # --decode-batch requests decoding together, output tokens/s.
+    batch_decode_tps: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)
     note: str = ""
 
@@ -178,6 +194,17 @@ async def measure_ours(
             prefill.append(args.prompt_tokens / (times[0] - t0))
         figures.decode_tps = statistics.median(decode)
         figures.prefill_tps = statistics.median(prefill)
+        if args.decode_batch > 0:
+            batch = []
+            for _ in range(args.repeats):
+                runs = await asyncio.gather(
+                    *(
+                        _generate(engine, fresh(32), args.decode_tokens + 1)
+                        for _ in range(args.decode_batch)
+                    )
+                )
+                batch.append(_steady_tps([times for _ids, times in runs]))
+            figures.batch_decode_tps = statistics.median(batch)
         if wl is not None:
             t0 = time.perf_counter()
             results = await asyncio.gather(
@@ -188,6 +215,14 @@ async def measure_ours(
     finally:
         await engine.close()
     return figures
+
+
+def _steady_tps(streams: list[list[float]]) -> float:
+    """Tokens/s while every stream decodes: from the last first token to the first last one."""
+    start = max(times[0] for times in streams)
+    end = min(times[-1] for times in streams)
+    tokens = sum(1 for times in streams for t in times if start < t <= end)
+    return tokens / (end - start) if end > start else 0.0
 
 
 def hf_model(loaded: LoadedModel) -> torch.nn.Module:
@@ -438,7 +473,9 @@ def _line(f: Figures) -> str:
     """One side's figures as soon as they are measured: a cut-short run still tells."""
     return (
         f"decode {f.decode_tps:.1f} tok/s, prompt {f.prefill_tps:.1f} tok/s, "
-        f"throughput {f.throughput_tps:.1f} tok/s {f.note}"
+        f"throughput {f.throughput_tps:.1f} tok/s"
+        + (f", batch decode {f.batch_decode_tps:.1f} tok/s" if f.batch_decode_tps else "")
+        + f" {f.note}"
     )
 
 
@@ -450,14 +487,14 @@ def print_table(rows: list[tuple[str, int, Figures]], base: Figures) -> None:
     print()
     print(
         f"{'side':<26}{'threads':>8}{'decode tok/s':>14}{'vs HF':>8}{'prompt tok/s':>14}"
-        f"{'vs HF':>8}{'throughput tok/s':>18}{'vs HF':>8}  note"
+        f"{'vs HF':>8}{'throughput tok/s':>18}{'vs HF':>8}{'batch decode':>14}  note"
     )
     for name, threads, f in rows:
         print(
             f"{name:<26}{threads:>8}{f.decode_tps:>14.1f}{_ratio(f.decode_tps, base.decode_tps):>8}"
             f"{f.prefill_tps:>14.1f}{_ratio(f.prefill_tps, base.prefill_tps):>8}"
             f"{f.throughput_tps:>18.1f}{_ratio(f.throughput_tps, base.throughput_tps):>8}"
-            f"  {f.note}"
+            f"{f.batch_decode_tps:>14.1f}  {f.note}"
         )
 
 
@@ -481,6 +518,12 @@ def main() -> None:
         "--threads", default="", help="torch thread counts to measure, e.g. 1,2 (default: cores)"
     )
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument(
+        "--decode-batch",
+        type=int,
+        default=0,
+        help="ours only: also this many requests decoding together, tokens/s while all decode",
+    )
     ap.add_argument("--min-prompt", type=int, default=32)
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument(
@@ -505,6 +548,13 @@ def main() -> None:
         default="auto",
         choices=LINEAR_KERNELS,
         help="model.linear_kernel of ours (HF always gets dense float32 weights)",
+    )
+    ap.add_argument(
+        "--packed-layout-rows",
+        type=_layout_rows,
+        default=[0],
+        help="model.packed_layout_rows of ours, each measured (0: picked at load; e.g. 1,0 "
+        "puts the one-row layout beside the picked one); the last is set against llama.cpp",
     )
     ap.add_argument(
         "--llamacpp",
@@ -574,20 +624,26 @@ def main() -> None:
             print(f"  {_line(hf_rows[n_threads])}", flush=True)
             del model
         for precision in precisions:
-            print(f"ours {precision}, {n_threads} threads", flush=True)
-            cfg = engine_config(args, precision)
-            same_as_base = precision == "float32" and cfg.model == base_cfg.model
-            loaded = fp32 if same_as_base else load_model(cfg.model)
-            f = asyncio.run(measure_ours(loaded, cfg, args, wl))
-            base = hf_rows.get(n_threads)
-            if wl is not None and base is not None and base.outputs:
-                same = sum(1 for a, b in zip(f.outputs, base.outputs, strict=True) if a == b)
-                f.note = f"greedy = HF for {same}/{len(f.outputs)}"
-            kernel = "" if loaded.quantization != "none" else f" {loaded.linear_kernel}"
-            rows.append((f"ours {precision}{kernel}", n_threads, f))
-            print(f"  {_line(f)}", flush=True)
-            del loaded
-            gc.collect()
+            for layout_rows in args.packed_layout_rows:
+                print(f"ours {precision}, {n_threads} threads", flush=True)
+                cfg = engine_config(args, precision, layout_rows=layout_rows)
+                same_as_base = precision == "float32" and cfg.model == base_cfg.model
+                loaded = fp32 if same_as_base else load_model(cfg.model)
+                f = asyncio.run(measure_ours(loaded, cfg, args, wl))
+                base = hf_rows.get(n_threads)
+                if wl is not None and base is not None and base.outputs:
+                    same = sum(1 for a, b in zip(f.outputs, base.outputs, strict=True) if a == b)
+                    f.note = f"greedy = HF for {same}/{len(f.outputs)}"
+                kernel = "" if loaded.quantization != "none" else f" {loaded.linear_kernel}"
+                if loaded.linear_kernel == "packed":
+                    kernel += f"/{loaded.packed_layout_rows}" + ("m" if layout_rows == 0 else "")
+                rows.append((f"ours {precision}{kernel}", n_threads, f))
+                print(f"  {_line(f)}", flush=True)
+                packed = loaded.linear_kernel == "packed"
+                del loaded
+                gc.collect()
+                if not packed:
+                    break  # the layout is a packed kernel's only
             if anchor is not None:
                 gguf = llamacpp_file(anchor, Path(args.model), precision)
                 print(f"llama.cpp {LLAMACPP_TYPES[precision]}, {n_threads} threads", flush=True)
