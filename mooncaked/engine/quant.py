@@ -20,13 +20,14 @@ next to it.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mooncaked.engine.threads import time_calls
 
 QUANTIZATIONS = ("none", "int8", "int4")
 
@@ -168,23 +169,6 @@ class PackTiming:
     seconds: tuple[float, ...]
 
 
-def _time_packed(
-    layers: Sequence[PackedLinear], rows: int, dtype: torch.dtype, repeats: int
-) -> float:
-    gen = torch.Generator().manual_seed(rows)
-    inputs = {
-        n: torch.randn(rows, n, generator=gen).to(dtype) for n in {p.in_features for p in layers}
-    }
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats + 1):  # the first is a warm-up
-            t0 = time.perf_counter()
-            for layer in layers:
-                layer(inputs[layer.in_features])
-            best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def choose_pack_hint(timings: Sequence[PackTiming]) -> int:
     """The layout never far from the fastest at any row count.
 
@@ -222,11 +206,9 @@ def pick_pack_hint(
     dtype = weights[0].dtype
     timings: list[PackTiming] = []
     for hint in hints:
-        layers = [PackedLinear(w, None, hint) for w in weights]
-        timings.append(
-            PackTiming(hint, tuple(_time_packed(layers, n, dtype, repeats) for n in rows))
-        )
-        del layers
+        calls = [(PackedLinear(w, None, hint), w.shape[1]) for w in weights]
+        timings.append(PackTiming(hint, tuple(time_calls(calls, n, dtype, repeats) for n in rows)))
+        del calls
     return choose_pack_hint(timings), timings
 
 

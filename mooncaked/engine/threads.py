@@ -63,17 +63,27 @@ def _projections(model: CausalLM) -> list[tuple[Callable[[torch.Tensor], object]
 
 def time_projections(model: CausalLM, rows: int, dtype: torch.dtype) -> float:
     """Best of REPEATS: seconds to run every projection once on ``rows`` rows."""
-    projections = _projections(model)
+    return time_calls(_projections(model), rows, dtype)
+
+
+def time_calls(
+    calls: Sequence[tuple[Callable[[torch.Tensor], object], int]],
+    rows: int,
+    dtype: torch.dtype,
+    repeats: int = REPEATS,
+) -> float:
+    """Best of ``repeats`` after a warm-up: seconds to run every ``(call, input width)``
+    once on ``rows`` rows of fixed random inputs."""
     inputs = {
         width: torch.randn(rows, width, generator=torch.Generator().manual_seed(width)).to(dtype)
-        for width in {w for _, w in projections}
+        for width in {w for _, w in calls}
     }
     best = float("inf")
     with torch.inference_mode():
-        for _ in range(REPEATS + 1):  # the first is a warm-up
+        for _ in range(repeats + 1):  # the first is a warm-up
             t0 = time.perf_counter()
-            for project, width in projections:
-                project(inputs[width])
+            for call, width in calls:
+                call(inputs[width])
             best = min(best, time.perf_counter() - t0)
     return best
 
