@@ -150,7 +150,7 @@ class PackedLinear(nn.Module):
 # at: a decode of one sequence, decode batches, a prefill chunk. The one-row
 # layout, first, was chosen on a 2-core AVX-512 EPYC, where it favoured
 # decode; on a 2-core AVX2 EPYC it was as fast as 16 or 64 for one row and
-# 25-40% slower for 4-16 rows (eight SmolLM2-135M-shaped layers, one thread).
+# 15-45% slower for 4-16 rows (eight SmolLM2-135M-shaped layers, 1 and 2 threads).
 PACK_HINTS = (1, 16, 64)
 PACK_ROWS = (1, 4, 16, 64)
 # Best of five: with best of three a noisy host picked the one-row layout in
