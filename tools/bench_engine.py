@@ -423,9 +423,14 @@ def measure_llamacpp(
         text=True,
         check=False,
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"llama-bench failed:\n{done.stderr[-2000:]}")
     figures = Figures()
+    if done.returncode != 0:
+        # One file type crashing should cost its own row, not every other side's figures
+        # (llama-bench at 0c1e570 dies of SIGSEGV on Q8_0 and Q4_0 on a CPU with AMX).
+        how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+        tail = done.stderr.strip().splitlines()[-1:] or ["no stderr"]
+        figures.note = f"llama-bench failed ({how}) on {model.name}: {tail[0][:200]}"
+        return figures
     for rec in json.loads(done.stdout):
         rate = statistics.median(rec["samples_ts"])
         if rec["n_gen"] > 0:
