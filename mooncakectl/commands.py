@@ -82,6 +82,9 @@ def status_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
         kernel = compute["linear_kernel"]
         if kernel == "packed" and compute.get("packed_layout_rows"):
             kernel += f" ({compute['packed_layout_rows']}-row layout)"
+        if compute.get("single_row_gemv"):
+            extra = compute.get("gemv_extra_bytes", 0) / 2**20
+            kernel += f" + one-row GEMV ({extra:.0f} MiB dense copy)"
         rows.append(
             (
                 "compute",

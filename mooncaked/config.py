@@ -117,6 +117,13 @@ class ModelConfig:
     # depends on the CPU (engine/quant.py pick_pack_hint); 0: measured at load
     # on the model's own weights.
     packed_layout_rows: int = 0
+    # Packed: one-row steps (a sequence decoding alone) through torch's native
+    # GEMV on a second, plain copy of each weight (engine/quant.py
+    # GemvPackedLinear). "auto": only where it measures at least 15% faster
+    # at load (bf16 on AVX-512: about 1.5x; float32 there: slower, so off);
+    # "on" keeps the copy regardless; "off" never (half the weight memory,
+    # and bf16 results that do not depend on the batch).
+    single_row_gemv: Literal["auto", "on", "off"] = "auto"
     device: str = "auto"
     # 0: the model's own limit.
     max_model_len: int = 0

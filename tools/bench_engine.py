@@ -59,7 +59,7 @@ import torch
 from mooncaked.config import Config, with_overrides
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import LoadedModel, load_model
-from mooncaked.engine.quant import LINEAR_KERNELS
+from mooncaked.engine.quant import LINEAR_KERNELS, SINGLE_ROW_GEMV
 from mooncaked.process import (
     keep_large_allocations_mapped,
     run_in_compute_thread,
@@ -124,8 +124,22 @@ def _layout_rows(value: str) -> list[int]:
     return rows
 
 
+def _gemv_modes(value: str) -> list[str]:
+    modes = [x for x in value.split(",") if x]
+    bad = [m for m in modes if m not in SINGLE_ROW_GEMV]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give some of {list(SINGLE_ROW_GEMV)}, comma-separated"
+        )
+    return modes
+
+
 def engine_config(
-    args: argparse.Namespace, precision: str, kernel: str | None = None, layout_rows: int = 0
+    args: argparse.Namespace,
+    precision: str,
+    kernel: str | None = None,
+    layout_rows: int = 0,
+    gemv: str = "auto",
 ) -> Config:
     dtype, quantization = PRECISIONS[precision]
     return with_overrides(
@@ -136,6 +150,7 @@ def engine_config(
             "quantization": quantization,
             "linear_kernel": kernel or args.linear_kernel,
             "packed_layout_rows": layout_rows,
+            "single_row_gemv": gemv,
         },
         scheduler={
             "max_num_seqs": args.max_num_seqs,
@@ -562,6 +577,14 @@ def main() -> None:
         "puts the one-row layout beside the picked one); the last is set against llama.cpp",
     )
     ap.add_argument(
+        "--single-row-gemv",
+        type=_gemv_modes,
+        default=["auto"],
+        help="model.single_row_gemv of ours, each measured for every layout (auto, on, off; "
+        "e.g. off,auto puts packed-only beside the load-time pick); the last is set against "
+        "llama.cpp",
+    )
+    ap.add_argument(
         "--llamacpp",
         default="",
         metavar="auto|ANCHOR_ENV",
@@ -629,9 +652,10 @@ def main() -> None:
             print(f"  {_line(hf_rows[n_threads])}", flush=True)
             del model
         for precision in precisions:
-            for layout_rows in args.packed_layout_rows:
+            variants = [(r, g) for r in args.packed_layout_rows for g in args.single_row_gemv]
+            for layout_rows, gemv in variants:
                 print(f"ours {precision}, {n_threads} threads", flush=True)
-                cfg = engine_config(args, precision, layout_rows=layout_rows)
+                cfg = engine_config(args, precision, layout_rows=layout_rows, gemv=gemv)
                 same_as_base = precision == "float32" and cfg.model == base_cfg.model
                 loaded = fp32 if same_as_base else load_model(cfg.model)
                 f = asyncio.run(measure_ours(loaded, cfg, args, wl))
@@ -642,13 +666,15 @@ def main() -> None:
                 kernel = "" if loaded.quantization != "none" else f" {loaded.linear_kernel}"
                 if loaded.linear_kernel == "packed":
                     kernel += f"/{loaded.packed_layout_rows}" + ("m" if layout_rows == 0 else "")
+                    if loaded.single_row_gemv:
+                        kernel += "+gemv" + ("m" if gemv == "auto" else "")
                 rows.append((f"ours {precision}{kernel}", n_threads, f))
                 print(f"  {_line(f)}", flush=True)
                 packed = loaded.linear_kernel == "packed"
                 del loaded
                 gc.collect()
                 if not packed:
-                    break  # the layout is a packed kernel's only
+                    break  # the layout and the GEMV are a packed kernel's only
             if anchor is not None:
                 gguf = llamacpp_file(anchor, Path(args.model), precision)
                 print(f"llama.cpp {LLAMACPP_TYPES[precision]}, {n_threads} threads", flush=True)

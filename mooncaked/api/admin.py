@@ -181,6 +181,16 @@ class AdminAPI:
                     str(t.hint): [round(x * 1e3, 3) for x in t.seconds]
                     for t in loaded.packed_layout_timings
                 },
+                # Packed: one-row steps on torch's GEMV over a kept dense copy
+                # (its bytes), and the ms one row took each way at load.
+                "single_row_gemv": loaded.single_row_gemv,
+                "gemv_extra_bytes": loaded.gemv_extra_bytes,
+                "gemv_measured": None
+                if loaded.gemv_timing is None
+                else {
+                    "packed": round(loaded.gemv_timing.packed_s * 1e3, 3),
+                    "gemv": round(loaded.gemv_timing.gemv_s * 1e3, 3),
+                },
                 "cpu_threads": engine.cpu_threads,
                 # ms per token (a decode row plus a prefill row) at each team
                 # size measured at start-up; empty when cpu_threads is fixed.

@@ -121,7 +121,11 @@ class EngineCore:
     ) -> None:
         """``kv_allocator``: where the KV cache lives (see ``ModelRunner``)."""
         self.config = config
-        self.loaded = loaded if loaded is not None else load_model(config.model)
+        self.loaded = (
+            loaded
+            if loaded is not None
+            else load_model(config.model, decodes=config.node.role != "prefill")
+        )
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.served_name
         self.model_id = self.loaded.model_id

@@ -22,12 +22,25 @@ import torch
 
 from mooncaked.config import BUILTIN_PREFIX, ModelConfig
 from mooncaked.engine.model import CausalLM, ModelArch
-from mooncaked.engine.quant import PackTiming, dense_factory, linear_factory, pick_pack_hint
+from mooncaked.engine.quant import (
+    GemvPackedLinear,
+    GemvTiming,
+    PackTiming,
+    dense_factory,
+    linear_factory,
+    pick_pack_hint,
+    time_single_row_gemv,
+)
 from mooncaked.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 # Layers whose weights time the packed layouts: four of SmolLM2-135M's hold
 # 52 MB in float32, more than a server CPU's last-level cache, as a step's do.
 PACK_SAMPLE_LAYERS = 4
+# Bytes of weights the one-row GEMV is timed on: a bandwidth-bound GEMV is
+# measured only on weights that stream from memory, as a step's do (four
+# SmolLM2 layers in bf16, 32 MB, sat in a 32 MB L3 and the GEMV's lead
+# vanished: 1.05x against 1.5x on eight or sixteen layers).
+GEMV_SAMPLE_BYTES = 128 << 20
 
 
 @dataclass(slots=True)
@@ -49,6 +62,12 @@ class LoadedModel:
     # to pick it (empty when the config fixed it).
     packed_layout_rows: int = 0
     packed_layout_timings: list[PackTiming] = field(default_factory=list)
+    # Packed: whether one-row steps take the native GEMV on a kept dense copy,
+    # the bytes that copy costs, and what was timed to decide (None when the
+    # config decided).
+    single_row_gemv: bool = False
+    gemv_extra_bytes: int = 0
+    gemv_timing: GemvTiming | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -121,8 +140,12 @@ def _max_model_len(config: ModelConfig, arch: ModelArch) -> int:
     return limit
 
 
-def load_model(config: ModelConfig, progress: IO[str] | None = None) -> LoadedModel:
-    """``progress``: where a progress bar goes (default stderr); drawn only on a terminal."""
+def load_model(
+    config: ModelConfig, progress: IO[str] | None = None, *, decodes: bool = True
+) -> LoadedModel:
+    """``progress``: where a progress bar goes (default stderr); drawn only on a terminal.
+    ``decodes``: False for a node that only prefills, whose steps are never one
+    row, so ``single_row_gemv = "auto"`` keeps no dense copy there."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kernel = config.linear_kernel
@@ -151,11 +174,29 @@ def load_model(config: ModelConfig, progress: IO[str] | None = None) -> LoadedMo
             rows, loaded.packed_layout_timings = pick_pack_hint(
                 loaded.model.dense_weights(PACK_SAMPLE_LAYERS)
             )
-        loaded.model.replace_linears(functools.partial(packed, batch_hint=rows))
+        if config.single_row_gemv == "auto" and not decodes:
+            loaded.single_row_gemv = False
+        elif config.single_row_gemv == "auto":
+            loaded.gemv_timing = time_single_row_gemv(_gemv_sample(loaded.model), rows)
+            loaded.single_row_gemv = loaded.gemv_timing.worth_it()
+        else:
+            loaded.single_row_gemv = config.single_row_gemv == "on"
+        make_packed = GemvPackedLinear if loaded.single_row_gemv else packed
+        loaded.model.replace_linears(functools.partial(make_packed, batch_hint=rows))
         loaded.linear_kernel = "packed"
         loaded.packed_layout_rows = rows
+        if loaded.single_row_gemv:
+            loaded.gemv_extra_bytes = sum(
+                m.weight.nbytes for m in loaded.model.modules() if isinstance(m, GemvPackedLinear)
+            )
     loaded.model_id += precision_tag(dtype, config.quantization)
     return loaded
+
+
+def _gemv_sample(model: CausalLM) -> list[torch.Tensor]:
+    per_layer = sum(w.nbytes for w in model.dense_weights(1))
+    layers = min(len(model.model.layers), max(1, -(-GEMV_SAMPLE_BYTES // per_layer)))
+    return model.dense_weights(layers)
 
 
 def precision_tag(dtype: torch.dtype, quantization: str = "none") -> str:

@@ -212,6 +212,89 @@ def pick_pack_hint(
     return choose_pack_hint(timings), timings
 
 
+class GemvPackedLinear(PackedLinear):
+    """A ``PackedLinear`` that multiplies a single row through torch's own GEMV.
+
+    For one row (a decode step of one sequence) oneDNN's packed kernel reads
+    the weight at well under the memory bandwidth; torch's native
+    reduced-precision GEMV (``F.linear`` with oneDNN switched off, which for
+    bfloat16 accumulates in float32 with AVX-512) read it about 1.6x faster on
+    a 2-core AVX-512 EPYC, and MKL's float32 GEMV was faster than packed on a
+    Xeon with AMX. It needs the weight in its plain layout, so the layer keeps
+    both: the dense weight costs the same memory again, which is why
+    ``model.single_row_gemv = "auto"`` keeps it only where it measures faster.
+
+    bfloat16 packed results do not depend on the row count; the GEMV's differ
+    from them in the last bit for a few outputs in ten thousand (another
+    summation order), so with it a sequence decoding alone and one decoding
+    in a batch can round differently. "off" keeps bfloat16 batch-invariant.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 1
+    ) -> None:
+        super().__init__(weight, bias, batch_hint)
+        self.register_buffer("weight", weight.detach().contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() != self.in_features:
+            return super().forward(x)
+        return single_row_gemv(x, self.weight, self.bias)
+
+
+def single_row_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` on torch's native kernels: with oneDNN on, bf16 and fp32 matmuls of
+    every shape go to oneDNN or MKL's GEMM, and no operator reaches the GEMV otherwise.
+
+    The switch is the process's; it is restored at once, and the only
+    matmuls this changes for another thread running in between are ones
+    that would take the same native path or an equivalent one.
+    """
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+
+
+SINGLE_ROW_GEMV = ("auto", "on", "off")
+# "auto" keeps the dense copy when the one-row GEMV is at least this much
+# faster than the packed kernel in the timed sample (the copy doubles the
+# linear weights' memory; a gain inside the timing noise is not worth it).
+GEMV_MARGIN = 0.15
+
+
+@dataclass(frozen=True, slots=True)
+class GemvTiming:
+    # Best of PACK_REPEATS, seconds, one row through every sample weight.
+    packed_s: float
+    gemv_s: float
+
+    @property
+    def speedup(self) -> float:
+        return self.packed_s / self.gemv_s if self.gemv_s > 0 else 0.0
+
+    def worth_it(self) -> bool:
+        return self.speedup >= 1.0 + GEMV_MARGIN
+
+
+def time_single_row_gemv(
+    weights: Sequence[torch.Tensor], batch_hint: int, repeats: int = PACK_REPEATS
+) -> GemvTiming:
+    """One row through ``weights``, packed at ``batch_hint`` vs the native GEMV."""
+    if not weights:
+        raise ValueError("time_single_row_gemv needs weights")
+    dtype = weights[0].dtype
+    packed = [(PackedLinear(w, None, batch_hint), w.shape[1]) for w in weights]
+    packed_s = time_calls(packed, 1, dtype, repeats)
+    del packed
+    gemv = [(functools.partial(single_row_gemv, weight=w, bias=None), w.shape[1]) for w in weights]
+    return GemvTiming(packed_s, time_calls(gemv, 1, dtype, repeats))
+
+
 LINEAR_KERNELS = ("auto", "packed", "dense")
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 

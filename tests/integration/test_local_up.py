@@ -111,6 +111,10 @@ def test_up_serves_smollm2_by_default(tmp_path: Path) -> None:
         layouts = compute["packed_layout_measured"]
         assert str(compute["packed_layout_rows"]) in layouts
         assert all(len(ms) == 4 and min(ms) > 0 for ms in layouts.values())
+        # And whether one-row steps take the GEMV on a dense copy, as timed.
+        gemv = compute["gemv_measured"]
+        assert gemv["packed"] > 0 and gemv["gemv"] > 0
+        assert (compute["gemv_extra_bytes"] > 0) == compute["single_row_gemv"]
         if len(os.sched_getaffinity(0)) > 1:
             assert len(compute["cpu_threads_measured"]) == 2
             assert str(compute["cpu_threads"]) in compute["cpu_threads_measured"]

@@ -281,6 +281,11 @@ def test_status_rows_explain_admission() -> None:
     assert dict(status_rows(st))["compute"] == (
         "cpu bfloat16, unquantized, packed (16-row layout) linears, 2 threads"
     )
+    st["compute"] |= {"single_row_gemv": True, "gemv_extra_bytes": 124 << 20}
+    assert dict(status_rows(st))["compute"] == (
+        "cpu bfloat16, unquantized, packed (16-row layout) + one-row GEMV (124 MiB dense copy) "
+        "linears, 2 threads"
+    )
     assert rows["placement"] == "conductor, early rejection current"
     assert rows["slo"] == "TTFT 2 s, TBT 25 ms, 95.0% of admitted meant to meet them"
     assert rows["ttft forecast"] == (

@@ -303,7 +303,9 @@ def test_packed_bfloat16_matches_dense_bfloat16(fp32_case: Any) -> None:
     prompt, new_tokens = _prompt(5, 19), 12
     runs = [
         greedy_logits(
-            load_model(ModelConfig(path=str(d), dtype="bfloat16", linear_kernel=k)),
+            load_model(
+                ModelConfig(path=str(d), dtype="bfloat16", linear_kernel=k, single_row_gemv="off")
+            ),
             prompt,
             new_tokens,
         )
@@ -416,3 +418,126 @@ def test_packed_layout_is_measured_at_load_unless_configured(fp32_case: Any) -> 
     path.write_text("[model]\npacked_layout_rows = -1\n")
     with pytest.raises(ConfigError, match="packed_layout_rows"):
         load_config(path)
+
+
+# ---------------------------------------------------------------------------
+# One-row steps through torch's native GEMV on a kept dense copy.
+#
+# In bfloat16 it accumulates in float32 as oneDNN does, in another order: a
+# few outputs in ten thousand round to the neighbouring bf16 value, so the
+# bf16 bound holds as it is. In float32 it is MKL's GEMV, the kernel HF's
+# F.linear runs, within the packed bound.
+
+
+def _gemv_cases() -> list[tuple[torch.dtype, float]]:
+    cases = [(torch.float32, FP32_PACKED_TOL)]
+    if _bf16_packing() is None:
+        cases.append((torch.bfloat16, 1 / 32))
+    return cases
+
+
+def test_gemv_linear_takes_the_gemv_for_one_row_and_the_packed_kernel_for_more() -> None:
+    from mooncaked.engine.quant import GemvPackedLinear, PackedLinear, single_row_gemv
+
+    gen = torch.Generator().manual_seed(2)
+    for dtype, tol in _gemv_cases():
+        w = torch.randn(96, 64, generator=gen).to(dtype)
+        b = torch.randn(96, generator=gen).to(dtype)
+        layer, packed = GemvPackedLinear(w, b, 16), PackedLinear(w, b, 16)
+        assert layer.weight.data_ptr() != 0 and layer.weight.shape == (96, 64)
+        with torch.inference_mode():
+            for shape in ((1, 64), (1, 1, 64)):
+                x = torch.randn(*shape, generator=gen).to(dtype)
+                got = layer(x)
+                assert got.shape == (*shape[:-1], 96) and got.dtype == dtype
+                torch._C._set_mkldnn_enabled(False)
+                try:
+                    native = torch.nn.functional.linear(x, w, b)
+                finally:
+                    torch._C._set_mkldnn_enabled(True)
+                assert torch.equal(got, native)
+                want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+                torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+            for rows in (2, 5, 64):
+                x = torch.randn(rows, 64, generator=gen).to(dtype)
+                assert torch.equal(layer(x), packed(x))
+        # oneDNN is on again after each call, and after one that raised.
+        assert torch._C._get_mkldnn_enabled()
+        with pytest.raises(RuntimeError):
+            single_row_gemv(torch.ones(1, 64, dtype=torch.float64), w, b)
+        assert torch._C._get_mkldnn_enabled()
+
+
+def test_gemv_is_kept_only_where_it_is_measured_faster_by_the_margin() -> None:
+    from mooncaked.engine.quant import GEMV_MARGIN, GemvTiming
+
+    # bf16 on a 2-core AVX-512 EPYC: 1.5x; float32 there: 0.6x.
+    assert GemvTiming(packed_s=8.75e-3, gemv_s=5.89e-3).worth_it()
+    assert not GemvTiming(packed_s=13.1e-3, gemv_s=21.4e-3).worth_it()
+    # A lead inside the margin does not pay for a second copy of the weights.
+    assert not GemvTiming(packed_s=1.0 + GEMV_MARGIN / 2, gemv_s=1.0).worth_it()
+    assert GemvTiming(packed_s=1.0 + GEMV_MARGIN, gemv_s=1.0).worth_it()
+    assert GemvTiming(packed_s=1.0, gemv_s=0.0).speedup == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_packing)])
+def test_single_row_gemv_on_off_and_measured(fp32_case: Any, dtype: str) -> None:
+    from mooncaked.config import ConfigError, load_config
+    from mooncaked.engine.quant import GemvPackedLinear, PackedLinear
+
+    _hf, d = fp32_case
+
+    def load(gemv: str) -> Any:
+        return load_model(ModelConfig(path=str(d), dtype=dtype, single_row_gemv=gemv))
+
+    on, off, auto = load("on"), load("off"), load("auto")
+    layers = [m for m in on.model.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(isinstance(m, GemvPackedLinear) for m in layers)
+    # The dense copy is every packed weight once more, and is counted.
+    assert on.single_row_gemv and on.gemv_extra_bytes == sum(m.weight.nbytes for m in layers)
+    assert on.gemv_timing is None
+    assert not off.single_row_gemv and off.gemv_extra_bytes == 0 and off.gemv_timing is None
+    assert not any(isinstance(m, GemvPackedLinear) for m in off.model.modules())
+    t = auto.gemv_timing
+    assert t is not None and t.packed_s > 0 and t.gemv_s > 0
+    assert auto.single_row_gemv == t.worth_it()
+    assert isinstance(auto.model.lm_head, GemvPackedLinear) == t.worth_it()
+    # Not part of the model id: the same K/V within rounding, the same blocks.
+    assert on.model_id == off.model_id
+    # A prefill-only node never runs a one-row step: no copy, nothing timed.
+    prefill = load_model(ModelConfig(path=str(d), dtype=dtype), decodes=False)
+    assert not prefill.single_row_gemv and prefill.gemv_timing is None
+    assert not any(isinstance(m, GemvPackedLinear) for m in prefill.model.modules())
+    path = Path(d).parent / "bad_gemv.toml"
+    path.write_text('[model]\nsingle_row_gemv = "yes"\n')
+    with pytest.raises(ConfigError, match="single_row_gemv"):
+        load_config(path)
+
+
+@needs_bf16_packing
+def test_bfloat16_with_single_row_gemv_matches_hf_in_bfloat16(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mooncaked.engine import quant
+
+    calls: list[int] = []
+    gemv = quant.single_row_gemv
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[-1])
+        return gemv(x, weight, bias)
+
+    monkeypatch.setattr(quant, "single_row_gemv", counted)
+    d = tmp_path_factory.mktemp("llama_bf16_gemv")
+    hf = make_hf_model("llama", d, seed=7).to(torch.bfloat16)
+    loaded = load_model(ModelConfig(path=str(d), dtype="bfloat16", single_row_gemv="on"))
+    prompt, new_tokens = _prompt(3, 21), 24
+    # Decode steps of one row each: every one after the prompt takes the GEMV.
+    ours = greedy_logits(loaded, prompt, new_tokens)
+    ids = prompt + ours[len(prompt) - 1 :].argmax(-1).tolist()[: new_tokens - 1]
+    theirs = _hf_logits(hf, ids)
+    torch.testing.assert_close(ours, theirs, atol=BF16_TOL, rtol=0)
+    assert check_greedy_parity(ours, theirs, BF16_TOL) <= 2
+    # Every linear of every decode step (and none of the prefill's 21 rows).
+    layers = len(loaded.model.model.layers)
+    assert len(calls) == (new_tokens - 1) * (4 * layers + 1)
