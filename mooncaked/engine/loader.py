@@ -186,11 +186,22 @@ def load_model(
         loaded.linear_kernel = "packed"
         loaded.packed_layout_rows = rows
         if loaded.single_row_gemv:
-            loaded.gemv_extra_bytes = sum(
-                m.weight.nbytes for m in loaded.model.modules() if isinstance(m, GemvPackedLinear)
-            )
+            loaded.gemv_extra_bytes = gemv_copy_bytes(loaded.model)
     loaded.model_id += precision_tag(dtype, config.quantization)
     return loaded
+
+
+def gemv_copy_bytes(model: CausalLM) -> int:
+    """Bytes of the dense copies the GEMV layers keep beside their packed weights.
+
+    A tied head's copy is the embedding itself, which stays anyway."""
+    embedding = model.model.embed_tokens.weight.untyped_storage().data_ptr()
+    storages = {
+        m.weight.untyped_storage().data_ptr(): m.weight.untyped_storage().nbytes()
+        for m in model.projections()
+        if isinstance(m, GemvPackedLinear)
+    }
+    return sum(n for ptr, n in storages.items() if ptr != embedding)
 
 
 def _gemv_sample(model: CausalLM) -> list[torch.Tensor]:

@@ -413,6 +413,25 @@ class CausalLM(nn.Module):
                 mlp.down_proj = make(mlp.down_proj.weight, None)
             self.lm_head = make(self.lm_head.weight, None)
 
+    def projections(self) -> list[nn.Module]:
+        """Every projection's module and the head, fused ones included (a fused
+        projection's module is not a submodule: ``modules()`` misses it)."""
+        out: list[nn.Module] = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for fused, parts in (
+                (attn.qkv, ("q_proj", "k_proj", "v_proj")),
+                (mlp.gate_up, ("gate_proj", "up_proj")),
+            ):
+                owner = attn if fused is attn.qkv else mlp
+                if fused.linear is not None:
+                    out.append(fused.linear)
+                elif not fused.active:
+                    out += [getattr(owner, name) for name in parts]
+            out += [attn.o_proj, mlp.down_proj]
+        out.append(self.lm_head)
+        return out
+
     def dense_weights(self, layers: int) -> list[torch.Tensor]:
         """The projection weights of the first ``layers`` layers, fused where fused."""
         out: list[torch.Tensor] = []

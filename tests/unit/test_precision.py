@@ -491,13 +491,19 @@ def test_single_row_gemv_on_off_and_measured(fp32_case: Any, dtype: str) -> None
         return load_model(ModelConfig(path=str(d), dtype=dtype, single_row_gemv=gemv))
 
     on, off, auto = load("on"), load("off"), load("auto")
-    layers = [m for m in on.model.modules() if isinstance(m, PackedLinear)]
-    assert layers and all(isinstance(m, GemvPackedLinear) for m in layers)
-    # The dense copy is every packed weight once more, and is counted.
-    assert on.single_row_gemv and on.gemv_extra_bytes == sum(m.weight.nbytes for m in layers)
+    layers = on.model.projections()
+    assert len(layers) == 4 * len(on.model.model.layers) + 1
+    assert all(isinstance(m, GemvPackedLinear) for m in layers)
+    # The dense copy is every packed weight once more, and is counted; a tied
+    # head's is the embedding, which is there anyway.
+    copies = sum(m.weight.nbytes for m in layers)
+    if on.arch.tie_word_embeddings:
+        copies -= on.model.lm_head.weight.nbytes
+    assert on.single_row_gemv and on.gemv_extra_bytes == copies
     assert on.gemv_timing is None
     assert not off.single_row_gemv and off.gemv_extra_bytes == 0 and off.gemv_timing is None
-    assert not any(isinstance(m, GemvPackedLinear) for m in off.model.modules())
+    assert not any(isinstance(m, GemvPackedLinear) for m in off.model.projections())
+    assert all(isinstance(m, PackedLinear) for m in off.model.projections())
     t = auto.gemv_timing
     assert t is not None and t.packed_s > 0 and t.gemv_s > 0
     assert auto.single_row_gemv == t.worth_it()
@@ -507,7 +513,7 @@ def test_single_row_gemv_on_off_and_measured(fp32_case: Any, dtype: str) -> None
     # A prefill-only node never runs a one-row step: no copy, nothing timed.
     prefill = load_model(ModelConfig(path=str(d), dtype=dtype), decodes=False)
     assert not prefill.single_row_gemv and prefill.gemv_timing is None
-    assert not any(isinstance(m, GemvPackedLinear) for m in prefill.model.modules())
+    assert not any(isinstance(m, GemvPackedLinear) for m in prefill.model.projections())
     path = Path(d).parent / "bad_gemv.toml"
     path.write_text('[model]\nsingle_row_gemv = "yes"\n')
     with pytest.raises(ConfigError, match="single_row_gemv"):
