@@ -209,6 +209,9 @@ async def run_policy(
                 cwd=REPO_ROOT,
             )
             procs.append((proc, out))
+        # The decode nodes' KV and batch while the replay runs: what admission
+        # filled them with (a full KV cache makes handoffs wait for room).
+        sampler = asyncio.create_task(_sample_decode(daemons[args.prefill :], result))
         for proc, out in procs:
             _stdout, stderr = await proc.communicate()
             if proc.returncode != 0:
@@ -218,6 +221,8 @@ async def run_policy(
             doc = json.loads(out.read_text())
             result["requests"].extend(doc["requests"])
             result["max_model_len"] = (doc.get("config") or {}).get("max_model_len")
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
         # The nodes' own view of their costs after the run.
         async with aiohttp.ClientSession() as session:
             result["node_costs"] = {}
@@ -227,6 +232,49 @@ async def run_policy(
         return result
     finally:
         await cluster.stop()
+
+
+SAMPLE_S = 0.5
+
+
+async def _sample_decode(daemons: Sequence[Any], result: dict[str, Any]) -> None:
+    """Every SAMPLE_S until cancelled: each decode node's KV usage, running and
+    waiting requests, into ``result["decode_samples"]``."""
+    samples: list[dict[str, Any]] = []
+    result["decode_samples"] = samples
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        while True:
+            for d in daemons:
+                try:
+                    async with session.get(f"{d.url}/admin/status") as resp:
+                        st = await resp.json()
+                except aiohttp.ClientError:
+                    continue
+                samples.append(
+                    {
+                        "t_s": round(time.monotonic() - t0, 2),
+                        "node": d.node_id,
+                        "kv_usage": (st.get("kv") or {}).get("usage"),
+                        "running": (st.get("load") or {}).get("running"),
+                        "waiting": (st.get("load") or {}).get("waiting"),
+                    }
+                )
+            await asyncio.sleep(SAMPLE_S)
+
+
+def decode_pressure(result: dict[str, Any]) -> dict[str, Any]:
+    """Peak decode KV usage and batch over the run, and the share of samples
+    with the KV cache at least 95% full."""
+    samples = [x for x in result.get("decode_samples", []) if x["kv_usage"] is not None]
+    if not samples:
+        return {"peak_kv_usage": None, "full_share": None, "peak_running": None}
+    return {
+        "peak_kv_usage": max(x["kv_usage"] for x in samples),
+        "full_share": sum(1 for x in samples if x["kv_usage"] >= 0.95) / len(samples),
+        "peak_running": max(x["running"] or 0 for x in samples),
+        "peak_waiting": max(x["waiting"] or 0 for x in samples),
+    }
 
 
 def _ttft_ms(rec: dict[str, Any]) -> float | None:
@@ -269,7 +317,7 @@ def summarize(result: dict[str, Any], slo_ttft_ms: float, slo_tbt_ms: float) -> 
         "admitted_meeting_slo": num_good / len(admitted) if admitted else None,
         "goodput_rps": num_good / duration if duration else None,
         "cached_tokens": sum(r.get("cached_tokens") or 0 for r in admitted),
-    }
+    } | decode_pressure(result)
 
 
 def _rejections(result: dict[str, Any]) -> dict[str, int]:
@@ -448,13 +496,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_overload(over: dict[str, dict[str, Any]]) -> None:
-    print("early rejection  sent  rejected  admitted meeting SLOs  goodput r/s  rejected for")
+    print(
+        "early rejection  sent  rejected  admitted meeting SLOs  goodput r/s  "
+        "decode KV peak / time >= 95%  rejected for"
+    )
     for mode, s in over.items():
         why = ", ".join(f"{k} {v}" for k, v in sorted(s["rejections"].items())) or "-"
+        kv = f"{_fmt(s.get('peak_kv_usage'), '.0%')} / {_fmt(s.get('full_share'), '.0%')}"
         print(
             f"{mode:<16} {s['sent']:<5} {s['rejected']:<9} "
             f"{_fmt(s['admitted_meeting_slo'], '.1%'):<22} "
-            f"{_fmt(s['goodput_rps'], '.3f'):<12} {why}"
+            f"{_fmt(s['goodput_rps'], '.3f'):<12} {kv:<29} {why}"
         )
 
 
