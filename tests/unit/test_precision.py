@@ -48,6 +48,17 @@ def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
+def _assert_greedy_matches_hf(hf: Any, loaded: Any, tol: float, max_differ: int) -> None:
+    """Greedy decoding of a fixed prompt, every step's logits within ``tol`` of
+    transformers' over the same sequence; at most ``max_differ`` near ties."""
+    prompt, new_tokens = _prompt(3, 21), 24
+    ours = greedy_logits(loaded, prompt, new_tokens)
+    ids = prompt + ours[len(prompt) - 1 :].argmax(-1).tolist()[: new_tokens - 1]
+    theirs = _hf_logits(hf, ids)
+    torch.testing.assert_close(ours, theirs, atol=tol, rtol=0)
+    assert check_greedy_parity(ours, theirs, tol) <= max_differ
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def bf16_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     d = tmp_path_factory.mktemp(f"{request.param}_bf16")
@@ -67,12 +78,7 @@ def test_bfloat16_is_honoured_on_the_cpu(bf16_case: Any) -> None:
 
 def test_bfloat16_logits_and_greedy_match_hf_in_bfloat16(bf16_case: Any) -> None:
     hf, loaded = bf16_case
-    prompt, new_tokens = _prompt(3, 21), 24
-    ours = greedy_logits(loaded, prompt, new_tokens)
-    ids = prompt + ours[len(prompt) - 1 :].argmax(-1).tolist()[: new_tokens - 1]
-    theirs = _hf_logits(hf, ids)
-    torch.testing.assert_close(ours, theirs, atol=BF16_TOL, rtol=0)
-    assert check_greedy_parity(ours, theirs, BF16_TOL) <= 2
+    _assert_greedy_matches_hf(hf, loaded, BF16_TOL, 2)
 
 
 def test_float32_stays_the_cpu_default_without_bf16_instructions() -> None:
@@ -289,12 +295,7 @@ def test_packed_kernel_replaces_every_dense_projection(fp32_case: Any, dtype: st
 def test_packed_float32_logits_and_greedy_match_hf_float32(fp32_case: Any) -> None:
     hf, d = fp32_case
     loaded = load_model(ModelConfig(path=str(d), dtype="float32", linear_kernel="packed"))
-    prompt, new_tokens = _prompt(3, 21), 24
-    ours = greedy_logits(loaded, prompt, new_tokens)
-    ids = prompt + ours[len(prompt) - 1 :].argmax(-1).tolist()[: new_tokens - 1]
-    theirs = _hf_logits(hf, ids)
-    torch.testing.assert_close(ours, theirs, atol=FP32_PACKED_TOL, rtol=0)
-    assert check_greedy_parity(ours, theirs, FP32_PACKED_TOL) == 0
+    _assert_greedy_matches_hf(hf, loaded, FP32_PACKED_TOL, 0)
 
 
 @needs_bf16_packing
@@ -537,13 +538,7 @@ def test_bfloat16_with_single_row_gemv_matches_hf_in_bfloat16(
     d = tmp_path_factory.mktemp("llama_bf16_gemv")
     hf = make_hf_model("llama", d, seed=7).to(torch.bfloat16)
     loaded = load_model(ModelConfig(path=str(d), dtype="bfloat16", single_row_gemv="on"))
-    prompt, new_tokens = _prompt(3, 21), 24
     # Decode steps of one row each: every one after the prompt takes the GEMV.
-    ours = greedy_logits(loaded, prompt, new_tokens)
-    ids = prompt + ours[len(prompt) - 1 :].argmax(-1).tolist()[: new_tokens - 1]
-    theirs = _hf_logits(hf, ids)
-    torch.testing.assert_close(ours, theirs, atol=BF16_TOL, rtol=0)
-    assert check_greedy_parity(ours, theirs, BF16_TOL) <= 2
-    # Every linear of every decode step (and none of the prefill's 21 rows).
-    layers = len(loaded.model.model.layers)
-    assert len(calls) == (new_tokens - 1) * (4 * layers + 1)
+    _assert_greedy_matches_hf(hf, loaded, BF16_TOL, 2)
+    # Every linear of each of the 23 decode steps (none of the prefill's 21 rows).
+    assert len(calls) == 23 * (4 * len(loaded.model.model.layers) + 1)
