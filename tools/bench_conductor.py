@@ -268,7 +268,12 @@ def decode_pressure(result: dict[str, Any]) -> dict[str, Any]:
     with the KV cache at least 95% full."""
     samples = [x for x in result.get("decode_samples", []) if x["kv_usage"] is not None]
     if not samples:
-        return {"peak_kv_usage": None, "full_share": None, "peak_running": None}
+        return {
+            "peak_kv_usage": None,
+            "full_share": None,
+            "peak_running": None,
+            "peak_waiting": None,
+        }
     return {
         "peak_kv_usage": max(x["kv_usage"] for x in samples),
         "full_share": sum(1 for x in samples if x["kv_usage"] >= 0.95) / len(samples),

@@ -415,7 +415,8 @@ class CausalLM(nn.Module):
 
     def projections(self) -> list[nn.Module]:
         """Every projection's module and the head, fused ones included (a fused
-        projection's module is not a submodule: ``modules()`` misses it)."""
+        projection's module is not a submodule: ``modules()`` misses it). A
+        fused projection still dense has no module and is not listed."""
         out: list[nn.Module] = []
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -220,9 +220,10 @@ class GemvPackedLinear(PackedLinear):
     reduced-precision GEMV (``F.linear`` with oneDNN switched off, which for
     bfloat16 accumulates in float32 with AVX-512) read SmolLM2-135M's weights
     about 1.5x faster on a 2-core AVX-512 EPYC (21.5 against 14.6 GB/s), and
-    MKL's float32 GEMV was faster than packed on a Xeon with AMX. It needs the weight in its plain layout, so the layer keeps
-    both: the dense weight costs the same memory again, which is why
-    ``model.single_row_gemv = "auto"`` keeps it only where it measures faster.
+    MKL's float32 GEMV was faster than packed on a Xeon with AMX. It needs
+    the weight in its plain layout, so the layer keeps both: the dense weight
+    costs the same memory again, which is why ``model.single_row_gemv =
+    "auto"`` keeps it only where it measures faster.
 
     bfloat16 packed results do not depend on the row count; the GEMV's differ
     from them in the last bit for a few outputs in ten thousand (another
