@@ -85,12 +85,14 @@ def status_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
         if compute.get("single_row_gemv"):
             extra = compute.get("gemv_extra_bytes", 0) / 2**20
             kernel += f" + one-row GEMV ({extra:.0f} MiB dense copy)"
+        sizes = compute.get("cuda_graphs") or []
+        graphs = f"decode in CUDA graphs (batch {sizes[0]}..{sizes[-1]}), " if sizes else ""
         rows.append(
             (
                 "compute",
                 f"{compute['device']} {compute['dtype']}, "
                 f"{quant if quant and quant != 'none' else 'unquantized'}, "
-                f"{kernel} linears, "
+                f"{kernel} linears, {graphs}"
                 + (f"{threads} threads" if threads else "torch's default threads"),
             )
         )

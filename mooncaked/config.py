@@ -128,6 +128,11 @@ class ModelConfig:
     # 0: the model's own limit.
     max_model_len: int = 0
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    # Decode steps replayed from CUDA graphs, one per bucket of batch sizes up
+    # to scheduler.max_num_seqs (engine/graphs.py). "auto": on a CUDA device
+    # with flash-attn, running eagerly if capture fails; "on": an error where
+    # it cannot be had; "off": always eager (no capture time at start-up).
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
     seed: int = 0
     # Threads of the engine step thread's OpenMP team for CPU inference (no
     # other thread gets one: mooncaked/process.py). 0: measured at start-up,

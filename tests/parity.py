@@ -12,11 +12,23 @@ from mooncaked.request import Request, SamplingParams
 BLOCK = 16
 
 
-def greedy_logits(loaded: LoadedModel, prompt: list[int], new_tokens: int) -> torch.Tensor:
+def greedy_logits(
+    loaded: LoadedModel,
+    prompt: list[int],
+    new_tokens: int,
+    *,
+    block_size: int = BLOCK,
+    backend: str = "auto",
+    cuda_graphs: str = "off",
+) -> torch.Tensor:
     """Our logits [len(prompt) + new_tokens - 1, vocab]: one prefill, then greedy
     decode steps through the paged cache, each step's single row appended."""
-    runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK)
-    table = list(range((len(prompt) + new_tokens + BLOCK - 1) // BLOCK))
+    runner = ModelRunner(
+        loaded, num_blocks=16, block_size=block_size, backend=backend, cuda_graphs=cuda_graphs
+    )
+    if cuda_graphs == "on" and runner.graphs is None:
+        raise RuntimeError(f"no CUDA graphs: {runner.graphs_off_reason}")
+    table = list(range((len(prompt) + new_tokens + block_size - 1) // block_size))
     req = Request("g", prompt, SamplingParams(temperature=0.0, max_tokens=new_tokens))
     (logits,) = runner.forward_logits(StepPlan([chunk_of(req, prompt, 0, table, True)]))
     rows = [logits]

@@ -58,6 +58,7 @@ import torch
 
 from mooncaked.config import Config, with_overrides
 from mooncaked.engine.core import EngineCore
+from mooncaked.engine.graphs import CUDA_GRAPH_MODES
 from mooncaked.engine.loader import LoadedModel, load_model
 from mooncaked.engine.quant import LINEAR_KERNELS, SINGLE_ROW_GEMV
 from mooncaked.process import (
@@ -134,16 +135,31 @@ def _gemv_modes(value: str) -> list[str]:
     return modes
 
 
+def _graph_modes(value: str) -> list[str]:
+    modes = [x for x in value.split(",") if x]
+    bad = [m for m in modes if m not in CUDA_GRAPH_MODES]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give some of {list(CUDA_GRAPH_MODES)}, comma-separated"
+        )
+    return modes
+
+
 def engine_config(
     args: argparse.Namespace,
     precision: str,
     kernel: str | None = None,
     layout_rows: int = 0,
     gemv: str = "auto",
+    cuda_graphs: str = "auto",
 ) -> Config:
     dtype, quantization = PRECISIONS[precision]
+    kv: dict[str, object] = {}
+    if args.kv_block_size:
+        kv["block_size"] = args.kv_block_size
     return with_overrides(
         Config(),
+        kv=kv,
         model={
             "path": args.model,
             "dtype": dtype,
@@ -151,6 +167,7 @@ def engine_config(
             "linear_kernel": kernel or args.linear_kernel,
             "packed_layout_rows": layout_rows,
             "single_row_gemv": gemv,
+            "cuda_graphs": cuda_graphs,
         },
         scheduler={
             "max_num_seqs": args.max_num_seqs,
@@ -171,6 +188,8 @@ class Figures:
     batch_decode_tps: float = 0.0
     outputs: list[list[int]] = field(default_factory=list)
     note: str = ""
+    # Ours: the decode step replayed from CUDA graphs.
+    graphed: bool = False
 
 
 async def _generate(engine: EngineCore, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -189,6 +208,7 @@ async def measure_ours(
 ) -> Figures:
     engine = EngineCore(cfg, loaded)
     await engine.start()
+    figures = Figures(graphed=engine.runner.graphs is not None)
     rng = random.Random(args.seed + 7)
     vocab_top = min(loaded.arch.vocab_size, 1000)
 
@@ -196,7 +216,6 @@ async def measure_ours(
         # Never cached: every prompt is new random ids.
         return [rng.randrange(32, vocab_top) for _ in range(n)]
 
-    figures = Figures()
     try:
         await _generate(engine, fresh(16), 4)  # warm-up: first-call allocations, threads
         decode: list[float] = []
@@ -585,6 +604,20 @@ def main() -> None:
         "llama.cpp",
     )
     ap.add_argument(
+        "--cuda-graphs",
+        type=_graph_modes,
+        default=["auto"],
+        help="model.cuda_graphs of ours, each measured (auto, on, off; e.g. off,on on a GPU "
+        "puts eager decode beside graphed); the last is set against llama.cpp",
+    )
+    ap.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=0,
+        help="kv.block_size of ours (0: the config's default); flash-attn, and so CUDA "
+        "graphs, need a multiple of 256",
+    )
+    ap.add_argument(
         "--llamacpp",
         default="",
         metavar="auto|ANCHOR_ENV",
@@ -652,10 +685,20 @@ def main() -> None:
             print(f"  {_line(hf_rows[n_threads])}", flush=True)
             del model
         for precision in precisions:
-            variants = [(r, g) for r in args.packed_layout_rows for g in args.single_row_gemv]
-            for layout_rows, gemv in variants:
+            variants = [
+                (r, g, c)
+                for c in args.cuda_graphs
+                for r in args.packed_layout_rows
+                for g in args.single_row_gemv
+            ]
+            dense_done: set[str] = set()
+            for layout_rows, gemv, graphs in variants:
+                if graphs in dense_done:
+                    continue  # the layout and the GEMV are a packed kernel's only
                 print(f"ours {precision}, {n_threads} threads", flush=True)
-                cfg = engine_config(args, precision, layout_rows=layout_rows, gemv=gemv)
+                cfg = engine_config(
+                    args, precision, layout_rows=layout_rows, gemv=gemv, cuda_graphs=graphs
+                )
                 same_as_base = precision == "float32" and cfg.model == base_cfg.model
                 loaded = fp32 if same_as_base else load_model(cfg.model)
                 f = asyncio.run(measure_ours(loaded, cfg, args, wl))
@@ -668,13 +711,15 @@ def main() -> None:
                     kernel += f"/{loaded.packed_layout_rows}" + ("m" if layout_rows == 0 else "")
                     if loaded.single_row_gemv:
                         kernel += "+gemv" + ("m" if gemv == "auto" else "")
+                if f.graphed:
+                    kernel += "+graphs"
                 rows.append((f"ours {precision}{kernel}", n_threads, f))
                 print(f"  {_line(f)}", flush=True)
                 packed = loaded.linear_kernel == "packed"
                 del loaded
                 gc.collect()
                 if not packed:
-                    break  # the layout and the GEMV are a packed kernel's only
+                    dense_done.add(graphs)
             if anchor is not None:
                 gguf = llamacpp_file(anchor, Path(args.model), precision)
                 print(f"llama.cpp {LLAMACPP_TYPES[precision]}, {n_threads} threads", flush=True)

@@ -3,8 +3,10 @@
 #   1. a venv with the project and its CUDA extras (flash-attn, best effort:
 #      where no wheel fits and it would compile, its tests skip and say so);
 #   2. the tests marked cuda (bf16 and flash-attn parity with transformers,
-#      paged decode, a 1 prefill + 1 decode handoff of GPU blocks);
-#   3. a short engine benchmark on the GPU against HF transformers;
+#      paged decode, decode replayed from CUDA graphs, a 1 prefill + 1 decode
+#      handoff of GPU blocks);
+#   3. a short engine benchmark on the GPU against HF transformers, eager
+#      and with CUDA graphs;
 # then one summary. Run from anywhere:  bash tools/gpu_check.sh
 # Environment: VENV (default .venv-gpu, made only where PYTHON lacks what is
 # needed), PYTHON (default python3),
@@ -86,9 +88,12 @@ else
 fi
 
 # 3. A short benchmark: ours in bf16 (the CUDA default) and float32 vs HF
-# float32, all on the GPU.
-if timeout 180 python tools/bench_engine.py --model "$MODEL" --precisions float32,bfloat16 \
+# float32, all on the GPU; each of ours eager and with the decode step in CUDA
+# graphs (blocks of 256 tokens, so flash-attn's paged kernels can run; a row
+# is marked +graphs where they did).
+if timeout 240 python tools/bench_engine.py --model "$MODEL" --precisions float32,bfloat16 \
     --requests 32 --max-output-len 128 --hf-batch-sizes 8,32 --repeats 2 --skip-prefix \
+    --kv-block-size 256 --cuda-graphs off,auto \
     2>&1 | tee "$LOG_DIR/bench.log"; then
     note "benchmark (side threads decode vs-HF prompt vs-HF throughput vs-HF):"
     while IFS= read -r row; do note "  $row"; done < <(grep -E '^(ours|HF)' "$LOG_DIR/bench.log" | tr -s ' ')

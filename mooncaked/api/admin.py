@@ -169,6 +169,7 @@ class AdminAPI:
                 "hit_tokens": s.prefix_hit_tokens,
             }
             loaded = engine.loaded
+            graphs = engine.runner.graphs
             status["compute"] = {
                 "device": str(loaded.device),
                 "dtype": str(loaded.dtype).removeprefix("torch."),
@@ -191,6 +192,11 @@ class AdminAPI:
                     "packed": round(loaded.gemv_timing.packed_s * 1e3, 3),
                     "gemv": round(loaded.gemv_timing.gemv_s * 1e3, 3),
                 },
+                # Batch sizes whose decode step replays a CUDA graph (empty:
+                # eager, for the reason given), and the replays so far.
+                "cuda_graphs": [] if graphs is None else graphs.sizes,
+                "cuda_graphs_off": engine.runner.graphs_off_reason,
+                "cuda_graph_replays": 0 if graphs is None else graphs.num_replays,
                 "cpu_threads": engine.cpu_threads,
                 # ms per token (a decode row plus a prefill row) at each team
                 # size measured at start-up; empty when cpu_threads is fixed.

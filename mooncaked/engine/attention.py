@@ -88,6 +88,10 @@ class AttentionMetadata:
     query_starts: tuple[int, ...] = ()
     # The kernel every layer calls through ``paged_attention``.
     backend: AttentionBackend | None = None
+    # [T] bool, True for a row that only pads a fixed-size batch (a CUDA
+    # graph's bucket): its slot gets back the value it holds. None: every row
+    # is real.
+    keep: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -222,6 +226,10 @@ def _decode_group(
 
 class AttentionBackend(Protocol):
     name: str
+    # True when a step of decodes reads only the metadata's device tensors
+    # (slot_mapping, block_tables, context_lens_tensor, keep), never its host
+    # lists, so the step can be captured in a CUDA graph (engine/graphs.py).
+    static_decode: bool
 
     def forward(
         self,
@@ -242,10 +250,22 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> None:
+    """Write each row's K/V into its slot; a row where ``keep`` is True writes
+    back what its slot already holds.
+
+    ``keep`` serves fixed-shape batches: every row must write somewhere, so a
+    padding row is given a slot no real row of the step writes, and leaves it
+    as it was (an unchanged copy, so duplicates of it agree)."""
     kvh, hd = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+    k_flat, v_flat = k_cache.view(-1, kvh, hd), v_cache.view(-1, kvh, hd)
+    if keep is not None:
+        pad = keep[:, None, None]
+        k = torch.where(pad, k_flat.index_select(0, slot_mapping), k)
+        v = torch.where(pad, v_flat.index_select(0, slot_mapping), v)
+    k_flat.index_copy_(0, slot_mapping, k)
+    v_flat.index_copy_(0, slot_mapping, v)
 
 
 class SdpaBackend:
@@ -258,6 +278,7 @@ class SdpaBackend:
     """
 
     name = "sdpa"
+    static_decode = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
@@ -275,7 +296,7 @@ class SdpaBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.keep)
         kvh, hd, g = self.num_kv_heads, self.head_dim, self.group
         out = torch.empty_like(q)
 
@@ -334,6 +355,7 @@ class FlashBackend:
     """
 
     name = "flash"
+    static_decode = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         # Imported here: the package is optional and CUDA-only.
@@ -355,7 +377,7 @@ class FlashBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.keep)
         if meta.is_all_decode:
             out = self._kvcache(
                 q.unsqueeze(1),  # [B, 1, H, D]

@@ -144,6 +144,8 @@ class EngineCore:
             kv.block_size,
             backend=config.model.attention_backend,
             kv_allocator=kv_allocator,
+            cuda_graphs=config.model.cuda_graphs,
+            max_graph_batch=config.scheduler.max_num_seqs,
         )
         self.connector: KVConnector = KVConnector()
         self.scheduler = Scheduler(
@@ -262,6 +264,9 @@ class EngineCore:
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             device=str(self.loaded.device),
+            cuda_graphs=self.runner.graphs.sizes
+            if self.runner.graphs is not None
+            else self.runner.graphs_off_reason,
         )
 
     @contextlib.asynccontextmanager

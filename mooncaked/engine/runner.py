@@ -16,14 +16,23 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import structlog
 import torch
 
-from mooncaked.engine.attention import AttentionBackend, build_metadata, select_backend
+from mooncaked.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    build_metadata,
+    select_backend,
+)
 from mooncaked.engine.connector import KVConnector
+from mooncaked.engine.graphs import CUDA_GRAPH_MODES, DecodeGraphs, graph_unavailable_reason
 from mooncaked.engine.loader import LoadedModel
 from mooncaked.engine.model import ModelArch
 from mooncaked.engine.plan import SampledToken, StepPlan
 from mooncaked.engine.sampler import Sampler
+
+log = structlog.get_logger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # (nbytes, device) -> zeroed uint8 tensor of that many bytes on that device.
@@ -79,10 +88,21 @@ class ModelRunner:
         backend: str = "auto",
         sampler: Sampler | None = None,
         kv_allocator: KVAllocator | None = None,
+        cuda_graphs: str = "auto",
+        max_graph_batch: int = 64,
     ) -> None:
         """``kv_allocator(nbytes, device)`` gives the zeroed memory of the whole KV cache as
         a uint8 tensor on the model's device (shared memory a transfer engine
-        exposes, so peers can write KV into it); default: a plain allocation."""
+        exposes, so peers can write KV into it); default: a plain allocation.
+
+        ``cuda_graphs``: "auto" captures the decode step (batches up to
+        ``max_graph_batch``) wherever it can be (engine/graphs.py) and runs
+        eagerly where capture fails; "on" makes either a ValueError; "off"
+        never captures."""
+        if cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(
+                f"model.cuda_graphs = {cuda_graphs!r}; use one of {list(CUDA_GRAPH_MODES)}"
+            )
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         if block_size <= 0:
@@ -131,6 +151,41 @@ class ModelRunner:
             (self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(arch.num_layers)
         ]
         self.sampler = sampler if sampler is not None else Sampler()
+        self.graphs: DecodeGraphs | None = None
+        # Why the decode step runs eagerly ("" when it is graphed).
+        self.graphs_off_reason = "model.cuda_graphs = off"
+        if cuda_graphs != "off":
+            self._capture_decode(cuda_graphs, max_graph_batch)
+
+    def _capture_decode(self, mode: str, max_batch: int) -> None:
+        reason = graph_unavailable_reason(self.device, self.backend)
+        if reason is not None:
+            if mode == "on":
+                raise ValueError(f"model.cuda_graphs = 'on': {reason}")
+            self.graphs_off_reason = reason
+            return
+        try:
+            self.graphs = DecodeGraphs(
+                self._decode_forward,
+                backend=self.backend,
+                device=self.device,
+                block_size=self.block_size,
+                max_model_len=self.max_model_len,
+                max_batch=max_batch,
+            )
+        except RuntimeError as exc:
+            if mode == "on":
+                raise ValueError(f"model.cuda_graphs = 'on': capture failed: {exc}") from exc
+            # A kernel that cannot be captured costs speed, not service.
+            self.graphs_off_reason = f"capture failed: {exc}"
+            log.warning("cuda graph capture failed; decoding eagerly", error=str(exc))
+            return
+        self.graphs_off_reason = ""
+
+    def _decode_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     @property
     def block_bytes(self) -> int:
@@ -224,6 +279,14 @@ class ModelRunner:
             tables.append(c.block_ids)
             if c.sample:
                 sample_rows.append(len(ids) - 1)
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and layer_done is None
+            and len(ids) == len(query_lens) <= graphs.max_batch
+        ):
+            # Decodes only, and no connector work between layers: replay.
+            return graphs.run(ids, starts, tables), sample_rows
         meta = build_metadata(
             query_lens=query_lens,
             start_positions=starts,

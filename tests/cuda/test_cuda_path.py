@@ -18,8 +18,11 @@ import torch
 
 from mooncaked.config import ModelConfig
 from mooncaked.daemon import Node
-from mooncaked.engine.attention import flash_available
+from mooncaked.engine.attention import FLASH_BLOCK_SIZE_MULTIPLE, flash_available
 from mooncaked.engine.loader import load_model
+from mooncaked.engine.plan import StepPlan, chunk_of
+from mooncaked.engine.runner import ModelRunner
+from mooncaked.request import Request, SamplingParams
 from tests.conftest import make_config, wait_until
 from tests.hf_fixtures import VOCAB_SIZE, make_hf_model
 from tests.parity import check_greedy_parity, greedy_logits
@@ -47,15 +50,20 @@ def cuda_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return hf, d
 
 
-def _parity(hf: Any, d: Path, backend: str) -> None:
+def _parity(hf: Any, d: Path, backend: str, cuda_graphs: str = "off") -> None:
     loaded = load_model(
         ModelConfig(path=str(d), device="cuda", dtype="bfloat16", attention_backend=backend)
     )
     assert loaded.device.type == "cuda" and loaded.dtype == torch.bfloat16
+    # flash-attn's paged kernels need blocks of a multiple of 256 tokens;
+    # backend="flash" raises rather than fall back to SDPA.
+    block = FLASH_BLOCK_SIZE_MULTIPLE if backend == "flash" else 16
     for seed, n in ((3, 21), (4, 40)):
         prompt, new_tokens = _prompt(seed, n), 24
         # One prefill, then decode steps reading the paged cache in place.
-        ours = greedy_logits(loaded, prompt, new_tokens).cpu()
+        ours = greedy_logits(
+            loaded, prompt, new_tokens, block_size=block, backend=backend, cuda_graphs=cuda_graphs
+        ).cpu()
         ids = prompt + ours[len(prompt) - 1 :].argmax(-1).tolist()[: new_tokens - 1]
         with torch.no_grad():
             theirs = hf(torch.tensor([ids], device="cuda")).logits[0].float().cpu()
@@ -72,6 +80,66 @@ def test_bf16_sdpa_matches_hf_on_cuda(cuda_case: Any) -> None:
 def test_bf16_flash_attn_paged_decode_matches_hf(cuda_case: Any) -> None:
     hf, d = cuda_case
     _parity(hf, d, "flash")
+
+
+@needs_flash
+def test_bf16_flash_decode_replayed_from_cuda_graphs_matches_hf(cuda_case: Any) -> None:
+    hf, d = cuda_case
+    _parity(hf, d, "flash", cuda_graphs="on")
+
+
+@needs_flash
+def test_cuda_graph_buckets_match_eager_as_the_batch_shrinks(cuda_case: Any) -> None:
+    """Five sequences decoding together, finishing one by one: steps of 5, 4,
+    3, 2 and 1 run the buckets 8, 4, 4, 2 and 1, padded where the batch is
+    smaller. Each step's logits match the eager runner's (fed the same
+    tokens), and the padding rows leave every block they do not own as it was."""
+    _hf, d = cuda_case
+    loaded = load_model(
+        ModelConfig(path=str(d), device="cuda", dtype="bfloat16", attention_backend="flash")
+    )
+    bs = FLASH_BLOCK_SIZE_MULTIPLE
+
+    def runner(mode: str) -> ModelRunner:
+        return ModelRunner(
+            loaded,
+            num_blocks=8,
+            block_size=bs,
+            backend="flash",
+            cuda_graphs=mode,
+            max_graph_batch=8,
+        )
+
+    eager, graphed = runner("off"), runner("on")
+    assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4, 8]
+    prompts = [_prompt(10 + i, 17 + 9 * i) for i in range(5)]
+    # Blocks 6 and 7 belong to no sequence.
+    tables = [[i] for i in range(5)]
+    reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)]
+    prefill = StepPlan(
+        [chunk_of(r, r.prompt_token_ids, 0, t, True) for r, t in zip(reqs, tables, strict=True)]
+    )
+    last = [lg[-1].argmax().item() for lg in eager.forward_logits(prefill)]
+    graphed.forward_logits(prefill)
+    lengths = [len(p) for p in prompts]
+    steps = 0
+    for live in (5, 5, 4, 3, 3, 2, 1):
+        plan = StepPlan(
+            [chunk_of(reqs[i], [last[i]], lengths[i], tables[i], True) for i in range(live)]
+        )
+        want = eager.forward_logits(plan)
+        got = graphed.forward_logits(plan)
+        steps += 1
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=BF16_TOL, rtol=0)
+        for i in range(live):
+            last[i] = int(want[i][-1].argmax())
+            lengths[i] += 1
+    assert graphed.graphs.num_replays == steps
+    torch.testing.assert_close(
+        graphed.kv_buffer.float(), eager.kv_buffer.float(), atol=BF16_TOL, rtol=0
+    )
+    assert not graphed.kv_buffer[:, :, 5:].any()
 
 
 @pytest.fixture

@@ -286,6 +286,11 @@ def test_status_rows_explain_admission() -> None:
         "cpu bfloat16, unquantized, packed (16-row layout) + one-row GEMV (124 MiB dense copy) "
         "linears, 2 threads"
     )
+    st["compute"] |= {"device": "cuda:0", "linear_kernel": "dense", "cuda_graphs": [1, 2, 4, 8]}
+    st["compute"] |= {"single_row_gemv": False, "packed_layout_rows": 0}
+    assert dict(status_rows(st))["compute"] == (
+        "cuda:0 bfloat16, unquantized, dense linears, decode in CUDA graphs (batch 1..8), 2 threads"
+    )
     assert rows["placement"] == "conductor, early rejection current"
     assert rows["slo"] == "TTFT 2 s, TBT 25 ms, 95.0% of admitted meant to meet them"
     assert rows["ttft forecast"] == (
