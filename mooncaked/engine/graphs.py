@@ -161,23 +161,30 @@ class DecodeGraphs:
         keep.fill_(True)
 
     def _capture_all(self) -> None:
-        # Largest first, all from one memory pool: smaller graphs reuse the
-        # larger ones' activation memory instead of each holding its own.
-        pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
+        # The model's device made current: streams, the pool and the capture
+        # all belong to it (cuda:1 while cuda:0 is current would capture nothing).
+        with torch.cuda.device(self.device), torch.inference_mode():
+            # Largest first, all from one memory pool: smaller graphs reuse the
+            # larger ones' activation memory instead of each holding its own.
+            pool = torch.cuda.graph_pool_handle()
             for b in reversed(self.sizes):
-                self._pad_all(b)
-                side = torch.cuda.Stream(device=self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for _ in range(_WARMUP_RUNS):
-                        self._forward(b)
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[b] = self._forward(b)
-                self._graphs[b] = graph
+                self._capture(b, pool)
         torch.cuda.synchronize(self.device)
+
+    def _capture(self, b: int, pool: torch.cuda._POOL_HANDLE) -> None:
+        self._pad_all(b)
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(_WARMUP_RUNS):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls (a transfer thread's
+        # allocations) do not break this capture.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self._outputs[b] = self._forward(b)
+        self._graphs[b] = graph
 
     def run(
         self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]
