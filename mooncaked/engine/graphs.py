@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from mooncaked.engine.attention import AttentionBackend, AttentionMetadata
@@ -92,14 +93,21 @@ class DecodeGraphs:
         self.max_blocks = -(-max_model_len // block_size)
         self.sizes = bucket_sizes(max_batch)
         self.capture = capture
-        top = self.sizes[-1]
-        # Bucket b reads the first elements of each buffer: ids | positions |
-        # slots in _i64[:3b], context lengths | block tables in
-        # _i32[:b + b * max_blocks], so a step's inputs are one copy per buffer.
+        top, w = self.sizes[-1], self.max_blocks
+        # Bucket b reads the first b rows of each buffer. The host side keeps
+        # a copy of each: a step rewrites only its rows' live blocks (entries
+        # past a row's context are never read, so stale ones may stay), and
+        # the block tables, the one large buffer, copy only b rows.
         with torch.inference_mode():
-            self._i64 = torch.zeros(3 * top, dtype=torch.int64, device=device)
-            self._i32 = torch.zeros(top * (1 + self.max_blocks), dtype=torch.int32, device=device)
+            # ids | positions | slots.
+            self._i64 = torch.zeros(3, top, dtype=torch.int64, device=device)
+            self._context_lens = torch.ones(top, dtype=torch.int32, device=device)
+            self._tables = torch.zeros(top, w, dtype=torch.int32, device=device)
             self._keep = torch.ones(top, dtype=torch.bool, device=device)
+        self._host_i64 = np.zeros((3, top), dtype=np.int64)
+        self._host_context_lens = np.ones(top, dtype=np.int32)
+        self._host_tables = np.zeros((top, w), dtype=np.int32)
+        self._host_keep = np.ones(top, dtype=np.bool_)
         self._metas = {b: self._meta(b) for b in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -119,11 +127,8 @@ class DecodeGraphs:
         return None
 
     def _views(self, b: int) -> tuple[torch.Tensor, ...]:
-        w = self.max_blocks
-        ids, positions, slots = self._i64[: 3 * b].view(3, b).unbind(0)
-        context_lens = self._i32[:b]
-        tables = self._i32[b : b + b * w].view(b, w)
-        return ids, positions, slots, context_lens, tables, self._keep[:b]
+        ids, positions, slots = self._i64[:, :b].unbind(0)
+        return ids, positions, slots, self._context_lens[:b], self._tables[:b], self._keep[:b]
 
     def _meta(self, b: int) -> AttentionMetadata:
         _ids, _positions, slots, context_lens, tables, keep = self._views(b)
@@ -203,9 +208,8 @@ class DecodeGraphs:
                 f"a graphed decode needs 1..{self.max_batch} rows with a position and a "
                 f"block table each, got {n}, {len(positions)}, {len(block_tables)}"
             )
-        bs, w, pad = self.block_size, self.max_blocks, b - n
-        slots: list[int] = []
-        table_rows: list[int] = []
+        bs, w = self.block_size, self.max_blocks
+        h64, tables = self._host_i64, self._host_tables
         for i, (pos, table) in enumerate(zip(positions, block_tables, strict=True)):
             needed = pos // bs + 1
             if len(table) < needed or needed > w:
@@ -213,25 +217,28 @@ class DecodeGraphs:
                     f"sequence {i}: block table has {len(table)} blocks, {needed} are needed "
                     f"for position {pos} at block_size {bs} (at most {w})"
                 )
-            slots.append(table[pos // bs] * bs + pos % bs)
-            table_rows += table[:needed]
-            table_rows += [0] * (w - needed)
-        taken = set(slots)
-        pad_slot = next(s for s in itertools.count() if s not in taken)
-        i64 = torch.tensor(
-            [*input_ids, *[0] * pad, *positions, *[0] * pad, *slots, *[pad_slot] * pad],
-            dtype=torch.int64,
-        )
-        i32 = torch.tensor(
-            [*(p + 1 for p in positions), *[1] * pad, *table_rows, *[0] * (pad * w)],
-            dtype=torch.int32,
-        )
-        keep = torch.tensor([False] * n + [True] * pad)
+            h64[2, i] = table[pos // bs] * bs + pos % bs
+            tables[i, :needed] = table[:needed]
+        h64[0, :n] = input_ids
+        h64[1, :n] = positions
+        taken = set(h64[2, :n].tolist())
+        # Padding rows: token 0 at position 0, one key (entry 0 of a stale or
+        # zero table row: always a valid block id), a slot no real row writes.
+        h64[:2, n:b] = 0
+        h64[2, n:b] = next(s for s in itertools.count() if s not in taken)
+        self._host_context_lens[:n] = positions
+        self._host_context_lens[:n] += 1
+        self._host_context_lens[n:b] = 1
+        self._host_keep[:n] = False
+        self._host_keep[n:b] = True
         # The buffers are inference tensors: written only in inference mode.
         with torch.inference_mode():
-            self._i64[: i64.numel()].copy_(i64, non_blocking=True)
-            self._i32[: i32.numel()].copy_(i32, non_blocking=True)
-            self._keep[:b].copy_(keep, non_blocking=True)
+            # Pageable host memory: each copy has read its source when it
+            # returns, so the host buffers are free for the next step at once.
+            self._i64.copy_(torch.from_numpy(h64), non_blocking=True)
+            self._context_lens.copy_(torch.from_numpy(self._host_context_lens), non_blocking=True)
+            self._keep.copy_(torch.from_numpy(self._host_keep), non_blocking=True)
+            self._tables[:b].copy_(torch.from_numpy(tables[:b]), non_blocking=True)
             self.num_replays += 1
             if self.capture:
                 self._graphs[b].replay()
