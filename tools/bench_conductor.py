@@ -212,17 +212,22 @@ async def run_policy(
         # The decode nodes' KV and batch while the replay runs: what admission
         # filled them with (a full KV cache makes handoffs wait for room).
         sampler = asyncio.create_task(_sample_decode(daemons[args.prefill :], result))
-        for proc, out in procs:
-            _stdout, stderr = await proc.communicate()
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"bench for {label} failed ({proc.returncode}):\n{stderr.decode()[-2000:]}"
-                )
-            doc = json.loads(out.read_text())
-            result["requests"].extend(doc["requests"])
-            result["max_model_len"] = (doc.get("config") or {}).get("max_model_len")
-        sampler.cancel()
-        await asyncio.gather(sampler, return_exceptions=True)
+        try:
+            for proc, out in procs:
+                _stdout, stderr = await proc.communicate()
+                if proc.returncode != 0:
+                    raise RuntimeError(
+                        f"bench for {label} failed ({proc.returncode}):\n{stderr.decode()[-2000:]}"
+                    )
+                doc = json.loads(out.read_text())
+                result["requests"].extend(doc["requests"])
+                result["max_model_len"] = (doc.get("config") or {}).get("max_model_len")
+        finally:
+            sampler.cancel()
+            (outcome,) = await asyncio.gather(sampler, return_exceptions=True)
+        if not isinstance(outcome, asyncio.CancelledError):
+            # The sampler only ends by cancellation: anything else broke it.
+            print(f"decode KV sampling stopped early: {outcome!r}", file=sys.stderr)
         # The nodes' own view of their costs after the run.
         async with aiohttp.ClientSession() as session:
             result["node_costs"] = {}

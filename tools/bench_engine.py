@@ -51,6 +51,7 @@ import random
 import statistics
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,24 +126,18 @@ def _layout_rows(value: str) -> list[int]:
     return rows
 
 
-def _gemv_modes(value: str) -> list[str]:
-    modes = [x for x in value.split(",") if x]
-    bad = [m for m in modes if m not in SINGLE_ROW_GEMV]
-    if not modes or bad:
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: give some of {list(SINGLE_ROW_GEMV)}, comma-separated"
-        )
-    return modes
+def _modes(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of some of ``allowed``."""
 
+    def parse(value: str) -> list[str]:
+        modes = [x for x in value.split(",") if x]
+        if not modes or any(m not in allowed for m in modes):
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: give some of {list(allowed)}, comma-separated"
+            )
+        return modes
 
-def _graph_modes(value: str) -> list[str]:
-    modes = [x for x in value.split(",") if x]
-    bad = [m for m in modes if m not in CUDA_GRAPH_MODES]
-    if not modes or bad:
-        raise argparse.ArgumentTypeError(
-            f"{value!r}: give some of {list(CUDA_GRAPH_MODES)}, comma-separated"
-        )
-    return modes
+    return parse
 
 
 def engine_config(
@@ -597,7 +592,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--single-row-gemv",
-        type=_gemv_modes,
+        type=_modes(SINGLE_ROW_GEMV),
         default=["auto"],
         help="model.single_row_gemv of ours, each measured for every layout (auto, on, off; "
         "e.g. off,auto puts packed-only beside the load-time pick); the last is set against "
@@ -605,7 +600,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--cuda-graphs",
-        type=_graph_modes,
+        type=_modes(CUDA_GRAPH_MODES),
         default=["auto"],
         help="model.cuda_graphs of ours, each measured (auto, on, off; e.g. off,on on a GPU "
         "puts eager decode beside graphed); the last is set against llama.cpp",

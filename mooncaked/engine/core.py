@@ -144,14 +144,10 @@ class EngineCore:
             kv.block_size,
             backend=config.model.attention_backend,
             kv_allocator=kv_allocator,
-            # A prefill-only node decodes nothing: no graphs to capture.
-            cuda_graphs="off"
-            if config.model.cuda_graphs == "auto" and config.node.role == "prefill"
-            else config.model.cuda_graphs,
+            cuda_graphs=config.model.cuda_graphs,
             max_graph_batch=config.scheduler.max_num_seqs,
+            decodes=config.node.role != "prefill",
         )
-        if config.model.cuda_graphs == "auto" and config.node.role == "prefill":
-            self.runner.graphs_off_reason = "a prefill-only node does not decode"
         self.connector: KVConnector = KVConnector()
         self.scheduler = Scheduler(
             config.scheduler,

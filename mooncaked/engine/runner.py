@@ -90,6 +90,7 @@ class ModelRunner:
         kv_allocator: KVAllocator | None = None,
         cuda_graphs: str = "auto",
         max_graph_batch: int = 64,
+        decodes: bool = True,
     ) -> None:
         """``kv_allocator(nbytes, device)`` gives the zeroed memory of the whole KV cache as
         a uint8 tensor on the model's device (shared memory a transfer engine
@@ -98,7 +99,8 @@ class ModelRunner:
         ``cuda_graphs``: "auto" captures the decode step (batches up to
         ``max_graph_batch``) wherever it can be (engine/graphs.py) and runs
         eagerly where capture fails; "on" makes either a ValueError; "off"
-        never captures."""
+        never captures. ``decodes``: False for a prefill-only node, which
+        "auto" captures nothing for (its steps are never all decodes)."""
         if cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(
                 f"model.cuda_graphs = {cuda_graphs!r}; use one of {list(CUDA_GRAPH_MODES)}"
@@ -154,7 +156,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # Why the decode step runs eagerly ("" when it is graphed).
         self.graphs_off_reason = "model.cuda_graphs = off"
-        if cuda_graphs != "off":
+        if cuda_graphs == "auto" and not decodes:
+            self.graphs_off_reason = "a prefill-only node does not decode"
+        elif cuda_graphs != "off":
             self._capture_decode(cuda_graphs, max_graph_batch)
 
     def _capture_decode(self, mode: str, max_batch: int) -> None:

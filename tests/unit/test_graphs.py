@@ -111,6 +111,11 @@ def test_cpu_runs_eagerly_and_on_says_why(tiny: LoadedModel) -> None:
         ModelRunner(tiny, num_blocks=4, block_size=BLOCK, cuda_graphs="sometimes")
     off = ModelRunner(tiny, num_blocks=4, block_size=BLOCK, cuda_graphs="off")
     assert off.graphs is None and off.graphs_off_reason == "model.cuda_graphs = off"
+    # A prefill-only node: auto captures nothing; on still tries (and says why not).
+    prefill = ModelRunner(tiny, num_blocks=4, block_size=BLOCK, decodes=False)
+    assert prefill.graphs_off_reason == "a prefill-only node does not decode"
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA"):
+        ModelRunner(tiny, num_blocks=4, block_size=BLOCK, cuda_graphs="on", decodes=False)
 
 
 def test_sdpa_backend_cannot_be_captured(tiny: LoadedModel) -> None:
