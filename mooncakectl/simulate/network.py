@@ -4,6 +4,10 @@ and in, and the flows on a NIC share it equally.
 A flow's rate is the least of its shares at both ends; when a flow starts
 or ends, the flows sharing a NIC with it are re-rated from that moment
 (what they moved so far is settled first).
+
+Flows on a NIC are kept in the order they started (dicts, not sets: a set
+of objects hashed by address iterates in an order that depends on what
+else the process allocated, and so would the simulation's ties).
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ class Flow:
 @dataclass(slots=True)
 class Nic:
     bps: float
-    out_flows: set[Flow] = field(default_factory=set)
-    in_flows: set[Flow] = field(default_factory=set)
+    out_flows: dict[Flow, None] = field(default_factory=dict)
+    in_flows: dict[Flow, None] = field(default_factory=dict)
 
 
 class Network:
@@ -57,16 +61,16 @@ class Network:
             self._events.at(now, self._finish, (flow, 0))
             return flow
         a, b = self.nics[src], self.nics[dst]
-        a.out_flows.add(flow)
-        b.in_flows.add(flow)
-        self._rerate(a.out_flows | b.in_flows)
+        a.out_flows[flow] = None
+        b.in_flows[flow] = None
+        self._rerate({**a.out_flows, **b.in_flows})
         return flow
 
     def _rate(self, f: Flow) -> float:
         a, b = self.nics[f.src], self.nics[f.dst]
         return min(a.bps / len(a.out_flows), b.bps / len(b.in_flows))
 
-    def _rerate(self, flows: set[Flow]) -> None:
+    def _rerate(self, flows: dict[Flow, None]) -> None:
         now = self._events.now
         for f in flows:
             f.remaining = max(0.0, f.remaining - f.rate * (now - f.settled_s))
@@ -83,7 +87,7 @@ class Network:
         f.remaining = 0.0
         if f.src != f.dst and f.nbytes > 0:
             a, b = self.nics[f.src], self.nics[f.dst]
-            a.out_flows.discard(f)
-            b.in_flows.discard(f)
-            self._rerate(a.out_flows | b.in_flows)
+            a.out_flows.pop(f, None)
+            b.in_flows.pop(f, None)
+            self._rerate({**a.out_flows, **b.in_flows})
         f.on_done(f)
