@@ -50,6 +50,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
+import secrets
 import signal
 import socket
 import sys
@@ -156,7 +158,7 @@ class Node:
         self._drain_task: asyncio.Future[None] | None = None
 
         self.gate = Gate()
-        # The engine's cost model (predict.py), once the engine runs.
+        # The engine's cost model (cluster/costs.py, fitted by cluster/fit.py), once it runs.
         self.costs: CostMeter | None = None
         self.metrics = ApiMetrics(self._engine_stats)
         secret = config.node.cluster_secret.encode()
@@ -168,7 +170,10 @@ class Node:
             clock=clock,
             conductor=config.conductor,
             slo=config.slo,
-            lengths=lambda: self.costs.lengths if self.costs is not None else None,
+            block_size=config.kv.block_size,
+            # Each entry draws its own: entries that share a view must not
+            # make the same choice among near-equal nodes.
+            rng=random.Random(secrets.randbits(64)),
         )
         self.openai = OpenAIAPI(
             lambda: self._engine, self.metrics, self.gate, clock, router=self.router

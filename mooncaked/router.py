@@ -32,28 +32,18 @@ import orjson
 import structlog
 
 from mooncaked.cache.hashing import BlockHash
-from mooncaked.cluster.conductor import (
+from mooncaked.cluster.admission import Admission
+from mooncaked.cluster.conductor import Decision
+from mooncaked.cluster.placement import (
     Candidate,
     ConductorParams,
-    Decision,
     EarlyReject,
-    PendingLedger,
-    PendingLoad,
     Placement,
     PlacementRequest,
     Policy,
     Reject,
-    Slo,
-    calibrated,
-    decide,
-    may_probe,
 )
-from mooncaked.cluster.predict import (
-    MIN_TBT_GAPS,
-    Calibration,
-    OutputLengths,
-    target_each,
-)
+from mooncaked.cluster.slo import Slo, TokenClock
 from mooncaked.cluster.state import ClusterView
 from mooncaked.config import ConductorConfig, SloConfig
 from mooncaked.engine.core import EngineCore
@@ -126,10 +116,9 @@ class Submission:
         self._planned_prefill = False
         # The first placement (its predictions go back to the client).
         self.placement: Placement | None = None
-        self._first_token_at: float | None = None
-        self._tbt_from = 0
-        self._last_token_at = 0.0
-        self._num_gaps = 0
+        # Token times of the first placement's stream (None once resumed:
+        # a stream that ran on several decode nodes measures no one placement).
+        self._timing: TokenClock | None = TokenClock(req.arrival)
 
     # -- iteration ---------------------------------------------------------------
 
@@ -182,10 +171,10 @@ class Submission:
             self._num_cached = out.num_cached_tokens
         if out.new_token_ids:
             self.phase = "decoding"
-            self._observe(len(self._tokens))
+            self._observe(len(out.new_token_ids))
         if out.finished:
             self._done = True
-            self._observe_tbt()
+            self._observe_end()
         return dataclasses.replace(
             out,
             request_id=self.request_id,
@@ -195,37 +184,35 @@ class Submission:
             prefill_node=self.prefill_node,
         )
 
+    @property
+    def resumed(self) -> bool:
+        """Whether the request ran on more than one decode node."""
+        return self._attempts > 1
+
     def _observe(self, num_tokens: int) -> None:
-        """Measured TTFT and time between tokens, against what was predicted."""
-        p = self.placement
-        if p is None or self._router.resumed_since(self):
+        """Token times against what was predicted: the first token's goes
+        back to admission at once (``slo``'s TTFT)."""
+        timing = self._timing
+        if self.placement is None or timing is None or self.resumed:
+            self._timing = None
             return
         now = self._router.clock()
-        if self._first_token_at is None:
-            self._first_token_at = now
-            if p.model_ttft_s > 0.0:
-                self._router.ttft_calibration.add(p.model_ttft_s, now - self.req.arrival)
-                self._router.last_heard = now
-            self._tbt_from = num_tokens
-            return
-        self._last_token_at = now
-        self._num_gaps = num_tokens - self._tbt_from
+        first = timing.first_s is None
+        timing.add(now, num_tokens)
+        if first and timing.ttft_s is not None:
+            self._router.admission.on_first_token(self.placement, timing.ttft_s, now)
 
-    def _observe_tbt(self) -> None:
-        """The mean gap between tokens after the first over the whole stream,
-        as the TBT SLO judges it, against the forecast: once, at its end."""
-        p = self.placement
-        if (
-            p is None
-            or p.model_tbt_s <= 0.0
-            or self._first_token_at is None
-            or self._num_gaps < MIN_TBT_GAPS
-            or self._router.resumed_since(self)
-        ):
-            return
-        mean_gap = (self._last_token_at - self._first_token_at) / self._num_gaps
-        self._router.tbt_calibration.add(p.model_tbt_s, mean_gap)
-        self._router.last_heard = self._router.clock()
+    def _observe_end(self) -> None:
+        """The request's length, and its TBT as the SLO judges it (``slo``),
+        against the forecast: once, at its end."""
+        timing = self._timing if not self.resumed else None
+        self._router.admission.on_finished(
+            self.placement if timing is not None else None,
+            len(self._tokens),
+            timing.tbt_s() if timing is not None else None,
+            timing.num_gaps if timing is not None else 0,
+            self._router.clock(),
+        )
 
     # -- placement ---------------------------------------------------------------
 
@@ -412,6 +399,17 @@ class _RemoteStream:
             resp.close()
 
 
+def admission_params(conductor: ConductorConfig, block_size: int) -> ConductorParams:
+    """The Conductor's parameters as ``[conductor]`` sets them."""
+    return ConductorParams(
+        policy=Policy(conductor.policy),
+        early_reject=EarlyReject(conductor.early_reject),
+        balancing_threshold=conductor.balancing_threshold,
+        max_replicas=conductor.max_replicas,
+        block_size=block_size,
+    )
+
+
 class Router:
     def __init__(
         self,
@@ -420,70 +418,44 @@ class Router:
         secret: bytes,
         engine: Callable[[], EngineCore | None],
         view: Callable[[], ClusterView | None],
+        rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
         conductor: ConductorConfig | None = None,
         slo: SloConfig | None = None,
-        lengths: Callable[[], OutputLengths | None] = lambda: None,
+        block_size: int = 16,
     ) -> None:
         self._node_id = node_id
         self.key = derive_key(secret)
         self.engine = engine
         self._view = view
         self._clock = clock
-        cfg = conductor if conductor is not None else ConductorConfig()
-        self.params = ConductorParams(
-            policy=Policy(cfg.policy),
-            early_reject=EarlyReject(cfg.early_reject),
-            balancing_threshold=cfg.balancing_threshold,
-            max_replicas=cfg.max_replicas,
-        )
         slo_cfg = slo if slo is not None else SloConfig()
-        self.slo = Slo(slo_cfg.ttft_s, slo_cfg.tbt_s)
-        self.slo_target = slo_cfg.target
-        self._lengths = lengths
-        self.ledger = PendingLedger()
-        # Forecasts corrected by what this entry measured of its requests.
-        self.ttft_calibration = Calibration()
-        self.tbt_calibration = Calibration()
-        self._rng = random.Random()
+        # This entry's placement and admission policy, and what it learns
+        # from the requests it places: the simulator runs the same object.
+        self.admission = Admission(
+            admission_params(conductor if conductor is not None else ConductorConfig(), block_size),
+            Slo(slo_cfg.ttft_s, slo_cfg.tbt_s),
+            rng=rng,
+            target=slo_cfg.target,
+            now=clock(),
+        )
         self._session: aiohttp.ClientSession | None = None
         self.inflight: dict[str, Submission] = {}
         self.num_forwarded = 0
         self.num_local = 0
         self.num_resumed = 0
         self.num_replaced = 0
-        # Requests admitted although the margins alone rejected them (PROBE_AFTER_S).
-        self.num_probes = 0
-        # When this entry last admitted a request or measured one it placed.
-        self.last_heard = clock()
-        # (policy, outcome) -> count, and (policy, reason) -> count of rejections.
-        self.decisions: dict[tuple[str, str], int] = {}
-        self.rejections: dict[tuple[str, str], int] = {}
 
     @property
     def node_id(self) -> str:
         return self._node_id()
 
+    @property
+    def slo(self) -> Slo:
+        return self.admission.slo
+
     def clock(self) -> float:
         return self._clock()
-
-    def ttft_margin(self) -> float:
-        """What admission multiplies the corrected TTFT forecast by, for the
-        node's SLO (``Calibration.margin``)."""
-        return self.ttft_calibration.margin(
-            target_each(self.slo.ttft_s, self.slo.tbt_s, self.slo_target), self.slo.ttft_s
-        )
-
-    def tbt_margin(self) -> float:
-        """The same for the TBT forecast."""
-        return self.tbt_calibration.margin(
-            target_each(self.slo.ttft_s, self.slo.tbt_s, self.slo_target), self.slo.tbt_s
-        )
-
-    def resumed_since(self, sub: Submission) -> bool:
-        """Whether ``sub`` ran on more than one decode node (its timing is no
-        measure of one placement's forecast)."""
-        return sub._attempts > 1
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -512,6 +484,18 @@ class Router:
         )
         return sub
 
+    def _request(
+        self,
+        engine: EngineCore,
+        prompt: list[int],
+        hashes: Sequence[BlockHash],
+        max_tokens: int,
+        slo: Slo | None,
+    ) -> PlacementRequest:
+        return PlacementRequest(
+            engine.model_id, tuple(hashes), len(prompt), max_tokens=max_tokens, slo=slo
+        )
+
     def decide(
         self,
         prompt: list[int],
@@ -519,45 +503,17 @@ class Router:
         max_tokens: int,
         *,
         slo: Slo | None = None,
-        failed: frozenset[str] = frozenset(),
-        margins: bool = True,
     ) -> Decision:
         """The Conductor's decision for a prompt now, with every candidate's
-        figures; nothing is recorded (``explain`` shows it as is).
-        ``margins=False`` judges the corrected forecasts without the margins."""
+        figures; nothing is recorded (``explain`` shows it as is)."""
         engine = self.engine()
         if engine is None:
             raise RouteError(503, "the model is still loading; retry shortly")
         view = self._view()
         if view is None:
             raise RouteError(503, "this node has not joined its cluster yet; retry shortly")
-        now = self._clock()
-        lengths = self._lengths()
-        expected = lengths.expected_more(0, max_tokens) if lengths is not None else 0.0
-        return decide(
-            view,
-            PlacementRequest(
-                engine.model_id,
-                tuple(hashes),
-                len(prompt),
-                max_tokens=max_tokens,
-                expected_output_tokens=expected,
-                slo=slo,
-            ),
-            now,
-            exclude=failed,
-            params=calibrated(
-                dataclasses.replace(self.params, block_size=engine.block_size),
-                self.ttft_calibration,
-                self.tbt_calibration,
-                self.slo,
-                self.slo_target,
-                margins=margins,
-            ),
-            slo=self.slo,
-            pending=self.ledger.pending(view, now),
-            rng=self._rng,
-        )
+        request = self._request(engine, prompt, hashes, max_tokens, slo)
+        return self.admission.explain(view, request, self._clock())
 
     def placement(self, req: RoutedRequest, prompt: list[int], failed: set[str]) -> Placement:
         """Where to run (a resumed request has a longer prompt); RouteError if nowhere."""
@@ -574,58 +530,18 @@ class Router:
         hashes = () if resumed else tuple(req.hashes)
         # A resumed request was admitted once: it is finished, not judged again.
         slo = Slo() if resumed else req.slo
-        decision = self.decide(
-            prompt, hashes, req.sampling.max_tokens, slo=slo, failed=frozenset(failed)
-        )
-        if may_probe(decision.result, self._clock() - self.last_heard):
-            probe = self.decide(
-                prompt,
-                hashes,
-                req.sampling.max_tokens,
-                slo=slo,
-                failed=frozenset(failed),
-                margins=False,
-            )
-            if isinstance(probe.result, Placement):
-                decision = probe
-                self.num_probes += 1
-        policy = decision.policy.value
+        request = self._request(engine, prompt, hashes, req.sampling.max_tokens, slo)
+        decision = self.admission.place(view, request, self._clock(), exclude=frozenset(failed))
         result = decision.result
         if isinstance(result, Reject):
-            key = (policy, result.code)
-            self.rejections[key] = self.rejections.get(key, 0) + 1
-            self._count(policy, "rejected")
             raise RouteError(
                 result.status, result.reason, retry_after_s=result.retry_after_s, code=result.code
             )
-        self._count(
-            policy,
-            "colocated" if result.colocated else ("fetch" if result.fetch else "disaggregated"),
-        )
-        self._record(view, decision, result)
-        self.last_heard = self._clock()
         if result.decode.node_id == me:
             self.num_local += 1
         else:
             self.num_forwarded += 1
         return result
-
-    def _count(self, policy: str, outcome: str) -> None:
-        key = (policy, outcome)
-        self.decisions[key] = self.decisions.get(key, 0) + 1
-
-    def _record(self, view: ClusterView, decision: Decision, placement: Placement) -> None:
-        """Count the placement against its nodes until gossip shows it."""
-        now = self._clock()
-        first = placement.prefill[0].node_id if placement.prefill else placement.decode.node_id
-        score = next((s for s in decision.prefill if s.node_id == first), None)
-        work = score.prefill_s if score is not None else 0.0
-        tokens = score.new_tokens if score is not None else 0
-        if first == placement.decode.node_id:
-            self.ledger.add(view, first, PendingLoad(work, tokens, 1), now)
-        else:
-            self.ledger.add(view, first, PendingLoad(work, tokens, 0), now)
-            self.ledger.add(view, placement.decode.node_id, PendingLoad(0.0, 0, 1), now)
 
     def track(self, sub: Submission) -> None:
         self.inflight[sub.request_id] = sub

@@ -60,7 +60,8 @@ import itertools
 from bench_disagg import SECRET, Cluster, free_port
 
 from mooncakectl.bench.trace import TraceSlice, read_trace
-from mooncaked.cluster.conductor import EarlyReject, Policy
+from mooncaked.cluster.placement import EarlyReject, Policy
+from mooncaked.cluster.slo import MIN_TBT_GAPS, Slo, tbt_s
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The daemon's own names: a flag here is a value of [conductor] there.
@@ -295,11 +296,13 @@ def _ttft_ms(rec: dict[str, Any]) -> float | None:
 
 
 def _tbt_ms(rec: dict[str, Any]) -> float | None:
+    """The request's TBT as ``slo`` defines it, from its chunk gaps (one token
+    each); None for fewer than ``MIN_TBT_GAPS`` gaps, as the entry counts them."""
     chunks = rec.get("chunk_s") or []
-    if rec.get("error_kind") is not None or len(chunks) < 3:
+    if rec.get("error_kind") is not None or len(chunks) < MIN_TBT_GAPS + 1:
         return None
-    gaps = [b - a for a, b in itertools.pairwise(chunks)]
-    return statistics.fmean(gaps) * 1e3
+    tbt = tbt_s([b - a for a, b in itertools.pairwise(chunks)])
+    return None if tbt is None else tbt * 1e3
 
 
 def summarize(result: dict[str, Any], slo_ttft_ms: float, slo_tbt_ms: float) -> dict[str, Any]:
@@ -309,9 +312,11 @@ def summarize(result: dict[str, Any], slo_ttft_ms: float, slo_tbt_ms: float) -> 
     errors = sum(1 for r in recs if r.get("error_kind") not in (None, "rejected"))
     admitted = [r for r in recs if r.get("error_kind") is None]
 
+    slo = Slo(slo_ttft_ms / 1e3, slo_tbt_ms / 1e3)
+
     def good(r: dict[str, Any]) -> bool:
         t, g = _ttft_ms(r), _tbt_ms(r)
-        return t is not None and t <= slo_ttft_ms and (g is None or g <= slo_tbt_ms)
+        return slo.met(None if t is None else t / 1e3, None if g is None else g / 1e3)
 
     num_good = sum(1 for r in admitted if good(r))
     ends = [r["end_s"] for r in recs if r.get("end_s") is not None]

@@ -50,10 +50,10 @@ from bench_conductor import POLICIES, add_trace_args, run_policy, select_records
 from mooncakectl.bench.workloads import TraceScale
 from mooncakectl.simulate.cluster import Shape, SimConfig, Simulation, trace_requests
 from mooncakectl.simulate.costs import NodeSpec, costs_from_json
-from mooncakectl.simulate.node import slowest_mean
 from mooncakectl.simulate.results import latency_stats, summarize
-from mooncaked.cluster.conductor import ConductorParams, EarlyReject, Policy, Slo
-from mooncaked.cluster.predict import StepCost
+from mooncaked.cluster.costs import StepCost
+from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy
+from mooncaked.cluster.slo import Slo, tbt_s
 
 METRICS = (
     ("requests/s", "req_s", ".3f"),
@@ -69,11 +69,11 @@ METRICS = (
 def real_figures(result: dict[str, Any]) -> dict[str, Any]:
     recs = [r for r in result["requests"] if not r.get("warmup")]
     done = [r for r in recs if r.get("error_kind") is None and r.get("chunk_s")]
-    # As the simulator counts them (results.latency_stats, node.slowest_mean).
+    # As the simulator counts them (results.latency_stats, slo.tbt_s).
     ttft = latency_stats([r["chunk_s"][0] - r["start_s"] for r in done])
     tbt = latency_stats(
         [
-            slowest_mean([b - a for a, b in itertools.pairwise(r["chunk_s"])])
+            tbt_s([b - a for a, b in itertools.pairwise(r["chunk_s"])])
             for r in done
             if len(r["chunk_s"]) >= 2
         ]

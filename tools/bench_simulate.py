@@ -21,7 +21,8 @@ from mooncakectl.bench.trace import TraceSlice, read_trace
 from mooncakectl.simulate.cluster import Shape, SimConfig, simulate
 from mooncakectl.simulate.costs import preset_node
 from mooncakectl.simulate.results import summarize
-from mooncaked.cluster.conductor import ConductorParams, EarlyReject, Policy, Slo
+from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy
+from mooncaked.cluster.slo import Slo
 
 
 def main() -> None:

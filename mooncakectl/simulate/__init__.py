@@ -1,8 +1,10 @@
 """``mooncakectl simulate``: a discrete-event cluster simulator on the daemon's own Conductor.
 
-Placement and admission are ``mooncaked.cluster.conductor.decide`` and the
-cost models are ``mooncaked.cluster.predict``'s, called with simulated
-gossip views: a change to either changes the simulation.
+Placement and admission are ``mooncaked.cluster.admission.Admission``
+around ``conductor.decide``, a node's gossiped load is
+``mooncaked.cluster.work.gossiped_load`` and the cost models are
+``mooncaked.cluster.costs``'s, all called with simulated gossip views: a
+change to any of them changes the simulation.
 
 Modules, imports running one way (top never imports from below):
 

@@ -1,20 +1,19 @@
 """The simulated cluster: trace arrivals, gossip snapshots, and entry nodes
-placing each request with the daemon's own ``conductor.decide``.
+placing each request with the daemon's own admission policy
+(``admission.Admission`` around ``conductor.decide``).
 
-Gossip: every ``gossip_s`` the nodes' states (``NodeLoad`` with the
-node's own ``predicted_queue_s``, its ``NodeCosts`` and decode forecast)
-and block-index changes are published to one shared view; an entry node
+Gossip: every ``gossip_s`` the nodes' states (what ``work.gossiped_load``
+makes of each node's work, as in the daemon: ``NodeLoad`` with its
+``predicted_queue_s``, and the decode forecast; its ``NodeCosts``) and
+block-index changes are published to one shared view; an entry node
 deciding at time t sees what was published at the last tick at or before
-t, so its view is up to ``gossip_s`` old, and adds its own recent
-placements through a ``PendingLedger`` as the router does. Ticks are
-taken only where a request arrives (a tick nobody reads changes nothing).
+t, so its view is up to ``gossip_s`` old. Ticks are taken only where a
+request arrives (a tick nobody reads changes nothing).
 
-Each request enters at a node drawn at random (seeded): every node can
-act as the Conductor. As the router does, each entry corrects the
-Conductor's forecasts by the requests it placed (``predict.Calibration``:
-offset, scale and the admission margins for the SLO target), and admits a
-request that only the margins reject when for ``PROBE_AFTER_S`` it has
-neither admitted a request nor measured one.
+Each request enters at a node drawn at random (seeded): every node can act
+as the Conductor, each with its own ``Admission`` (ledger, calibrations,
+margins, probes, output lengths, random source), fed back the first token
+and the end of every request it placed, as the router feeds its own.
 """
 
 from __future__ import annotations
@@ -32,27 +31,11 @@ from mooncakectl.simulate.events import EventQueue
 from mooncakectl.simulate.host import SharedHost
 from mooncakectl.simulate.network import Flow, Network
 from mooncakectl.simulate.node import SimNode, SimRequest
-from mooncaked.cluster.conductor import (
-    ConductorParams,
-    EarlyReject,
-    PendingLedger,
-    PendingLoad,
-    Placement,
-    PlacementRequest,
-    PrefillScore,
-    Slo,
-    calibrated,
-    decide,
-    may_probe,
-)
-from mooncaked.cluster.predict import (
-    MAX_LINKS,
-    MIN_TBT_GAPS,
-    Calibration,
-    DecodeForecast,
-    NodeCosts,
-    OutputLengths,
-)
+from mooncaked.cluster.admission import Admission
+from mooncaked.cluster.costs import MAX_LINKS, NodeCosts
+from mooncaked.cluster.placement import ConductorParams, EarlyReject, Placement, PlacementRequest
+from mooncaked.cluster.ranking import PrefillScore
+from mooncaked.cluster.slo import Slo
 from mooncaked.cluster.state import ClusterView, Member, MemberStatus, NodeBlocks, NodeState
 
 MODEL_ID = "simulated"
@@ -243,12 +226,16 @@ class Simulation:
             view.members = self._members
             view.blocks = self._blocks
             self.views[node_id] = view
-        self.ledgers = {n: PendingLedger() for n in self.node_ids}
-        self.entry_lengths = {n: OutputLengths() for n in self.node_ids}
-        self.ttft_calibration = {n: Calibration() for n in self.node_ids}
-        self.tbt_calibration = {n: Calibration() for n in self.node_ids}
-        # When each entry last admitted a request or measured one it had.
-        self._last_heard = dict.fromkeys(self.node_ids, 0.0)
+        # Every node is an entry with its own admission policy, as in the daemon.
+        self.admissions = {
+            n: Admission(
+                self.params,
+                config.slo,
+                rng=random.Random(f"{config.seed}:{n}"),
+                target=config.slo_target,
+            )
+            for n in self.node_ids
+        }
         self._forecasts = self.params.early_reject is EarlyReject.PREDICTED
 
     # -- running ------------------------------------------------------------------
@@ -295,6 +282,7 @@ class Simulation:
                 continue
             self._published[node_id] = key
             self._state_version += 1
+            load, forecast = node.gossiped(self.events.now, forecast=self._forecasts)
             self._members[node_id].state = NodeState(
                 node_id,
                 1,
@@ -304,12 +292,12 @@ class Simulation:
                 MODEL_ID,
                 f"{node_id}:80",
                 False,
-                node.load(),
+                load,
                 self._state_version,
                 len(node.cache),
                 0,
                 self._costs[node_id],
-                node.forecast(self.events.now) if self._forecasts else DecodeForecast(),
+                forecast,
             )
 
     # -- a request's path ---------------------------------------------------------
@@ -318,54 +306,21 @@ class Simulation:
         now = self.events.now
         entry = self.node_ids[self._entry_rng.randrange(len(self.node_ids))]
         r.entry = entry
-        view = self.views[entry]
-        ledger = self.ledgers[entry]
-        expected = self.entry_lengths[entry].expected_more(0, r.num_output_tokens)
         request = PlacementRequest(
-            MODEL_ID,
-            r.hashes,
-            r.num_prompt_tokens,
-            max_tokens=r.num_output_tokens,
-            expected_output_tokens=expected,
+            MODEL_ID, r.hashes, r.num_prompt_tokens, max_tokens=r.num_output_tokens
         )
-        ttft_cal, tbt_cal = self.ttft_calibration[entry], self.tbt_calibration[entry]
-        slo = self.config.slo
-        target = self.config.slo_target
-        pending = ledger.pending(view, now)
-        decision = decide(
-            view,
-            request,
-            now,
-            params=calibrated(self.params, ttft_cal, tbt_cal, slo, target),
-            slo=slo,
-            pending=pending,
-            rng=self._policy_rng,
-        )
+        decision = self.admissions[entry].place(self.views[entry], request, now)
         result = decision.result
-        if may_probe(result, now - self._last_heard[entry]):
-            probe = calibrated(self.params, ttft_cal, tbt_cal, slo, target, margins=False)
-            decision = decide(
-                view, request, now, params=probe, slo=slo, pending=pending, rng=self._policy_rng
-            )
-            result = decision.result
         if not isinstance(result, Placement):
             r.reject_code = result.code
             return
-        self._last_heard[entry] = now
+        r.placement = result
         r.model_ttft_s, r.model_tbt_s = result.model_ttft_s, result.model_tbt_s
         dnode = self.nodes[result.decode.node_id]
         pnode = self.nodes[result.prefill[0].node_id] if result.prefill else dnode
         r.prefill_node, r.decode_node = pnode.node_id, dnode.node_id
         r.predicted_ttft_s = result.predicted_ttft_s
         score = next((s for s in decision.prefill if s.node_id == pnode.node_id), None)
-        # As the router records it: the prefill's work on its node, a decode on the other.
-        work = score.prefill_s if score is not None else 0.0
-        tokens = score.new_tokens if score is not None else 0
-        if pnode is dnode:
-            ledger.add(view, pnode.node_id, PendingLoad(work, tokens, 1), now)
-        else:
-            ledger.add(view, pnode.node_id, PendingLoad(work, tokens, 0), now)
-            ledger.add(view, dnode.node_id, PendingLoad(0.0, 0, 1), now)
         dnode.expect_decode(r)
         self._start_prefill(r, pnode, result.fetch and score is not None and score.fetch, score)
 
@@ -450,16 +405,13 @@ class Simulation:
             r.first_token_s = None
 
     def _first_token(self, r: SimRequest) -> None:
-        if r.ttft_s is not None and r.model_ttft_s > 0.0:
-            self.ttft_calibration[r.entry].add(r.model_ttft_s, r.ttft_s)
-            self._last_heard[r.entry] = self.events.now
+        if r.ttft_s is not None and r.placement is not None:
+            self.admissions[r.entry].on_first_token(r.placement, r.ttft_s, self.events.now)
 
     def _done(self, _node: SimNode, r: SimRequest) -> None:
-        self.entry_lengths[r.entry].add(r.num_output_tokens)
-        # As the router: a stream of fewer than two gaps says little about its batch.
-        if r.tbt_s is not None and r.model_tbt_s > 0.0 and r.num_output_tokens > MIN_TBT_GAPS:
-            self.tbt_calibration[r.entry].add(r.model_tbt_s, r.tbt_s)
-            self._last_heard[r.entry] = self.events.now
+        self.admissions[r.entry].on_finished(
+            r.placement, r.num_output_tokens, r.tbt_s, r.num_output_tokens - 1, self.events.now
+        )
 
 
 def simulate(config: SimConfig, records: Sequence[TraceRecord]) -> SimResult:

@@ -28,7 +28,8 @@ from mooncakectl.registry import Env, ExitStatus, command
 from mooncakectl.simulate.cluster import Shape, SimConfig, SimResult, Simulation, trace_requests
 from mooncakectl.simulate.costs import GB, PRESETS, NodeSpec, preset_node, profile_node
 from mooncakectl.simulate.results import SimSummary, result_json, summarize
-from mooncaked.cluster.conductor import ConductorParams, EarlyReject, Policy, Slo
+from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy
+from mooncaked.cluster.slo import Slo
 
 DEFAULT_PRESET = "llama3-70b-8xa800"
 

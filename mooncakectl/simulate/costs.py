@@ -1,4 +1,4 @@
-"""What a simulated node costs: ``predict.NodeCosts`` plus its memory and network.
+"""What a simulated node costs: ``costs.NodeCosts`` plus its memory and network.
 
 Two sources:
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mooncaked.cluster.predict import NodeCosts, StepCost
+from mooncaked.cluster.costs import NodeCosts, StepCost
 
 # The paper's attention and projection coefficients.
 ATTN_A = 4.0
@@ -103,7 +103,7 @@ def analytic_step_cost(model: ModelSpec, hw: HardwareSpec) -> StepCost:
     """The paper's flop count and a memory-bound decode as a ``StepCost``.
 
     A prompt of n tokens costs layers x (a n^2 d + b n d^2) flops; the
-    n^2 term is 2x the (query, key) pairs ``predict.prefill_pairs`` counts,
+    n^2 term is 2x the (query, key) pairs ``costs.prefill_pairs`` counts,
     so a pair costs 2 a d layers flops and a token b d^2 layers. A step
     reads the weights once (``base``) and each decode reads its context's
     KV (``ctx``); each decoded token costs a prompt token's projections.

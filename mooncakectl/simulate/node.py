@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,21 +21,20 @@ from mooncakectl.simulate.cache import BlockCache
 from mooncakectl.simulate.costs import NodeSpec
 from mooncakectl.simulate.events import EventQueue
 from mooncakectl.simulate.host import SharedHost
-from mooncaked.cluster.predict import (
+from mooncaked.cluster.costs import prefill_pairs
+from mooncaked.cluster.forecast import (
     DecodeForecast,
     DecodeWork,
     DepartureRate,
     OutputLengths,
     PrefillWork,
-    forecast_decode,
-    predicted_queue_s,
-    prefill_pairs,
 )
+from mooncaked.cluster.placement import Placement
+from mooncaked.cluster.slo import tbt_s
 from mooncaked.cluster.state import NodeLoad
+from mooncaked.cluster.work import NodeWork, gossiped_load
 
 ROLES = ("prefill", "decode", "both")
-# TBT as the Mooncake paper measures it: the mean of the slowest tenth of a request's gaps.
-TBT_SLOWEST_SHARE = 0.1
 
 
 @dataclass(slots=True, eq=False)
@@ -52,6 +50,8 @@ class SimRequest:
     prefill_node: str | None = None
     decode_node: str | None = None
     reject_code: str | None = None
+    # Where its entry placed it (None: rejected).
+    placement: Placement | None = None
     predicted_ttft_s: float = 0.0
     # The cost model's own forecasts, before the entry's calibration.
     model_ttft_s: float = 0.0
@@ -77,12 +77,6 @@ class SimRequest:
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_s is None else self.first_token_s - self.arrival_s
-
-
-def slowest_mean(gaps: list[float], share: float = TBT_SLOWEST_SHARE) -> float:
-    """Mean of the slowest ``share`` of ``gaps`` (at least one)."""
-    k = max(1, math.ceil(len(gaps) * share))
-    return sum(sorted(gaps, reverse=True)[:k]) / k
 
 
 class SimNode:
@@ -344,7 +338,7 @@ class SimNode:
         first = r.first_token_s if r.first_token_s is not None else now
         gaps = [ends[r.join_step] - first]
         gaps.extend(ends[i] - ends[i - 1] for i in range(r.join_step + 1, len(ends)))
-        r.tbt_s = slowest_mean(gaps)
+        r.tbt_s = tbt_s(gaps)
         self.lengths.add(r.num_output_tokens)
         self.departures.add(now, r.num_prompt_tokens)
         self._on_done(self, r)
@@ -359,47 +353,43 @@ class SimNode:
 
     # -- what gossip spreads ------------------------------------------------------
 
-    def load(self) -> NodeLoad:
-        running = len(self.running)
-        context = self.context_tokens + running * self._steps_done_in_run()
-        work = [PrefillWork(r.left, r.pos) for r in self.prefill_queue]
-        cap = self.spec.kv_capacity_tokens
-        return NodeLoad(
-            queued_prefill_tokens=self.queued_tokens,
-            running_decode_batch=running,
-            kv_usage=round(min(1.0, context / cap), 3) if cap > 0 else 0.0,
-            predicted_queue_s=round(predicted_queue_s(self.costs, work, decode_seqs=running), 3),
-            decode_context_tokens=context,
-            pending_decode=running + len(self.waiting) + len(self.incoming),
-        )
-
-    def forecast(self, now: float) -> DecodeForecast:
+    def work(self) -> NodeWork:
+        """The node's work as the real scheduler's ``work()`` gives it: prompts
+        left, then decodes running, waiting for room (from now) and still to
+        come (from when the placement expected their prefill done)."""
+        now = self.events.now
         step_no = len(self.step_ends) + self._steps_done_in_run()
-        work = []
+        decode = []
+        context = 0
         for r in self.running:
             produced = 1 + step_no - r.join_step
-            work.append(
+            context += r.num_prompt_tokens + produced
+            decode.append(
                 DecodeWork(
                     r.num_prompt_tokens + produced,
                     produced,
                     max(0, r.num_output_tokens - produced),
                 )
             )
-        # As the real scheduler's work(): KV in, room awaited, from now; KV
-        # still to come, from when the placement expected its prefill done.
         for r in self.waiting:
-            work.append(DecodeWork(r.num_prompt_tokens, 0, r.num_output_tokens))
+            decode.append(DecodeWork(r.num_prompt_tokens, 0, r.num_output_tokens))
         for r in self.incoming:
             ready = r.arrival_s + r.predicted_ttft_s if r.predicted_ttft_s > 0.0 else now
-            work.append(
+            decode.append(
                 DecodeWork(r.num_prompt_tokens, 0, r.num_output_tokens, max(0.0, ready - now))
             )
-        return forecast_decode(
-            self.costs,
-            work,
-            self.lengths,
-            arrival_rate=self.departures.rate(now),
-            arrival_context_tokens=self.departures.mean_prompt_tokens,
+        cap = self.spec.kv_capacity_tokens
+        return NodeWork(
+            prefill=[PrefillWork(r.left, r.pos) for r in self.prefill_queue],
+            decode=decode,
+            running_decode_batch=len(self.running),
+            kv_usage=context / cap if cap > 0 else 0.0,
+        )
+
+    def gossiped(self, now: float, *, forecast: bool = True) -> tuple[NodeLoad, DecodeForecast]:
+        """What the node publishes, built as the daemon's load meter builds it."""
+        return gossiped_load(
+            self.costs, self.work(), self.lengths, self.departures, now, forecast=forecast
         )
 
 

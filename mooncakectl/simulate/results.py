@@ -1,8 +1,8 @@
 """A simulation's requests -> the summary, named as ``mooncakectl bench`` names them.
 
 - TTFT: arrival -> first token (the end of the prompt's prefill);
-- TBT: per request, the mean of its slowest tenth of token gaps (the
-  Mooncake paper's measure); statistics are over requests;
+- TBT: per request, as ``mooncaked.cluster.slo`` defines it (the mean of
+  its slowest tenth of token gaps); statistics are over requests;
 - SLO attainment: requests meeting both SLOs over every request, rejected
   ones included; goodput: those per second of the run;
 - cache hit rates: prompt tokens served from the prefill node's own cache
@@ -20,7 +20,7 @@ import numpy as np
 
 from mooncakectl.simulate.cluster import SimResult
 from mooncakectl.simulate.node import SimRequest
-from mooncaked.cluster.conductor import Slo
+from mooncaked.cluster.slo import Slo
 
 RESULT_FORMAT = "mooncakectl-simulate/1"
 
@@ -39,11 +39,8 @@ def latency_stats(values_s: Sequence[float]) -> dict[str, float | None]:
 
 
 def meets_slo(r: SimRequest, slo: Slo) -> bool:
-    if r.done_s is None or r.ttft_s is None:
-        return False
-    if slo.ttft_s > 0 and r.ttft_s > slo.ttft_s:
-        return False
-    return not (slo.tbt_s > 0 and r.tbt_s is not None and r.tbt_s > slo.tbt_s)
+    """``slo.Slo.met`` for a simulated request: finished, within both targets."""
+    return r.done_s is not None and slo.met(r.ttft_s, r.tbt_s)
 
 
 @dataclass(slots=True)

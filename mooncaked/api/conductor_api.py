@@ -76,21 +76,27 @@ class ConductorAPI:
         """The "conductor" section of /admin/status: policy, SLOs, this node's
         cost model and how well it fits, and the decisions counted so far."""
         r = self._router
+        adm = r.admission
         costs = self._costs()
+        ttft_margin, tbt_margin = adm.margins()
         out: dict[str, Any] = {
-            "policy": r.params.policy.value,
-            "early_reject": r.params.early_reject.value,
-            "slo": {"ttft_s": r.slo.ttft_s, "tbt_s": r.slo.tbt_s, "target": r.slo_target},
+            "policy": adm.params.policy.value,
+            "early_reject": adm.params.early_reject.value,
+            "slo": {"ttft_s": adm.slo.ttft_s, "tbt_s": adm.slo.tbt_s, "target": adm.target},
             "decisions": [
-                {"policy": p, "outcome": o, "count": n} for (p, o), n in sorted(r.decisions.items())
+                {"policy": p, "outcome": o, "count": n}
+                for (p, o), n in sorted(adm.decisions.items())
             ],
             "rejections": [
-                {"policy": p, "reason": o, "count": n} for (p, o), n in sorted(r.rejections.items())
+                {"policy": p, "reason": o, "count": n}
+                for (p, o), n in sorted(adm.rejections.items())
             ],
-            "pending_placements": len(r.ledger),
+            "pending_placements": len(adm.ledger),
             # Admitted though only the margins rejected them, nothing else
-            # having been admitted for a while (router.PROBE_AFTER_S).
-            "probes": r.num_probes,
+            # having been admitted for a while (admission.PROBE_AFTER_S).
+            "probes": adm.num_probes,
+            # Output tokens this entry expects of a request, from those it placed.
+            "entry_expected_output_tokens": round(adm.lengths.mean(), 1),
             # This entry's correction of the models by what it measured.
             "calibration": {
                 name: {
@@ -101,8 +107,8 @@ class ConductorAPI:
                     "samples": len(c),
                 }
                 for name, c, margin in (
-                    ("ttft", r.ttft_calibration, r.ttft_margin()),
-                    ("tbt", r.tbt_calibration, r.tbt_margin()),
+                    ("ttft", adm.ttft_calibration, ttft_margin),
+                    ("tbt", adm.tbt_calibration, tbt_margin),
                 )
             },
         }
@@ -128,7 +134,7 @@ class ConductorCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        r = self._router
+        r = self._router.admission
         decisions = CounterMetricFamily(
             "mooncaked_conductor_decisions",
             "Placement decisions by policy and outcome (colocated, disaggregated, fetch, "

@@ -38,7 +38,7 @@ from mooncaked.api.limits import (
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.recent import FinishedRequest
 from mooncaked.cache.hashing import block_hashes
-from mooncaked.cluster.conductor import Slo
+from mooncaked.cluster.slo import Slo
 from mooncaked.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from mooncaked.router import RouteError, Router, Submission
 

@@ -7,7 +7,7 @@ forecast of the decode batch. Gossip polls it every round (five times a
 second by default), so it reads snapshots and the scheduler's queues only.
 
 ``CostMeter`` learns the costs: every engine step is a sample of the step
-model (``predict.StepFitter``), every peer read a sample of a link's
+model (``fit.StepFitter``), every peer read a sample of a link's
 bandwidth, every finished request a sample of output lengths. ``profile``
 runs a few prompts of known lengths and a small decode batch through the
 engine at start-up, so the model is usable before the first real request.
@@ -24,22 +24,16 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from mooncaked.cluster.predict import (
-    DecodeForecast,
+from mooncaked.cluster.costs import NodeCosts, StepCost, StepFeatures, prefill_pairs
+from mooncaked.cluster.fit import LinkMeter, StepFitter
+from mooncaked.cluster.forecast import (
     DecodeWork,
     DepartureRate,
-    LinkMeter,
-    NodeCosts,
     OutputLengths,
     PrefillWork,
-    StepCost,
-    StepFeatures,
-    StepFitter,
-    forecast_decode,
-    predicted_queue_s,
-    prefill_pairs,
 )
-from mooncaked.cluster.state import LocalState, NodeLoad
+from mooncaked.cluster.state import LocalState
+from mooncaked.cluster.work import NodeWork, gossiped_load
 from mooncaked.engine.plan import StepPlan
 from mooncaked.request import Request, SamplingParams
 
@@ -67,8 +61,10 @@ def step_features(plan: StepPlan) -> StepFeatures:
 class CostMeter:
     """This node's cost model, learnt from its own steps, reads and requests."""
 
-    def __init__(self, engine: EngineCore) -> None:
+    def __init__(self, engine: EngineCore, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._engine = engine
+        # The clock departures are timed by: the load meter's, which reads them.
+        self._clock = clock
         self.fitter = StepFitter()
         self.links = LinkMeter()
         self.lengths = OutputLengths()
@@ -90,7 +86,7 @@ class CostMeter:
         if not self._profiling and req.finish_reason is not None:
             self.lengths.add(req.output_offset + len(req.output_token_ids))
             # In a steady state requests join the batch as fast as they leave it.
-            self.departures.add(time.monotonic(), req.num_prompt_tokens)
+            self.departures.add(self._clock(), req.num_prompt_tokens)
 
     def on_read(self, peer: str, nbytes: int, seconds: float) -> None:
         self.links.add(peer, nbytes, seconds)
@@ -199,37 +195,31 @@ class LoadMeter:
         engine = self._engine()
         if engine is None:
             return LocalState(role=self._role, api_addr=self._api_addr, draining=self._draining())
-        load = engine.load
-        costs = self.costs.costs() if self.costs is not None else NodeCosts()
-        prefill_raw, decode_raw = engine.scheduler.work(time.monotonic())
-        prefill = [PrefillWork(n, c) for n, c in prefill_raw]
-        decoding = [DecodeWork(*d) for d in decode_raw]
-        forecast = (
-            forecast_decode(
-                costs,
-                decoding,
-                self.costs.lengths,
-                arrival_rate=self.costs.departures.rate(time.monotonic()),
-                arrival_context_tokens=self.costs.departures.mean_prompt_tokens,
-            )
-            if self.costs is not None
-            else DecodeForecast()
+        now = self._clock()
+        prefill, decode = engine.scheduler.work(now)
+        work = NodeWork(
+            prefill=[PrefillWork(n, c) for n, c in prefill],
+            decode=[DecodeWork(*d) for d in decode],
+            running_decode_batch=engine.load.running_decode_batch,
+            kv_usage=engine.load.kv_usage,
         )
-        predicted = predicted_queue_s(costs, prefill, decode_seqs=load.running_decode_batch)
+        meter = self.costs
+        if meter is not None:
+            load, forecast = gossiped_load(
+                meter.costs(), work, meter.lengths, meter.departures, now
+            )
+            costs = meter.costs()
+        else:
+            costs = NodeCosts()
+            load, forecast = gossiped_load(
+                costs, work, OutputLengths(), DepartureRate(), now, forecast=False
+            )
         return LocalState(
             role=self._role,
             model_id=engine.model_id,
             api_addr=self._api_addr,
             draining=self._draining(),
-            load=NodeLoad(
-                queued_prefill_tokens=load.queued_prefill_tokens,
-                running_decode_batch=load.running_decode_batch,
-                # Rounded: gossip announces every change, and noise is no news.
-                kv_usage=round(load.kv_usage, 3),
-                predicted_queue_s=round(predicted, 3),
-                decode_context_tokens=sum(d.context_tokens for d in decoding),
-                pending_decode=len(decoding),
-            ),
+            load=load,
             costs=costs,
             forecast=forecast,
         )

@@ -44,7 +44,8 @@ import numpy as np
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES
 from mooncaked.cache.tiers import Tier
-from mooncaked.cluster.predict import DecodeForecast, NodeCosts
+from mooncaked.cluster.costs import NodeCosts
+from mooncaked.cluster.forecast import DecodeForecast
 
 
 class BlockOp(enum.StrEnum):

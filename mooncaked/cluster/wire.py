@@ -32,13 +32,8 @@ from typing import Any
 import orjson
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES
-from mooncaked.cluster.predict import (
-    FORECAST_HORIZONS_S,
-    MAX_LINKS,
-    DecodeForecast,
-    NodeCosts,
-    StepCost,
-)
+from mooncaked.cluster.costs import MAX_LINKS, NodeCosts, StepCost
+from mooncaked.cluster.forecast import FORECAST_HORIZONS_S, DecodeForecast
 from mooncaked.cluster.state import ALL_TIERS_MASK, BlockDelta, NodeLoad, NodeState
 
 MAC_BYTES = 16

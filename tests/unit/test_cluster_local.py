@@ -9,10 +9,10 @@ import hashlib
 import pytest
 
 from mooncaked.cache.tiers import Tier as StoreTier
+from mooncaked.cluster.costs import StepFeatures, prefill_pairs
 from mooncaked.cluster.events import BlockEventBatcher
 from mooncaked.cluster.holders import ClusterHolders
 from mooncaked.cluster.load import CostMeter, LoadMeter
-from mooncaked.cluster.predict import StepFeatures, prefill_pairs
 from mooncaked.cluster.state import (
     BlockEvent,
     BlockLog,

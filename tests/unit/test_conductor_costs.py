@@ -12,19 +12,20 @@ import random
 
 import pytest
 
-from mooncaked.cluster.conductor import (
+from mooncaked.cluster.admission import PendingLedger
+from mooncaked.cluster.conductor import decide
+from mooncaked.cluster.costs import NodeCosts, StepCost
+from mooncaked.cluster.forecast import DecodeForecast
+from mooncaked.cluster.placement import (
     ConductorParams,
     EarlyReject,
-    PendingLedger,
     PendingLoad,
     Placement,
     PlacementRequest,
     Policy,
     Reject,
-    Slo,
-    decide,
 )
-from mooncaked.cluster.predict import DecodeForecast, NodeCosts, StepCost
+from mooncaked.cluster.slo import Slo
 from mooncaked.cluster.state import (
     ClusterView,
     Member,
@@ -105,7 +106,7 @@ def test_local_hit_wins_when_fetching_would_only_add_a_round_trip() -> None:
     add(view, "p1", "prefill", cached=32)
     add(view, "p2", "prefill")
     add(view, "d1", "decode")
-    dec = decide(view, request(), 0.0)
+    dec = decide(view, request(), rng=random.Random(0))
     p = placed(dec.result)
     assert p.prefill[0].node_id == "p1" and not p.fetch
     # 10 ms + 513 tokens.
@@ -121,7 +122,7 @@ def test_remote_hit_worth_fetching() -> None:
     add(view, "p1", "prefill")
     add(view, "p2", "prefill", load=NodeLoad(predicted_queue_s=0.1, queued_prefill_tokens=90))
     add(view, "d1", "decode", cached=48)
-    dec = decide(view, request(), 0.0)
+    dec = decide(view, request(), rng=random.Random(0))
     p = placed(dec.result)
     assert p.prefill[0].node_id == "p1" and p.fetch
     best = dec.prefill[0] if dec.prefill[0].node_id == "p1" else dec.prefill[1]
@@ -129,7 +130,11 @@ def test_remote_hit_worth_fetching() -> None:
     # max(queue 0, 5 ms + 768 KB / 1 GB/s) + 10 ms + 257 tokens.
     assert p.predicted_ttft_s == pytest.approx(0.005 + 0.000768 + 0.010 + 0.257)
     # The same view under local_cache: nobody fetches, recompute on the idle node.
-    lc = placed(decide(view, request(), 0.0, params=params(policy=Policy.LOCAL_CACHE)).result)
+    lc = placed(
+        decide(
+            view, request(), rng=random.Random(0), params=params(policy=Policy.LOCAL_CACHE)
+        ).result
+    )
     assert lc.prefill[0].node_id == "p1" and not lc.fetch
     assert lc.predicted_ttft_s == pytest.approx(0.010 + 1.025)
 
@@ -139,7 +144,7 @@ def test_remote_hit_not_worth_fetching_over_a_slow_link_or_below_the_threshold()
     view = ClusterView("p1", clock=lambda: 0.0)
     add(view, "p1", "prefill", costs=slow)
     add(view, "d1", "decode", cached=48)
-    dec = decide(view, request(), 0.0)
+    dec = decide(view, request(), rng=random.Random(0))
     p = placed(dec.result)
     # 768 KB at 100 KB/s is 7.7 s: recomputing 1,025 tokens (1.035 s) wins.
     assert not p.fetch and p.predicted_ttft_s == pytest.approx(1.035)
@@ -148,11 +153,11 @@ def test_remote_hit_not_worth_fetching_over_a_slow_link_or_below_the_threshold()
     view2 = ClusterView("p1", clock=lambda: 0.0)
     add(view2, "p1", "prefill", cached=40)
     add(view2, "d1", "decode", cached=44)
-    dec2 = decide(view2, request(), 0.0)
+    dec2 = decide(view2, request(), rng=random.Random(0))
     assert not placed(dec2.result).fetch and dec2.prefill[0].transfer_s == 0.0
     # With the threshold at 1.0 the 4 extra blocks are worth a fetch (64 ms
     # of compute against a 5 ms round trip).
-    dec3 = decide(view2, request(), 0.0, params=params(balancing_threshold=1.0))
+    dec3 = decide(view2, request(), rng=random.Random(0), params=params(balancing_threshold=1.0))
     assert placed(dec3.result).fetch
 
 
@@ -167,7 +172,7 @@ def test_a_busy_holder_makes_an_idle_node_replicate_its_prefix() -> None:
     )
     add(view, "p2", "prefill")
     add(view, "d1", "decode")
-    dec = decide(view, request(), 0.0)
+    dec = decide(view, request(), rng=random.Random(0))
     p = placed(dec.result)
     assert p.prefill[0].node_id == "p2" and p.fetch
     s = next(s for s in dec.prefill if s.node_id == "p2")
@@ -177,7 +182,9 @@ def test_a_busy_holder_makes_an_idle_node_replicate_its_prefix() -> None:
     add(view_idle, "p1", "prefill", cached=48)
     add(view_idle, "p2", "prefill")
     add(view_idle, "d1", "decode")
-    assert placed(decide(view_idle, request(), 0.0).result).prefill[0].node_id == "p1"
+    assert (
+        placed(decide(view_idle, request(), rng=random.Random(0)).result).prefill[0].node_id == "p1"
+    )
 
 
 def test_copies_are_capped_per_prefix() -> None:
@@ -187,14 +194,16 @@ def test_copies_are_capped_per_prefix() -> None:
         add(view, f"p{i}", "prefill", cached=48, load=busy)
     add(view, "p4", "prefill")
     add(view, "d1", "decode")
-    dec = decide(view, request(), 0.0, params=params(max_replicas=3))
+    dec = decide(view, request(), rng=random.Random(0), params=params(max_replicas=3))
     p = placed(dec.result)
     # Three copies exist: p4 may not become a fourth; it recomputes (1.035 s
     # beats a holder's 3 s queue).
     assert p.prefill[0].node_id == "p4" and not p.fetch
     assert next(s for s in dec.prefill if s.node_id == "p4").note == "3 copies already"
     # One more replica allowed: p4 fetches.
-    assert placed(decide(view, request(), 0.0, params=params(max_replicas=4)).result).fetch
+    assert placed(
+        decide(view, request(), rng=random.Random(0), params=params(max_replicas=4)).result
+    ).fetch
 
 
 def test_reject_when_the_best_ttft_misses_the_slo() -> None:
@@ -203,16 +212,19 @@ def test_reject_when_the_best_ttft_misses_the_slo() -> None:
     add(view, "p1", "prefill", load=q)
     add(view, "p2", "prefill", load=q)
     add(view, "d1", "decode")
-    r = decide(view, request(), 0.0, slo=Slo(ttft_s=1.0)).result
+    r = decide(view, request(), rng=random.Random(0), slo=Slo(ttft_s=1.0)).result
     assert isinstance(r, Reject) and r.status == 429 and r.code == "ttft_slo"
     assert "3.04 s exceeds the SLO of 1.00 s" in r.reason
     assert r.retry_after_s == 3.0  # ceil(3.035 - 1.0)
     # The request's own SLO wins over the node's; early rejection off admits.
     assert isinstance(
-        decide(view, request(slo=Slo(ttft_s=5.0)), 0.0, slo=Slo(1.0)).result, Placement
+        decide(view, request(slo=Slo(ttft_s=5.0)), rng=random.Random(0), slo=Slo(1.0)).result,
+        Placement,
     )
     off = params(early_reject=EarlyReject.OFF)
-    assert isinstance(decide(view, request(), 0.0, slo=Slo(1.0), params=off).result, Placement)
+    assert isinstance(
+        decide(view, request(), rng=random.Random(0), slo=Slo(1.0), params=off).result, Placement
+    )
 
 
 def test_admission_allows_for_the_margin_recent_requests_needed() -> None:
@@ -223,22 +235,29 @@ def test_admission_allows_for_the_margin_recent_requests_needed() -> None:
     q = NodeLoad(queued_prefill_tokens=2000, predicted_queue_s=2.0)
     add(view, "p1", "prefill", load=q)
     add(view, "d1", "decode")
-    assert isinstance(decide(view, request(), 0.0, slo=Slo(ttft_s=3.5)).result, Placement)
-    r = decide(view, request(), 0.0, slo=Slo(ttft_s=3.5), params=params(ttft_margin=1.2)).result
+    assert isinstance(
+        decide(view, request(), rng=random.Random(0), slo=Slo(ttft_s=3.5)).result, Placement
+    )
+    r = decide(
+        view, request(), rng=random.Random(0), slo=Slo(ttft_s=3.5), params=params(ttft_margin=1.2)
+    ).result
     assert isinstance(r, Reject) and r.code == "ttft_slo"
     assert "3.04 s, 1.20x with the margin" in r.reason and r.retry_after_s == 1.0
     # A margin below 1 (forecasts that ran long) admits what the forecast alone would not.
     low = params(ttft_margin=0.8)
     assert isinstance(
-        decide(view, request(), 0.0, slo=Slo(ttft_s=3.0), params=low).result, Placement
+        decide(view, request(), rng=random.Random(0), slo=Slo(ttft_s=3.0), params=low).result,
+        Placement,
     )
     # The TBT side likewise: 10 ms + 41 x 1 ms at batch 40 is within 60 ms, not x 1.3.
     add(view, "d1", "decode", load=NodeLoad(running_decode_batch=40, pending_decode=40))
     cur = EarlyReject.CURRENT
-    ok = decide(view, request(), 0.0, slo=Slo(tbt_s=0.060), params=params(early_reject=cur))
+    ok = decide(
+        view, request(), rng=random.Random(0), slo=Slo(tbt_s=0.060), params=params(early_reject=cur)
+    )
     assert isinstance(ok.result, Placement)
     tight = params(early_reject=cur, tbt_margin=1.3)
-    r = decide(view, request(), 0.0, slo=Slo(tbt_s=0.060), params=tight).result
+    r = decide(view, request(), rng=random.Random(0), slo=Slo(tbt_s=0.060), params=tight).result
     assert isinstance(r, Reject) and r.code == "tbt_slo"
     assert "1.30x with the margin" in r.reason and "on d1 at batch 40" in r.reason
 
@@ -247,7 +266,7 @@ def test_costs_not_measured_never_reject() -> None:
     view = ClusterView("p1", clock=lambda: 0.0)
     add(view, "p1", "prefill", costs=NodeCosts(), load=NodeLoad(queued_prefill_tokens=10**6))
     add(view, "d1", "decode", costs=NodeCosts(), load=NodeLoad(running_decode_batch=60))
-    p = placed(decide(view, request(), 0.0, slo=Slo(0.001, 0.001)).result)
+    p = placed(decide(view, request(), rng=random.Random(0), slo=Slo(0.001, 0.001)).result)
     assert p.predicted_ttft_s == 0.0 and p.predicted_tbt_s == 0.0
 
 
@@ -258,13 +277,17 @@ def test_no_decode_node_within_the_tbt_slo() -> None:
     add(view, "d1", "decode", load=NodeLoad(running_decode_batch=40, pending_decode=40))
     add(view, "d2", "decode", load=NodeLoad(running_decode_batch=45, pending_decode=45))
     r = decide(
-        view, request(), 0.0, slo=Slo(tbt_s=0.050), params=params(early_reject=EarlyReject.CURRENT)
+        view,
+        request(),
+        rng=random.Random(0),
+        slo=Slo(tbt_s=0.050),
+        params=params(early_reject=EarlyReject.CURRENT),
     ).result
     assert isinstance(r, Reject) and r.code == "tbt_slo" and r.status == 429
     # The message gives the best node's forecast, the one closest to the SLO.
     assert "(current load; predicted 52.1 ms on d1 at batch 40)" in r.reason, r.reason
     # With a looser SLO the least loaded decode node takes it.
-    p = placed(decide(view, request(), 0.0, slo=Slo(tbt_s=0.2)).result)
+    p = placed(decide(view, request(), rng=random.Random(0), slo=Slo(tbt_s=0.2)).result)
     assert p.decode.node_id == "d1"
     assert p.predicted_tbt_s == pytest.approx(0.010 + 41e-3 + (1025 + 50) * 1e-6)
 
@@ -282,9 +305,21 @@ def test_early_rejection_judges_the_load_when_the_prefill_ends() -> None:
         forecast=fc,
     )
     slo = Slo(tbt_s=0.030)
-    now = decide(view, request(), 0.0, slo=slo, params=params(early_reject=EarlyReject.CURRENT))
+    now = decide(
+        view,
+        request(),
+        rng=random.Random(0),
+        slo=slo,
+        params=params(early_reject=EarlyReject.CURRENT),
+    )
     assert isinstance(now.result, Reject) and now.result.code == "tbt_slo"
-    later = decide(view, request(), 0.0, slo=slo, params=params(early_reject=EarlyReject.PREDICTED))
+    later = decide(
+        view,
+        request(),
+        rng=random.Random(0),
+        slo=slo,
+        params=params(early_reject=EarlyReject.PREDICTED),
+    )
     p = placed(later.result)
     # The prefill ends in ~2 s (1 s queue + 1.035 s): about one request left.
     assert later.decode[0].batch_at_join < 2.0
@@ -307,13 +342,25 @@ def test_current_load_is_blind_to_handoffs_and_the_forecast_is_not() -> None:
     slo = Slo(tbt_s=0.030)
     # The load now: a batch of 2 and its 2,000 tokens of context (a 40th of
     # the 40,000 that the handoffs hold too), well within 30 ms.
-    now = decide(view, request(), 0.0, slo=slo, params=params(early_reject=EarlyReject.CURRENT))
+    now = decide(
+        view,
+        request(),
+        rng=random.Random(0),
+        slo=slo,
+        params=params(early_reject=EarlyReject.CURRENT),
+    )
     assert now.decode[0].batch_at_join == 2.0
     assert placed(now.result).predicted_tbt_s == pytest.approx(
         0.010 + 3e-3 + (2000 + 1025 + 50) * 1e-6
     )
     # At the load forecast over its run: 40 others at every step.
-    later = decide(view, request(), 0.0, slo=slo, params=params(early_reject=EarlyReject.PREDICTED))
+    later = decide(
+        view,
+        request(),
+        rng=random.Random(0),
+        slo=slo,
+        params=params(early_reject=EarlyReject.PREDICTED),
+    )
     assert isinstance(later.result, Reject) and later.result.code == "tbt_slo"
     assert later.decode[0].batch_at_join == 40.0
 
@@ -326,7 +373,7 @@ def test_the_ledger_spreads_a_burst_until_gossip_catches_up() -> None:
     ledger = PendingLedger(min_age_s=0.3, max_age_s=3.0)
     chosen = []
     for _ in range(3):
-        dec = decide(view, request(), 0.0, pending=ledger.pending(view, 0.0))
+        dec = decide(view, request(), rng=random.Random(0), pending=ledger.pending(view, 0.0))
         p = placed(dec.result)
         first = p.prefill[0].node_id
         chosen.append(first)
@@ -358,9 +405,7 @@ def test_policies_differ_as_documented() -> None:
 
     def first(policy: Policy, seed: int = 0) -> tuple[str, str]:
         p = placed(
-            decide(
-                view, request(), 0.0, params=params(policy=policy), rng=random.Random(seed)
-            ).result
+            decide(view, request(), params=params(policy=policy), rng=random.Random(seed)).result
         )
         return p.prefill[0].node_id, p.decode.node_id
 
@@ -379,7 +424,7 @@ def test_decision_explains_itself() -> None:
     view = ClusterView("p1", clock=lambda: 0.0)
     add(view, "p1", "prefill")
     add(view, "d1", "decode", cached=48)
-    doc = decide(view, request(), 0.0).to_json()
+    doc = decide(view, request(), rng=random.Random(0)).to_json()
     assert doc["placement"]["fetch"] is True
     assert "fetching 48 blocks from d1" in str(doc["why"])
     [cand] = doc["prefill_candidates"]

@@ -6,22 +6,21 @@ import random
 
 import pytest
 
-from mooncaked.cluster.predict import (
+from mooncaked.cluster.costs import NodeCosts, StepCost, StepFeatures, prefill_pairs
+from mooncaked.cluster.fit import (
     Calibration,
-    DecodeForecast,
-    DecodeWork,
     LinkMeter,
-    NodeCosts,
-    OutputLengths,
-    PrefillWork,
-    StepCost,
-    StepFeatures,
     StepFitter,
     fit_nonnegative,
     fit_relative_l1,
+)
+from mooncaked.cluster.forecast import (
+    DecodeForecast,
+    DecodeWork,
+    OutputLengths,
+    PrefillWork,
     forecast_decode,
     predicted_queue_s,
-    prefill_pairs,
 )
 from mooncaked.cluster.state import NodeLoad, NodeState
 from mooncaked.cluster.wire import WireError, state_from_json, state_to_json

@@ -3,8 +3,10 @@ from the requests it placed, still admits a probe now and then."""
 
 from __future__ import annotations
 
-from mooncaked.cluster.conductor import Placement
-from mooncaked.cluster.predict import PROBE_AFTER_S
+import random
+
+from mooncaked.cluster.admission import PROBE_AFTER_S
+from mooncaked.cluster.placement import Placement
 from mooncaked.cluster.state import ClusterView, NodeLoad
 from mooncaked.config import ConductorConfig, Config, SloConfig
 from mooncaked.engine.core import EngineCore
@@ -28,6 +30,7 @@ def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on
         engine=lambda: engine,
         view=lambda: view,
         clock=clock,
+        rng=random.Random(0),
         conductor=ConductorConfig(early_reject="current"),
         slo=SloConfig(tbt_s=0.030),
     )
@@ -35,9 +38,9 @@ def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on
     # correction stays the identity, and for 95% of them to meet 30 ms the
     # margin admits forecasts up to about 5 ms, not this request's 12 ms.
     for i in range(16):
-        router.tbt_calibration.add(0.010, 0.060 if i % 8 == 0 else 0.010)
-    assert router.tbt_calibration.scale == 1.0
-    assert 0.030 / 6.0 <= 0.030 / router.tbt_margin() < 0.030 / 6.0 * 1.1
+        router.admission.tbt_calibration.add(0.010, 0.060 if i % 8 == 0 else 0.010)
+    assert router.admission.tbt_calibration.scale == 1.0
+    assert 0.030 / 6.0 <= 0.030 / router.admission.margins()[1] < 0.030 / 6.0 * 1.1
 
     def place() -> Placement | RouteError:
         sub = router.submit(list(range(40)), SamplingParams(max_tokens=8), "r", [])
@@ -54,7 +57,7 @@ def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on
     clock.now += PROBE_AFTER_S
     probe = router.submit(list(range(40)), SamplingParams(max_tokens=8), "p", [])
     probe.placement = router.placement(probe.req, probe.req.prompt_token_ids, set())
-    assert router.num_probes == 1 and probe.placement.model_ttft_s > 0.0
+    assert router.admission.num_probes == 1 and probe.placement.model_ttft_s > 0.0
     # ...and only one: the next is judged with them again.
     again = place()
     assert isinstance(again, RouteError) and again.code == "tbt_slo"
@@ -62,18 +65,18 @@ def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on
     # the margins have news to move by: no probe until they fall quiet.
     clock.now += PROBE_AFTER_S * 0.9
     probe._observe(1)
-    assert len(router.ttft_calibration) == 1
+    assert len(router.admission.ttft_calibration) == 1
     clock.now += PROBE_AFTER_S * 0.5
     quiet = place()
-    assert isinstance(quiet, RouteError) and router.num_probes == 1
+    assert isinstance(quiet, RouteError) and router.admission.num_probes == 1
     clock.now += PROBE_AFTER_S * 0.5
-    assert isinstance(place(), Placement) and router.num_probes == 2
+    assert isinstance(place(), Placement) and router.admission.num_probes == 2
     # A forecast over the SLO even without the margins is never a probe.
     add(view, "d1", "decode", load=NodeLoad(running_decode_batch=40), model=engine.model_id)
     clock.now += 2 * PROBE_AFTER_S
     over = place()
     assert isinstance(over, RouteError) and over.code == "tbt_slo"
-    assert router.num_probes == 2
+    assert router.admission.num_probes == 2
 
 
 def test_with_both_slos_each_is_judged_to_hold_for_half_the_misses() -> None:
@@ -85,13 +88,14 @@ def test_with_both_slos_each_is_judged_to_hold_for_half_the_misses() -> None:
             engine=lambda: engine,
             view=lambda: None,
             clock=Clock(),
+            rng=random.Random(0),
             slo=slo,
         )
         # 2 of 40 requests took 3x their forecast: 5%, within a 95% target
         # for one SLO, not within the 97.5% each of two needs.
         for i in range(40):
-            router.tbt_calibration.add(0.010, 0.030 if i in (7, 23) else 0.010)
-        return router.tbt_margin()
+            router.admission.tbt_calibration.add(0.010, 0.030 if i in (7, 23) else 0.010)
+        return router.admission.margins()[1]
 
     assert margin(SloConfig(tbt_s=0.030, target=0.95)) < 1.1
     assert margin(SloConfig(ttft_s=2.0, tbt_s=0.030, target=0.95)) > 2.5

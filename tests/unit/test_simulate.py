@@ -29,10 +29,11 @@ from mooncakectl.simulate.costs import (
 )
 from mooncakectl.simulate.events import EventQueue
 from mooncakectl.simulate.network import Flow, Network
-from mooncakectl.simulate.node import SimRequest, slowest_mean
+from mooncakectl.simulate.node import SimRequest
 from mooncakectl.simulate.results import summarize
-from mooncaked.cluster.conductor import ConductorParams, EarlyReject, Policy, Slo
-from mooncaked.cluster.predict import NodeCosts, StepCost, StepFeatures, prefill_pairs
+from mooncaked.cluster.costs import NodeCosts, StepCost, StepFeatures, prefill_pairs
+from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy
+from mooncaked.cluster.slo import Slo, tbt_s
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conversation_trace_head200.jsonl"
 # Tokens per hash id in the hand-made traces.
@@ -177,9 +178,9 @@ def test_the_simulation_runs_the_daemons_conductor(monkeypatch: pytest.MonkeyPat
     before = run_sim(fetch_trace(), Shape(2, 1), node(chunk=0), Policy.LOAD_BALANCE)
     assert [r.prefill_node for r in before.requests] == ["p0", "p0", "p1"]
     # ... until the Conductor's own ordering changes: the simulation follows it.
-    order = conductor_mod._order_prefill
+    order = conductor_mod.order_prefill
     monkeypatch.setattr(
-        conductor_mod, "_order_prefill", lambda *a, **k: list(reversed(order(*a, **k)))
+        conductor_mod, "order_prefill", lambda *a, **k: list(reversed(order(*a, **k)))
     )
     after = run_sim(fetch_trace(), Shape(2, 1), node(chunk=0), Policy.LOAD_BALANCE)
     assert [r.prefill_node for r in after.requests] == ["p1", "p1", "p1"]
@@ -241,8 +242,8 @@ def test_block_cache_lru_with_an_ssd_tier() -> None:
 
 
 def test_slowest_tenth_of_gaps() -> None:
-    assert slowest_mean([0.01] * 18 + [0.1, 0.3]) == pytest.approx(0.2)
-    assert slowest_mean([0.05]) == pytest.approx(0.05)
+    assert tbt_s([0.01] * 18 + [0.1, 0.3]) == pytest.approx(0.2)
+    assert tbt_s([0.05]) == pytest.approx(0.05)
 
 
 def test_analytic_costs_follow_the_papers_formula() -> None:

@@ -1,0 +1,189 @@
+"""Cost models: pure functions over numbers a node measures and gossips.
+
+Kept free of I/O and clocks so the Conductor and a simulator can call them
+with any view, live or simulated.
+
+One linear model prices an engine step, whatever it mixes (chunked prefill
+and decode share steps)::
+
+    step_s = base + token * prefill_tokens + attn * prefill_pairs
+                  + seq * decode_seqs + ctx * decode_context_tokens
+
+``prefill_pairs`` counts the (query, key) pairs of the step's prefill
+chunks: a chunk of ``k`` tokens after ``p`` already-computed ones attends to
+``k * p + k * (k + 1) / 2`` keys, so a long cached prefix makes the rest of a
+prompt dearer to compute, and a prompt's cost grows with its square. A
+node fits the five coefficients to its own steps (profiled at start-up,
+refined online) and publishes them with its KV bytes per token and the
+bandwidth it measured pulling KV from each peer (``NodeCosts``). From them:
+the time of a prefill (summed over its chunks), of a decode step at a
+batch size and context, and of moving a prefix between two nodes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+# Links kept per node in gossip: a datagram must stay under the MTU.
+MAX_LINKS = 8
+
+
+def prefill_pairs(num_tokens: int, start_pos: int) -> int:
+    """(query, key) pairs of a prefill chunk of ``num_tokens`` starting at ``start_pos``."""
+    return num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class StepFeatures:
+    """What an engine step computed: the inputs of the step-time model."""
+
+    prefill_tokens: int = 0
+    prefill_pairs: int = 0
+    decode_seqs: int = 0
+    decode_ctx: int = 0
+
+    def vector(self) -> tuple[float, float, float, float, float]:
+        return (
+            1.0,
+            float(self.prefill_tokens),
+            float(self.prefill_pairs),
+            float(self.decode_seqs),
+            float(self.decode_ctx),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Seconds per engine step as a linear function of ``StepFeatures``."""
+
+    base_s: float = 0.0
+    token_s: float = 0.0
+    pair_s: float = 0.0
+    seq_s: float = 0.0
+    ctx_s: float = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.base_s > 0.0 or self.token_s > 0.0 or self.seq_s > 0.0
+
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        return (self.base_s, self.token_s, self.pair_s, self.seq_s, self.ctx_s)
+
+    def step_s(self, f: StepFeatures) -> float:
+        return sum(c * x for c, x in zip(self.coefficients(), f.vector(), strict=True))
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """One decode step of ``batch`` sequences holding ``context_tokens`` in all."""
+        if batch <= 0:
+            return 0.0
+        return self.base_s + self.seq_s * batch + self.ctx_s * context_tokens
+
+    def prefill_s(
+        self,
+        new_tokens: int,
+        cached_tokens: int = 0,
+        *,
+        chunk_tokens: int = 0,
+        decode_seqs: int = 0,
+        decode_ctx: int = 0,
+    ) -> float:
+        """Compute ``new_tokens`` of a prompt after ``cached_tokens`` already in KV.
+
+        Chunked as the scheduler does (``chunk_tokens`` a step, 0: one step),
+        each step also carrying ``decode_seqs`` decodes of a colocated engine.
+        """
+        if new_tokens <= 0:
+            return 0.0
+        chunk = chunk_tokens - decode_seqs if chunk_tokens > 0 else new_tokens
+        chunk = max(1, chunk)
+        total = 0.0
+        pos, left = cached_tokens, new_tokens
+        while left > 0:
+            k = min(chunk, left)
+            total += self.step_s(StepFeatures(k, prefill_pairs(k, pos), decode_seqs, decode_ctx))
+            pos += k
+            left -= k
+        return total
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCosts:
+    """A node's cost model as gossip spreads it (``to_list`` / ``from_list``)."""
+
+    step: StepCost = field(default_factory=StepCost)
+    # Bytes of KV (all layers, K and V) one token holds.
+    kv_bytes_per_token: int = 0
+    # Prompt tokens one step computes at most (the scheduler's token budget).
+    chunk_tokens: int = 0
+    # Sequences a step runs at most.
+    max_batch: int = 0
+    # Measured bytes/s pulling KV from a peer: (peer node id, bytes/s), best known first.
+    links: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def known(self) -> bool:
+        return self.step.known
+
+    def prefill_s(
+        self, new_tokens: int, cached_tokens: int = 0, *, decode_seqs: int = 0, decode_ctx: int = 0
+    ) -> float:
+        return self.step.prefill_s(
+            new_tokens,
+            cached_tokens,
+            chunk_tokens=self.chunk_tokens,
+            decode_seqs=decode_seqs,
+            decode_ctx=decode_ctx,
+        )
+
+    def link_bps(self, peer: str) -> float:
+        """Bytes/s measured from ``peer`` to this node; else the median of the
+        links measured; 0 when nothing was measured."""
+        for node, bps in self.links:
+            if node == peer:
+                return bps
+        if not self.links:
+            return 0.0
+        rates = sorted(bps for _, bps in self.links)
+        return rates[len(rates) // 2]
+
+    def to_list(self) -> list[object]:
+        return [
+            *self.step.coefficients(),
+            self.kv_bytes_per_token,
+            self.chunk_tokens,
+            self.max_batch,
+            [[node, bps] for node, bps in self.links[:MAX_LINKS]],
+        ]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "step": dataclasses.asdict(self.step),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "chunk_tokens": self.chunk_tokens,
+            "max_batch": self.max_batch,
+            "links": {node: bps for node, bps in self.links},
+        }
+
+
+def transfer_s(num_tokens: int, kv_bytes_per_token: int, bps: float, rtt_s: float = 0.0) -> float:
+    """Moving ``num_tokens`` of KV over a link of ``bps`` bytes/s (inf if unknown)."""
+    if num_tokens <= 0:
+        return 0.0
+    if bps <= 0.0:
+        return math.inf
+    return rtt_s + num_tokens * kv_bytes_per_token / bps
+
+
+def predicted_tbt_s(
+    costs: NodeCosts, batch: float, context_tokens: float, *, queued_prefill_tokens: int = 0
+) -> float:
+    """Time between tokens of a decode step at ``batch`` and ``context_tokens``;
+    on a node that also prefills, a step carries a prefill chunk while prompts wait."""
+    b = max(1, math.ceil(batch))
+    t = costs.step.decode_step_s(b, round(context_tokens))
+    if queued_prefill_tokens > 0 and costs.chunk_tokens > 0:
+        k = max(1, min(queued_prefill_tokens, costs.chunk_tokens - b))
+        t += costs.step.token_s * k + costs.step.pair_s * prefill_pairs(k, 0)
+    return t

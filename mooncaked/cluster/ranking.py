@@ -1,0 +1,327 @@
+"""Each candidate's figures, and the orders they are tried in.
+
+A prefill candidate's predicted TTFT term by term (``PrefillScore``), a
+decode candidate's predicted TBT (``DecodeScore``), and the order of each
+pool under the entry's policy. Pure functions over one node's gossiped state
+at a time; ``conductor.decide`` picks from what they return.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from mooncaked.cluster.costs import NodeCosts, predicted_tbt_s, transfer_s
+from mooncaked.cluster.forecast import DecodeForecast
+from mooncaked.cluster.holders import LEASABLE_TIERS
+from mooncaked.cluster.placement import (
+    Candidate,
+    ConductorParams,
+    EarlyReject,
+    PendingLoad,
+    PlacementRequest,
+    Policy,
+)
+from mooncaked.cluster.slo import Slo
+from mooncaked.cluster.state import ClusterView, MemberStatus, NodeLoad, PrefixMatch
+
+
+def _fields_json(obj: object) -> dict[str, object]:
+    """A slotted dataclass as JSON, finite floats rounded to the microsecond."""
+    return {
+        f: (round(v, 6) if isinstance(v, float) and math.isfinite(v) else v)
+        for f, v in ((f, getattr(obj, f)) for f in obj.__slots__)  # type: ignore[attr-defined]
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillScore:
+    """One prefill candidate's predicted TTFT, term by term."""
+
+    node_id: str
+    local_blocks: int
+    # The longest prefix another node holds, and which node (None: nobody longer).
+    remote_blocks: int
+    holder: str | None
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+    ttft_s: float
+    fetch: bool
+    costs_known: bool
+    # Prompt tokens it computes (what it lacks, or lacks after the fetch).
+    new_tokens: int = 0
+    note: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return _fields_json(self)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeScore:
+    node_id: str
+    batch_now: int
+    # The batch this request would share its steps with, besides itself:
+    # forecast over its run from its prefill's end on, or the batch
+    # decoding now (rejection on current load).
+    batch_at_join: float
+    tbt_s: float
+    within_slo: bool
+    costs_known: bool
+
+    def to_json(self) -> dict[str, object]:
+        return _fields_json(self)
+
+
+@dataclass(slots=True)
+class CandidateNode:
+    """A candidate with what placement knows of it: gossiped load, costs and
+    forecast, and what this entry placed there that gossip does not show yet."""
+
+    cand: Candidate
+    suspect: bool
+    load: NodeLoad
+    costs: NodeCosts
+    forecast: DecodeForecast
+    pending: PendingLoad
+
+
+def leasable_prefixes(
+    view: ClusterView, request: PlacementRequest, params: ConductorParams
+) -> dict[str, PrefixMatch]:
+    """The prefix each node can lease (DRAM or SSD; device blocks cannot be),
+    looked up once per request rather than once per candidate."""
+    if params.policy is not Policy.CONDUCTOR or not request.hashes:
+        return {}
+    return view.longest_prefix(request.hashes, tiers=LEASABLE_TIERS)
+
+
+def prefill_score(
+    view: ClusterView,
+    request: PlacementRequest,
+    params: ConductorParams,
+    n: CandidateNode,
+    nodes: Mapping[str, CandidateNode],
+    matches: Mapping[str, PrefixMatch],
+    leasable: Mapping[str, PrefixMatch],
+) -> PrefillScore:
+    bs = params.block_size
+    total = request.num_prompt_tokens
+    # The last prompt token is always computed (its logits give the first token).
+    usable = max(0, (total - 1) // bs)
+    local = min(n.cand.cached_blocks, usable)
+    node_id = n.cand.node_id
+    known = n.costs.known
+    queue_s = n.load.predicted_queue_s + n.pending.prefill_s
+    if not known:
+        queue_s = (n.load.queued_prefill_tokens + n.pending.prefill_tokens) * params.nominal_token_s
+
+    def compute_s(cached_blocks: int) -> float:
+        cached = cached_blocks * bs
+        if not known:
+            return (total - cached) * params.nominal_token_s
+        return n.costs.prefill_s(total - cached, cached, decode_seqs=n.load.running_decode_batch)
+
+    local_s = compute_s(local)
+    score = PrefillScore(
+        node_id,
+        local,
+        0,
+        None,
+        queue_s,
+        0.0,
+        local_s,
+        queue_s + local_s,
+        False,
+        known,
+        total - local * bs,
+    )
+    if params.policy is not Policy.CONDUCTOR or not request.hashes:
+        return score
+    # The longest prefix another node can lease.
+    remote, holder, copies = 0, None, 0
+    for other, match in leasable.items():
+        nb = min(match.num_blocks, usable)
+        if other == node_id or nb <= 0:
+            continue
+        m = view.members.get(other)
+        if m is None or m.status is not MemberStatus.ALIVE:
+            continue
+        if nb > remote or (nb == remote and holder is not None and other < holder):
+            remote, holder = nb, other
+    if holder is None or remote <= local or remote < params.balancing_threshold * max(local, 1):
+        return dataclasses.replace(score, remote_blocks=remote, holder=holder)
+    # Nodes holding (nearly all of) that prefix already: replicas.
+    copies = sum(1 for mt in matches.values() if mt.num_blocks >= remote)
+    if copies >= params.max_replicas:
+        return dataclasses.replace(
+            score, remote_blocks=remote, holder=holder, note=f"{copies} copies already"
+        )
+    bps = n.costs.link_bps(holder) or params.default_link_bps
+    kvb = n.costs.kv_bytes_per_token
+    move_s = (
+        transfer_s((remote - local) * bs, kvb, bps, params.fetch_rtt_s)
+        if kvb > 0
+        else params.fetch_rtt_s
+    )
+    rest_s = compute_s(remote)
+    # The fetch runs while the request waits in the queue.
+    fetch_ttft = max(queue_s, move_s) + rest_s
+    if fetch_ttft >= score.ttft_s:
+        return dataclasses.replace(
+            score, remote_blocks=remote, holder=holder, transfer_s=move_s, note="recompute faster"
+        )
+    holder_node = nodes.get(holder)
+    busy = holder_node is not None and fetch_ttft < _own_ttft(holder_node, total, remote, params)
+    return PrefillScore(
+        node_id,
+        local,
+        remote,
+        holder,
+        queue_s,
+        move_s,
+        rest_s,
+        fetch_ttft,
+        True,
+        known,
+        total - remote * bs,
+        "replicates a busy holder's prefix" if busy else "fetches the prefix",
+    )
+
+
+def _own_ttft(n: CandidateNode, total: int, cached_blocks: int, params: ConductorParams) -> float:
+    cached = cached_blocks * params.block_size
+    if not n.costs.known:
+        return (n.load.queued_prefill_tokens + total - cached) * params.nominal_token_s
+    return (
+        n.load.predicted_queue_s
+        + n.pending.prefill_s
+        + n.costs.prefill_s(total - cached, cached, decode_seqs=n.load.running_decode_batch)
+    )
+
+
+def order_prefill(
+    params: ConductorParams,
+    pool: list[CandidateNode],
+    scores: list[PrefillScore],
+    rng: random.Random | None,
+) -> list[int]:
+    idx = list(range(len(pool)))
+    if params.policy is Policy.RANDOM:
+        (rng or random.Random()).shuffle(idx)
+        return sorted(idx, key=lambda i: pool[i].suspect)
+    if params.policy is Policy.LOAD_BALANCE:
+        return sorted(idx, key=lambda i: (pool[i].suspect, scores[i].queue_s, pool[i].cand.node_id))
+    return sorted(
+        idx,
+        key=lambda i: (
+            pool[i].suspect,
+            scores[i].ttft_s,
+            -pool[i].cand.cached_blocks,
+            pool[i].cand.node_id,
+        ),
+    )
+
+
+def decode_score(
+    request: PlacementRequest, params: ConductorParams, slo: Slo, n: CandidateNode, join_in_s: float
+) -> DecodeScore:
+    load = n.load
+    # Its gossiped batch (handoffs waiting for KV included), and with what
+    # this entry placed there since.
+    gossiped = max(load.pending_decode, load.running_decode_batch)
+    batch_now = gossiped + n.pending.decodes
+    ctx_now = load.decode_context_tokens
+    expected = request.expected_output_tokens or request.max_tokens / 2
+    known = n.costs.known
+    if params.early_reject not in (EarlyReject.CURRENT, EarlyReject.BASELINE):
+        # Averaged over the request's own run, from when its prefill is to
+        # end: what it shares its steps with, which is what its TBT is.
+        b0, c0 = n.forecast.at(join_in_s, gossiped, ctx_now)
+        run_s = (
+            expected * n.costs.step.decode_step_s(max(1, math.ceil(b0) + 1), round(c0))
+            if known
+            else 0.0
+        )
+        batch, ctx = n.forecast.mean_over(join_in_s, run_s, gossiped, ctx_now)
+    else:
+        # The batch decoding now and its context (the handoffs' share taken
+        # out): the node's load at the request's arrival, as the Mooncake
+        # paper's early rejection (and its baseline) judge it. Blind to what the prefills under way will hand over, it
+        # admits more than the decode side can then serve within the SLO.
+        batch = float(load.running_decode_batch)
+        ctx = ctx_now * batch / gossiped if gossiped > 0 else 0.0
+    batch += n.pending.decodes
+    tbt = (
+        predicted_tbt_s(
+            n.costs,
+            batch + 1,
+            ctx + request.num_prompt_tokens + expected / 2,
+            queued_prefill_tokens=load.queued_prefill_tokens if n.cand.role == "both" else 0,
+        )
+        if known
+        else 0.0
+    )
+    room = n.costs.max_batch <= 0 or batch + 1 <= n.costs.max_batch
+    within = room and (
+        not known or slo.tbt_s <= 0.0 or params.tbt(tbt) * params.tbt_margin <= slo.tbt_s
+    )
+    return DecodeScore(n.cand.node_id, batch_now, round(batch, 3), tbt, within, known)
+
+
+def order_decode(
+    params: ConductorParams,
+    pool: list[CandidateNode],
+    scores: list[DecodeScore],
+    rng: random.Random | None,
+) -> list[int]:
+    idx = list(range(len(pool)))
+    if params.policy is Policy.RANDOM:
+        (rng or random.Random()).shuffle(idx)
+        return sorted(idx, key=lambda i: pool[i].suspect)
+    if params.policy is Policy.CONDUCTOR:
+        return sorted(
+            idx,
+            key=lambda i: (
+                pool[i].suspect,
+                scores[i].tbt_s,
+                scores[i].batch_now,
+                pool[i].load.kv_usage,
+                pool[i].cand.node_id,
+            ),
+        )
+    return sorted(
+        idx,
+        key=lambda i: (
+            pool[i].suspect,
+            scores[i].batch_now,
+            pool[i].load.kv_usage,
+            pool[i].cand.node_id,
+        ),
+    )
+
+
+def tbt_forecast_text(params: ConductorParams, scores: Sequence[DecodeScore]) -> str:
+    """The least TBT forecast among ``scores``, as the rejection judged it."""
+    known = [s for s in scores if s.costs_known]
+    if not known:
+        return "no node has room"
+    best = min(known, key=lambda s: s.tbt_s)
+    margin = (
+        f", {params.tbt_margin:.2f}x with the margin recent requests needed"
+        if params.tbt_margin != 1.0
+        else ""
+    )
+    return (
+        f"predicted {params.tbt(best.tbt_s) * 1e3:.1f} ms{margin} on {best.node_id} "
+        f"at batch {best.batch_at_join:g}"
+    )
+
+
+def tbt_retry_after(scores: Sequence[DecodeScore]) -> float:
+    # The forecast's horizons are the times at which the batch is known to
+    # shrink; without finer knowledge a second is a fair first retry.
+    return 1.0 if scores else 5.0
