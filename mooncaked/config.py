@@ -417,6 +417,19 @@ class ConductorConfig:
     balancing_threshold: float = 1.2
     # Most nodes holding one prefix: beyond it nobody fetches it to serve it.
     max_replicas: int = 3
+    # Entries deciding on the same gossip view spread their choices: prefill
+    # candidates within this share of the best predicted TTFT come first in
+    # a random order, decode candidates within decode_spread of the best
+    # predicted TBT likewise (0: the best alone).
+    spread: float = 0.25
+    decode_spread: float = 0.05
+    # Late binding: a prefill node whose own queue makes it slower than the
+    # entry forecast (by more than bind_slack of its TTFT) and than the
+    # candidates left passes the request on to the next; max_prefill
+    # candidates are listed for each request.
+    late_binding: bool = True
+    bind_slack: float = 0.5
+    max_prefill: int = 8
     # Profile the engine at start-up (a few prompts and a decode batch) so
     # the cost model is usable before the first request.
     profile: bool = True
@@ -424,6 +437,10 @@ class ConductorConfig:
     def __post_init__(self) -> None:
         _check(self.balancing_threshold >= 1.0, "balancing_threshold", "must be >= 1.0")
         _check(self.max_replicas >= 1, "max_replicas", "must be >= 1")
+        for key in ("spread", "decode_spread", "bind_slack"):
+            value = getattr(self, key)
+            _check(0.0 <= value <= 100.0, key, "must be in [0, 100]")
+        _check(1 <= self.max_prefill <= 64, "max_prefill", "must be in [1, 64]")
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,6 +196,7 @@ class Node:
             engine=lambda: self._engine,
             sender=lambda: self._sender,
             draining=lambda: self.draining,
+            queue_s=lambda: self.costs.queue_s() if self.costs is not None else 0.0,
         )
         self.extra_routes.extend(self.disagg.routes())
         # The handoff's counters: the "handoff" status section and its metrics.

@@ -240,7 +240,15 @@ class Submission:
             resumed_tokens=resumed,
         )
         self.decode_node = placement.decode.node_id
-        targets = tuple(PrefillTarget(c.node_id, c.url, placement.fetch) for c in placement.prefill)
+        offers = placement.offers
+        targets = tuple(
+            PrefillTarget(c.node_id, c.url, placement.fetches(i), offers[i] if offers else None)
+            for i, c in enumerate(placement.prefill)
+        )
+        # Late binding: a hop to the next prefill node costs about a fetch's round trip.
+        source = (
+            PrefillSource(targets, self._router.admission.params.fetch_rtt_s) if targets else None
+        )
         if not resumed:
             # The plan; the node that actually ran it replaces it once known.
             self.prefill_node = targets[0].node_id if targets else placement.decode.node_id
@@ -256,7 +264,7 @@ class Submission:
                 sampling,
                 f"{self.request_id}~{self._attempts}" if resumed else self.request_id,
                 prompt_hashes=None if resumed else req.hashes,
-                kv_source=PrefillSource(targets) if targets else None,
+                kv_source=source,
                 output_offset=resumed,
                 peer_fetch=placement.fetch,
                 kv_ready_in_s=_kv_ready_in_s(placement) if targets else 0.0,
@@ -269,7 +277,7 @@ class Submission:
             placement.decode,
             prompt,
             sampling,
-            targets,
+            source,
             resumed,
             f"{self.request_id}~{self._attempts}",
             _kv_ready_in_s(placement) if targets else 0.0,
@@ -316,7 +324,7 @@ class _RemoteStream:
         node: Candidate,
         prompt: list[int],
         sampling: SamplingParams,
-        targets: tuple[PrefillTarget, ...],
+        source: PrefillSource | None,
         output_offset: int,
         request_id: str,
         kv_ready_in_s: float = 0.0,
@@ -328,9 +336,8 @@ class _RemoteStream:
                 "request_id": request_id,
                 "prompt_token_ids": prompt,
                 "sampling": sampling_to_dict(sampling),
-                "prefill": [
-                    {"node_id": t.node_id, "url": t.url, "fetch": t.fetch} for t in targets
-                ],
+                "prefill": [t.to_dict() for t in source.targets] if source else [],
+                "hop_s": source.hop_s if source else 0.0,
                 "output_offset": output_offset,
                 "kv_ready_in_s": round(kv_ready_in_s, 6),
             }
@@ -407,6 +414,11 @@ def admission_params(conductor: ConductorConfig, block_size: int) -> ConductorPa
         balancing_threshold=conductor.balancing_threshold,
         max_replicas=conductor.max_replicas,
         block_size=block_size,
+        spread=conductor.spread,
+        decode_spread=conductor.decode_spread,
+        late_binding=conductor.late_binding,
+        bind_slack=conductor.bind_slack,
+        max_prefill=conductor.max_prefill,
     )
 
 

@@ -33,10 +33,16 @@ from mooncakectl.simulate.network import Flow, Network
 from mooncakectl.simulate.node import SimNode, SimRequest
 from mooncaked.cluster.admission import Admission
 from mooncaked.cluster.costs import MAX_LINKS, NodeCosts
-from mooncaked.cluster.placement import ConductorParams, EarlyReject, Placement, PlacementRequest
+from mooncaked.cluster.placement import (
+    ConductorParams,
+    EarlyReject,
+    Placement,
+    PlacementRequest,
+)
 from mooncaked.cluster.ranking import PrefillScore
 from mooncaked.cluster.slo import Slo
 from mooncaked.cluster.state import ClusterView, Member, MemberStatus, NodeBlocks, NodeState
+from mooncaked.engine.late_binding import PrefillWalk
 
 MODEL_ID = "simulated"
 
@@ -102,6 +108,8 @@ class SimConfig:
     # machine per node, as a real cluster runs).
     host_cores: float = 0.0
     node_threads: int = 1
+    # Nodes requests enter at, at random (0: every node, as in the daemon).
+    entries: int = 0
 
     def spec_for(self, role: str) -> NodeSpec:
         if role == "decode" and self.decode_node is not None:
@@ -121,6 +129,8 @@ class SimConfig:
             raise ValueError(f"--host-cores must be >= 0, got {self.host_cores}")
         if self.node_threads < 1:
             raise ValueError(f"--node-threads must be >= 1, got {self.node_threads}")
+        if self.entries < 0:
+            raise ValueError(f"--entries must be >= 0 (0: every node), got {self.entries}")
 
 
 @dataclass(slots=True)
@@ -199,6 +209,10 @@ class Simulation:
             for node_id, role in ids
         }
         self.node_ids = [node_id for node_id, _ in ids]
+        # Where requests enter: every node, or ``entries`` spread over the list.
+        n = len(self.node_ids)
+        k = config.entries if 0 < config.entries < n else n
+        self.entry_ids = [self.node_ids[i * n // k] for i in range(k)]
         self.network = Network(
             self.events, {n: node.spec.nic_bps for n, node in self.nodes.items()}
         )
@@ -304,7 +318,7 @@ class Simulation:
 
     def _arrive(self, r: SimRequest) -> None:
         now = self.events.now
-        entry = self.node_ids[self._entry_rng.randrange(len(self.node_ids))]
+        entry = self.entry_ids[self._entry_rng.randrange(len(self.entry_ids))]
         r.entry = entry
         request = PlacementRequest(
             MODEL_ID, r.hashes, r.num_prompt_tokens, max_tokens=r.num_output_tokens
@@ -316,13 +330,39 @@ class Simulation:
             return
         r.placement = result
         r.model_ttft_s, r.model_tbt_s = result.model_ttft_s, result.model_tbt_s
-        dnode = self.nodes[result.decode.node_id]
-        pnode = self.nodes[result.prefill[0].node_id] if result.prefill else dnode
-        r.prefill_node, r.decode_node = pnode.node_id, dnode.node_id
         r.predicted_ttft_s = result.predicted_ttft_s
-        score = next((s for s in decision.prefill if s.node_id == pnode.node_id), None)
+        dnode = self.nodes[result.decode.node_id]
+        r.decode_node = dnode.node_id
+        # The decode node holds the handoff from now on, waiting for its KV.
         dnode.expect_decode(r)
-        self._start_prefill(r, pnode, result.fetch and score is not None and score.fetch, score)
+        if not result.prefill:
+            r.prefill_node = dnode.node_id
+            self._start_prefill(r, dnode, result.fetch, None)
+            return
+        tried = {c.node_id for c in result.prefill}
+        r.scores = {s.node_id: s for s in decision.prefill if s.node_id in tried}
+        r.walk = PrefillWalk(result.offers, len(result.prefill), self.params.fetch_rtt_s)
+        self._offer(r)
+
+    def _offer(self, r: SimRequest) -> None:
+        """The next prefill candidate takes the request, or (late binding, its
+        true queue too long) refuses and the next is asked a round trip later."""
+        p, walk = r.placement, r.walk
+        assert p is not None and walk is not None
+        step = walk.next()
+        if step is None:
+            raise RuntimeError(f"request {r.index}: no prefill candidate took it")
+        i, max_wait = step
+        pnode = self.nodes[p.prefill[i].node_id]
+        queued = pnode.queue_s() if max_wait < math.inf else 0.0
+        if queued > max_wait:
+            r.num_bounces += 1
+            self.events.at(self.events.now + self.params.fetch_rtt_s, self._offer, r)
+            return
+        r.walk = None
+        r.prefill_node = pnode.node_id
+        score = r.scores.get(pnode.node_id)
+        self._start_prefill(r, pnode, p.fetches(i) and score is not None, score)
 
     def _start_prefill(
         self, r: SimRequest, pnode: SimNode, fetch: bool, score: PrefillScore | None

@@ -132,6 +132,12 @@ def _configure(p: argparse.ArgumentParser) -> None:
     c.add_argument("--kv-tokens", type=int, help="decode KV capacity per node, tokens")
     c.add_argument("--gossip-ms", type=float, default=200.0, help="age of an entry's view")
     c.add_argument(
+        "--entries",
+        type=int,
+        default=0,
+        help="nodes requests enter at (0: every node, as in the daemon; 1: a single entry)",
+    )
+    c.add_argument(
         "--host-cores",
         type=float,
         default=0.0,
@@ -158,6 +164,33 @@ def _configure(p: argparse.ArgumentParser) -> None:
         "--balancing-threshold", type=float, default=ConductorParams().balancing_threshold
     )
     s.add_argument("--max-replicas", type=int, default=ConductorParams().max_replicas)
+    s.add_argument("--bind-slack", type=float, default=ConductorParams().bind_slack)
+    s.add_argument("--max-prefill", type=int, default=ConductorParams().max_prefill)
+    s.add_argument(
+        "--spread",
+        type=float,
+        default=ConductorParams().spread,
+        help="candidates within this share of the best predicted TTFT are picked at random",
+    )
+    s.add_argument(
+        "--spread-min-ms",
+        type=float,
+        default=ConductorParams().spread_min * 1e3,
+        help="... or within this many ms of it",
+    )
+    s.add_argument(
+        "--decode-spread",
+        type=float,
+        default=ConductorParams().decode_spread,
+        help="decode candidates within this share of the best predicted TBT, likewise",
+    )
+    s.add_argument(
+        "--late-binding",
+        choices=("on", "off"),
+        default="on" if ConductorParams().late_binding else "off",
+        help="a prefill node whose true queue is longer than the entry thought passes "
+        "the request on to the next candidate",
+    )
     s.add_argument("--seed", type=int, default=0)
     w = p.add_argument_group("capacity plan")
     w.add_argument(
@@ -239,7 +272,14 @@ def _inputs(args: argparse.Namespace) -> Inputs:
         node=node,
         decode_node=decode_node,
         params=ConductorParams(
-            balancing_threshold=args.balancing_threshold, max_replicas=args.max_replicas
+            balancing_threshold=args.balancing_threshold,
+            max_replicas=args.max_replicas,
+            spread=args.spread,
+            spread_min=args.spread_min_ms / 1e3,
+            decode_spread=args.decode_spread,
+            late_binding=args.late_binding == "on",
+            bind_slack=args.bind_slack,
+            max_prefill=args.max_prefill,
         ),
         slo=Slo(args.slo_ttft, args.slo_tbt / 1000.0),
         gossip_s=args.gossip_ms / 1000.0,
@@ -248,6 +288,7 @@ def _inputs(args: argparse.Namespace) -> Inputs:
         seed=args.seed,
         host_cores=args.host_cores,
         node_threads=args.node_threads,
+        entries=args.entries,
     )
     return Inputs(records, node, base, policies, rejects)
 

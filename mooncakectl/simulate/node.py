@@ -30,9 +30,11 @@ from mooncaked.cluster.forecast import (
     PrefillWork,
 )
 from mooncaked.cluster.placement import Placement
+from mooncaked.cluster.ranking import PrefillScore
 from mooncaked.cluster.slo import tbt_s
 from mooncaked.cluster.state import NodeLoad
-from mooncaked.cluster.work import NodeWork, gossiped_load
+from mooncaked.cluster.work import NodeWork, gossiped_load, queue_s
+from mooncaked.engine.late_binding import PrefillWalk
 
 ROLES = ("prefill", "decode", "both")
 
@@ -50,8 +52,12 @@ class SimRequest:
     prefill_node: str | None = None
     decode_node: str | None = None
     reject_code: str | None = None
-    # Where its entry placed it (None: rejected).
+    # Where its entry placed it (None: rejected), each prefill candidate's
+    # figures, and how often a candidate passed it on (late binding).
     placement: Placement | None = None
+    scores: dict[str, PrefillScore] = field(default_factory=dict)
+    walk: PrefillWalk | None = None
+    num_bounces: int = 0
     predicted_ttft_s: float = 0.0
     # The cost model's own forecasts, before the entry's calibration.
     model_ttft_s: float = 0.0
@@ -385,6 +391,10 @@ class SimNode:
             running_decode_batch=len(self.running),
             kv_usage=context / cap if cap > 0 else 0.0,
         )
+
+    def queue_s(self) -> float:
+        """The wait of a prompt queued now, as the node itself prices it (late binding)."""
+        return queue_s(self.costs, self.work())
 
     def gossiped(self, now: float, *, forecast: bool = True) -> tuple[NodeLoad, DecodeForecast]:
         """What the node publishes, built as the daemon's load meter builds it."""

@@ -1,19 +1,23 @@
 """Node-to-node calls of disaggregated serving (signed like every internal call).
 
 - ``POST /internal/generate`` (entry node -> decode node):
-  ``{"request_id", "prompt_token_ids", "sampling", "prefill": [{"node_id", "url"}],
-  "output_offset", "kv_ready_in_s"}`` -> the request's outputs as JSON lines,
+  ``{"request_id", "prompt_token_ids", "sampling", "prefill": [{"node_id", "url",
+  "fetch", "offer"}], "hop_s", "output_offset", "kv_ready_in_s"}`` -> the
+  request's outputs as JSON lines,
   as the engine produces them. The decode node asks the listed prefill nodes
-  in order for the prompt's KV (an empty list: it computes the prompt itself);
+  in turn for the prompt's KV (an empty list: it computes the prompt itself;
+  with offers, late binding: ``engine.late_binding``);
   ``kv_ready_in_s`` is when the entry expects that KV in, for the decode
   node's load forecast (optional, 0: unknown). Closing the
   connection aborts the request. 429 / 400 / 503 as the public API answers.
 - ``POST /internal/prefill`` (decode node -> prefill node):
-  ``{"request_id", "prompt_token_ids", "sampling", "grant"}`` -> once the
-  prompt's KV is written into the granted blocks, ``{"node_id", "token":
-  [id, logprob, top], "num_cached_tokens", "bytes"}``. 502 when the KV could
-  not be written; 409 from a node that does not prefill. Closing the
-  connection aborts the prefill.
+  ``{"request_id", "prompt_token_ids", "sampling", "grant", "peer_fetch",
+  "max_wait_s"}`` -> once the prompt's KV is written into the granted
+  blocks, ``{"node_id", "token": [id, logprob, top], "num_cached_tokens",
+  "bytes"}``. 502 when the KV could not be written; 409 from a node that
+  does not prefill, and 409 with code ``prefill_busy`` from one whose own
+  queue is longer than ``max_wait_s`` (late binding: the decode node asks
+  the next; absent: no limit). Closing the connection aborts the prefill.
 
 ``PrefillClient`` is the decode node's side of ``/internal/prefill`` (the
 ``KVReceiver``'s ``prefill`` call).
@@ -22,6 +26,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -43,10 +48,12 @@ from mooncaked.engine.handoff import (
     KVGrant,
     KVSender,
     KVWrite,
+    PrefillBusy,
     PrefillError,
     PrefillReply,
     PrefillSource,
     PrefillTarget,
+    parse_max_wait_s,
 )
 from mooncaked.engine.plan import SampledToken
 from mooncaked.request import (
@@ -111,8 +118,11 @@ class DisaggAPI:
         engine: Callable[[], EngineCore | None],
         sender: Callable[[], KVSender | None],
         draining: Callable[[], bool],
+        queue_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.verifier = Verifier(secret)
+        # How long a prompt queued now waits here, as this node prices it (late binding).
+        self._queue_s = queue_s
         self._node_id = node_id
         self._role = role
         self._engine = engine
@@ -153,12 +163,12 @@ class DisaggAPI:
                 if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
                     raise ValueError("'output_offset' must be an integer >= 0")
                 ready_in = kv_ready_in_s(data.get("kv_ready_in_s", 0.0))
-                targets = tuple(
-                    PrefillTarget(
-                        str(t["node_id"]), str(t["url"]), t.get("fetch", True) is not False
-                    )
-                    for t in data.get("prefill") or []
-                )
+                targets = tuple(PrefillTarget.from_dict(t) for t in data.get("prefill") or [])
+                hop_s = data.get("hop_s", 0.0)
+                if isinstance(hop_s, bool) or not isinstance(hop_s, int | float):
+                    raise ValueError(f"'hop_s' must be a number of seconds, got {hop_s!r}")
+                if not 0.0 <= hop_s <= 60.0:
+                    raise ValueError(f"'hop_s' must be in [0, 60] seconds, got {hop_s!r}")
             except (ValueError, KeyError, TypeError) as exc:
                 raise Rejected(rpc_error(400, str(exc))) from None
             try:
@@ -166,7 +176,7 @@ class DisaggAPI:
                     prompt,
                     sampling,
                     rid,
-                    kv_source=PrefillSource(targets) if targets else None,
+                    kv_source=PrefillSource(targets, float(hop_s)) if targets else None,
                     output_offset=offset,
                     kv_ready_in_s=ready_in if targets else 0.0,
                 )
@@ -210,8 +220,21 @@ class DisaggAPI:
                 peer_fetch = data.get("peer_fetch", True)
                 if not isinstance(peer_fetch, bool):
                     raise ValueError("'peer_fetch' must be a boolean")
+                limit = parse_max_wait_s(data.get("max_wait_s"))
             except (ValueError, TypeError) as exc:
                 raise Rejected(rpc_error(400, str(exc))) from None
+            queued = self._queue_s() if math.isfinite(limit) else 0.0
+            if queued > limit:
+                # Late binding: the entry chose this node on a view older
+                # than its queue; a later candidate is forecast to start sooner.
+                raise Rejected(
+                    rpc_error(
+                        409,
+                        f"prompts queued here take {queued:.3f} s, longer than the "
+                        f"{limit:.3f} s allowed; ask the next node",
+                        code="prefill_busy",
+                    )
+                )
             # One token: the first of the completion, sampled exactly as the
             # decode node would; stop conditions are the decode node's to check.
             first = dataclasses.replace(sampling, max_tokens=1, stop=(), stop_token_ids=())
@@ -329,7 +352,9 @@ class PrefillClient:
         if session is not None:
             await session.close()
 
-    async def prefill(self, target: PrefillTarget, req: Request, grant: KVGrant) -> PrefillReply:
+    async def prefill(
+        self, target: PrefillTarget, req: Request, grant: KVGrant, max_wait_s: float = math.inf
+    ) -> PrefillReply:
         session = self._session
         if session is None:
             raise PrefillError("the prefill client is not started")
@@ -340,6 +365,7 @@ class PrefillClient:
                 "sampling": sampling_to_dict(req.sampling),
                 "grant": grant.to_dict(),
                 "peer_fetch": target.fetch,
+                **({"max_wait_s": round(max_wait_s, 6)} if math.isfinite(max_wait_s) else {}),
             }
         )
         headers = {
@@ -355,6 +381,8 @@ class PrefillClient:
                 timeout=aiohttp.ClientTimeout(total=min(self._timeout_s, grant.ttl_s)),
             ) as resp:
                 payload = await resp.read()
+                if resp.status == 409 and _error_code(payload) == "prefill_busy":
+                    raise PrefillBusy(f"{target.node_id}: {_error_message(payload)}")
                 if resp.status != 200:
                     raise PrefillError(
                         f"{target.node_id} answered {resp.status}: "
@@ -375,3 +403,20 @@ class PrefillClient:
             )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise PrefillError(f"{target.node_id}: malformed answer ({exc!r})") from None
+
+
+def _error(payload: bytes) -> dict[str, Any]:
+    try:
+        err = orjson.loads(payload).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return {}
+    return err if isinstance(err, dict) else {}
+
+
+def _error_code(payload: bytes) -> str | None:
+    code = _error(payload).get("code")
+    return code if isinstance(code, str) else None
+
+
+def _error_message(payload: bytes) -> str:
+    return str(_error(payload).get("message", ""))[:300]

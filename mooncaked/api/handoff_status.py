@@ -25,7 +25,7 @@ from mooncaked.transfer.batch import TransferMetrics
 
 __all__ = ["HANDOFF_METRICS", "HandoffSnapshot", "HandoffStatus", "StepHistograms"]
 
-OUTCOMES = ("ok", "retried", "fell_back", "cancelled")
+OUTCOMES = ("ok", "retried", "passed_on", "fell_back", "cancelled")
 # Seconds: a layer's tail on loopback (sub-millisecond) to a slow link.
 _STEP_SECONDS_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -120,8 +120,9 @@ HANDOFF_METRICS: tuple[Spec, ...] = (
     Spec(
         "mooncaked_handoffs",
         "Prompt KV handoffs this node (decoding) asked prefill nodes for, by outcome: "
-        "ok, retried (a prefill node failed, the next was asked), fell_back (computed "
-        "here), cancelled.",
+        "ok, retried (a prefill node failed, the next was asked), passed_on (a prefill "
+        "node's queue was longer than the entry allowed, the next was asked), fell_back "
+        "(computed here), cancelled.",
         lambda snap: {k: getattr(snap.received, k) for k in OUTCOMES},
         counter=True,
         label="outcome",

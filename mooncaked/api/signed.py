@@ -28,9 +28,18 @@ class Rejected(Exception):
         self.response = response
 
 
-def rpc_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+def rpc_error(
+    status: int,
+    message: str,
+    headers: dict[str, str] | None = None,
+    *,
+    code: str | None = None,
+) -> web.Response:
+    error: dict[str, str] = {"message": message, "type": "internal_rpc_error"}
+    if code is not None:
+        error["code"] = code
     return web.Response(
-        body=orjson.dumps({"error": {"message": message, "type": "internal_rpc_error"}}),
+        body=orjson.dumps({"error": error}),
         status=status,
         headers=headers,
         content_type="application/json",

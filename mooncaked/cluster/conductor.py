@@ -23,6 +23,7 @@ from mooncaked.cluster.placement import (
     Placement,
     PlacementRequest,
     Policy,
+    PrefillOffer,
     Reject,
 )
 from mooncaked.cluster.ranking import (
@@ -268,14 +269,17 @@ def _disaggregated(
         why = "no prefill node alive: the decode node prefills itself"
         return Decision(placement, params.policy, tuple(scores), tuple(dscores), why)
     model_ttft = best.ttft_s if best.costs_known else 0.0
+    tried = order[:max_prefill]
     placement = Placement(
         decode=d.cand,
-        prefill=tuple(pool[i].cand for i in order[:max_prefill]),
+        prefill=tuple(pool[i].cand for i in tried),
         fetch=best.fetch,
+        prefill_fetch=tuple(scores[i].fetch for i in tried),
         predicted_ttft_s=params.ttft(model_ttft),
         predicted_tbt_s=params.tbt(dbest.tbt_s),
         model_ttft_s=model_ttft,
         model_tbt_s=dbest.tbt_s,
+        offers=offers(params, [scores[i] for i in tried]),
     )
     return Decision(
         placement, params.policy, tuple(scores), tuple(dscores), _why(params, best, dbest)
@@ -318,6 +322,18 @@ def _colocated(
         model_tbt_s=d.tbt_s,
     )
     return Decision(placement, params.policy, tuple(scores), (d,), "colocated: one engine")
+
+
+def offers(params: ConductorParams, tried: list[PrefillScore]) -> tuple[PrefillOffer, ...]:
+    """Late binding: what the entry forecast of each prefill candidate it
+    lists (``PrefillWalk`` offers the request by them). Empty without late
+    binding or with a candidate whose costs are unknown."""
+    if not params.late_binding or len(tried) < 2 or not all(s.costs_known for s in tried):
+        return ()
+    return tuple(
+        PrefillOffer(s.ttft_s, s.transfer_s if s.fetch else 0.0, s.prefill_s, params.bind_slack)
+        for s in tried
+    )
 
 
 def judges_tbt(params: ConductorParams, slo: Slo) -> bool:

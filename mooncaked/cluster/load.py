@@ -33,7 +33,7 @@ from mooncaked.cluster.forecast import (
     PrefillWork,
 )
 from mooncaked.cluster.state import LocalState
-from mooncaked.cluster.work import NodeWork, gossiped_load
+from mooncaked.cluster.work import NodeWork, gossiped_load, queue_s
 from mooncaked.engine.plan import StepPlan
 from mooncaked.request import Request, SamplingParams
 
@@ -56,6 +56,17 @@ def step_features(plan: StepPlan) -> StepFeatures:
             tokens += n
             pairs += prefill_pairs(n, c.start_pos)
     return StepFeatures(tokens, pairs, seqs, ctx)
+
+
+def engine_work(engine: EngineCore, now: float) -> NodeWork:
+    """The engine's scheduler queues as plain data (``work.NodeWork``)."""
+    prefill, decode = engine.scheduler.work(now)
+    return NodeWork(
+        prefill=[PrefillWork(n, c) for n, c in prefill],
+        decode=[DecodeWork(*d) for d in decode],
+        running_decode_batch=engine.load.running_decode_batch,
+        kv_usage=engine.load.kv_usage,
+    )
 
 
 class CostMeter:
@@ -87,6 +98,11 @@ class CostMeter:
             self.lengths.add(req.output_offset + len(req.output_token_ids))
             # In a steady state requests join the batch as fast as they leave it.
             self.departures.add(self._clock(), req.num_prompt_tokens)
+
+    def queue_s(self) -> float:
+        """How long a prompt queued now waits here, priced by this node's
+        model as gossip publishes it (what a late-binding offer is judged by)."""
+        return queue_s(self.costs(), engine_work(self._engine, self._clock()))
 
     def on_read(self, peer: str, nbytes: int, seconds: float) -> None:
         self.links.add(peer, nbytes, seconds)
@@ -196,13 +212,7 @@ class LoadMeter:
         if engine is None:
             return LocalState(role=self._role, api_addr=self._api_addr, draining=self._draining())
         now = self._clock()
-        prefill, decode = engine.scheduler.work(now)
-        work = NodeWork(
-            prefill=[PrefillWork(n, c) for n, c in prefill],
-            decode=[DecodeWork(*d) for d in decode],
-            running_decode_batch=engine.load.running_decode_batch,
-            kv_usage=engine.load.kv_usage,
-        )
+        work = engine_work(engine, now)
         meter = self.costs
         if meter is not None:
             load, forecast = gossiped_load(

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass
 
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cluster.fit import Calibration
 from mooncaked.cluster.slo import Slo, target_each
+from mooncaked.engine.late_binding import PrefillOffer
 
 
 class Policy(enum.StrEnum):
@@ -75,8 +77,25 @@ class ConductorParams:
     fetch_rtt_s: float = 0.005
     # Bytes/s assumed for a link nobody measured yet.
     default_link_bps: float = 1e9
-    # Prefill nodes to try in order, so the decode node can try the next when one fails.
-    max_prefill: int = 3
+    # Prefill nodes listed for a request, in the order to ask them: the next
+    # when one fails, or (late binding) passes it on.
+    max_prefill: int = 8
+    # Entries that decide alone on the same gossip view spread their choices
+    # (``ranking.spread``): a prefill candidate whose predicted TTFT is
+    # within max(spread_min, spread x the best) of the best is as likely to
+    # come first as the best; decode candidates alike by predicted TBT,
+    # within decode_spread. 0: the best alone, ties by node id. The
+    # defaults are the simulator's (the README's "Many entries" table).
+    spread: float = 0.25
+    spread_min: float = 0.0
+    decode_spread: float = 0.05
+    # Late binding (``engine.late_binding``): the prefill nodes' own queues,
+    # not the entry's view of them, have the last word. A candidate whose
+    # queue makes it slower than the entry forecast (by more than
+    # ``bind_slack`` of its TTFT) and than those left to ask passes the
+    # request on.
+    late_binding: bool = True
+    bind_slack: float = 0.5
     # Seconds per prompt token assumed of a node whose costs are unknown yet
     # (a ranking aid only: it never rejects).
     nominal_token_s: float = 1e-4
@@ -94,6 +113,14 @@ class ConductorParams:
     # requests admitted meets the SLO, not half of those forecast near it.
     ttft_margin: float = 1.0
     tbt_margin: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("spread", "spread_min", "decode_spread", "bind_slack"):
+            v = getattr(self, name)
+            if not 0.0 <= v < math.inf:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if self.max_prefill < 1:
+            raise ValueError(f"max_prefill must be >= 1, got {self.max_prefill}")
 
     def ttft(self, model_s: float) -> float:
         return self.ttft_offset_s + self.ttft_scale * model_s if model_s > 0.0 else model_s
@@ -138,9 +165,13 @@ class Placement:
 
     decode: Candidate
     prefill: tuple[Candidate, ...] = ()
-    # Whether the prefill node should pull a longer prefix from its holders
-    # (False: recompute what it does not hold itself).
+    # Whether the (first) prefill node should pull a longer prefix from its
+    # holders (False: recompute what it does not hold itself).
     fetch: bool = True
+    # The same for each prefill candidate in turn: the first may hold the
+    # prefix itself, and the next, which does not, is to fetch it (empty:
+    # ``fetch`` for all).
+    prefill_fetch: tuple[bool, ...] = ()
     # The Conductor's forecast, for the client's headers and for checking
     # predictions against what happens (0: not predicted); calibrated by
     # what the entry measured, and as the cost models alone gave them.
@@ -148,10 +179,19 @@ class Placement:
     predicted_tbt_s: float = 0.0
     model_ttft_s: float = 0.0
     model_tbt_s: float = 0.0
+    # Late binding: per prefill candidate, what the entry forecast of it
+    # (empty: every candidate takes the request when asked).
+    offers: tuple[PrefillOffer, ...] = ()
 
     @property
     def colocated(self) -> bool:
         return not self.prefill
+
+    def fetches(self, index: int) -> bool:
+        """Whether prefill candidate ``index`` is to pull a longer prefix."""
+        if index < len(self.prefill_fetch):
+            return self.prefill_fetch[index]
+        return self.fetch
 
 
 @dataclass(frozen=True, slots=True)

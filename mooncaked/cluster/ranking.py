@@ -207,23 +207,61 @@ def order_prefill(
     params: ConductorParams,
     pool: list[CandidateNode],
     scores: list[PrefillScore],
-    rng: random.Random | None,
+    rng: random.Random,
 ) -> list[int]:
+    """Prefill candidates in the order to try them: by the policy's key (a
+    random order, the shortest queue, or the least TTFT), suspects last,
+    the near-best shuffled (``spread``)."""
     idx = list(range(len(pool)))
     if params.policy is Policy.RANDOM:
-        (rng or random.Random()).shuffle(idx)
+        rng.shuffle(idx)
         return sorted(idx, key=lambda i: pool[i].suspect)
     if params.policy is Policy.LOAD_BALANCE:
-        return sorted(idx, key=lambda i: (pool[i].suspect, scores[i].queue_s, pool[i].cand.node_id))
-    return sorted(
-        idx,
-        key=lambda i: (
-            pool[i].suspect,
-            scores[i].ttft_s,
-            -pool[i].cand.cached_blocks,
-            pool[i].cand.node_id,
-        ),
-    )
+        keys = [s.queue_s for s in scores]
+        idx.sort(key=lambda i: (pool[i].suspect, keys[i], pool[i].cand.node_id))
+    else:
+        keys = [s.ttft_s for s in scores]
+        idx.sort(
+            key=lambda i: (
+                pool[i].suspect,
+                keys[i],
+                -pool[i].cand.cached_blocks,
+                pool[i].cand.node_id,
+            )
+        )
+    return spread(idx, keys, [n.suspect for n in pool], params.spread, params.spread_min, rng)
+
+
+def spread(
+    order: list[int],
+    keys: Sequence[float],
+    suspect: Sequence[bool],
+    rel: float,
+    floor: float,
+    rng: random.Random,
+) -> list[int]:
+    """``order`` (best first by ``keys``) with its near-best in a random order.
+
+    Near-best: not suspect, and a key within ``max(floor, rel x best)`` of
+    the best. Entries deciding on the same gossip view rank alike; picking
+    the best alone, a burst that enters several of them lands on one node
+    (each entry's ledger sees only its own placements). Picking at random
+    among candidates that are about as good spreads the burst at a bounded
+    cost to each request; a clearly better candidate (a cached prefix, a
+    shorter queue) still wins alone.
+    """
+    if (rel <= 0.0 and floor <= 0.0) or len(order) < 2 or suspect[order[0]]:
+        return order
+    best = keys[order[0]]
+    limit = best + max(floor, rel * best)
+    n = 1
+    while n < len(order) and not suspect[order[n]] and keys[order[n]] <= limit:
+        n += 1
+    if n < 2:
+        return order
+    near = order[:n]
+    rng.shuffle(near)
+    return near + order[n:]
 
 
 def decode_score(
@@ -276,32 +314,29 @@ def order_decode(
     params: ConductorParams,
     pool: list[CandidateNode],
     scores: list[DecodeScore],
-    rng: random.Random | None,
+    rng: random.Random,
 ) -> list[int]:
+    """Decode candidates best first: least predicted TBT (``conductor``) or
+    smallest batch, suspects last, the near-best shuffled (``spread``)."""
     idx = list(range(len(pool)))
     if params.policy is Policy.RANDOM:
-        (rng or random.Random()).shuffle(idx)
+        rng.shuffle(idx)
         return sorted(idx, key=lambda i: pool[i].suspect)
     if params.policy is Policy.CONDUCTOR:
-        return sorted(
-            idx,
-            key=lambda i: (
-                pool[i].suspect,
-                scores[i].tbt_s,
-                scores[i].batch_now,
-                pool[i].load.kv_usage,
-                pool[i].cand.node_id,
-            ),
-        )
-    return sorted(
-        idx,
+        keys = [s.tbt_s for s in scores]
+    else:
+        keys = [float(s.batch_now) for s in scores]
+    idx.sort(
         key=lambda i: (
             pool[i].suspect,
+            keys[i],
             scores[i].batch_now,
             pool[i].load.kv_usage,
             pool[i].cand.node_id,
-        ),
+        )
     )
+    floor = params.spread_min if params.policy is Policy.CONDUCTOR else 0.0
+    return spread(idx, keys, [n.suspect for n in pool], params.decode_spread, floor, rng)
 
 
 def tbt_forecast_text(params: ConductorParams, scores: Sequence[DecodeScore]) -> str:

@@ -33,6 +33,12 @@ class NodeWork:
     kv_usage: float = 0.0
 
 
+def queue_s(costs: NodeCosts, work: NodeWork) -> float:
+    """How long a prompt queued now waits before it starts (0 with no costs
+    known): what the node gossips, and what it judges an offer by."""
+    return predicted_queue_s(costs, work.prefill, decode_seqs=work.running_decode_batch)
+
+
 def gossiped_load(
     costs: NodeCosts,
     work: NodeWork,
@@ -51,7 +57,7 @@ def gossiped_load(
         running_decode_batch=running,
         # Rounded: gossip announces every change, and noise is no news.
         kv_usage=round(min(1.0, max(0.0, work.kv_usage)), 3),
-        predicted_queue_s=round(predicted_queue_s(costs, work.prefill, decode_seqs=running), 3),
+        predicted_queue_s=round(queue_s(costs, work), 3),
         decode_context_tokens=sum(w.context_tokens for w in work.decode),
         pending_decode=len(work.decode),
     )

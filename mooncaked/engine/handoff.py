@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import structlog
 
 from mooncaked.engine.connector import KVConnector, LoadResult
+from mooncaked.engine.late_binding import PrefillOffer, PrefillWalk
 from mooncaked.engine.plan import LoadJob, SampledToken, StepPlan
 from mooncaked.engine.runner import KVLayout
 from mooncaked.request import Request
@@ -54,6 +55,7 @@ __all__ = [
     "KVGrant",
     "KVReceiver",
     "KVSender",
+    "PrefillBusy",
     "PrefillError",
     "PrefillReply",
     "PrefillSource",
@@ -61,6 +63,7 @@ __all__ = [
     "StepObserver",
     "StepSend",
     "WriteGrants",
+    "parse_max_wait_s",
 ]
 
 # A prefill node's late writes land by the grant's deadline; this much more
@@ -75,6 +78,11 @@ MAX_KV_READY_IN_S = 3600.0
 
 class PrefillError(Exception):
     """A prefill node could not do the prefill (down, refused, failed, timed out)."""
+
+
+class PrefillBusy(PrefillError):
+    """The prefill node's own queue is longer than the entry allowed it (late
+    binding): it passed the request on without computing anything."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,13 +167,49 @@ class PrefillTarget:
     url: str
     # Whether it may pull a longer prefix from peers (else it recomputes).
     fetch: bool = True
+    # Late binding: what the entry forecast of it (None: it takes the request).
+    offer: PrefillOffer | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"node_id": self.node_id, "url": self.url, "fetch": self.fetch}
+        if self.offer is not None:
+            out["offer"] = self.offer.to_list()
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> PrefillTarget:
+        """Raises ValueError (or KeyError, TypeError) on a malformed target."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"a prefill target must be an object, got {raw!r}")
+        offer = raw.get("offer")
+        return cls(
+            str(raw["node_id"]),
+            str(raw["url"]),
+            raw.get("fetch", True) is not False,
+            None if offer is None else PrefillOffer.from_list(offer),
+        )
+
+
+def parse_max_wait_s(raw: Any) -> float:
+    """A wire ``max_wait_s``: seconds >= 0, or None (no limit: inf)."""
+    if raw is None:
+        return math.inf
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0.0 <= raw < math.inf:
+        raise ValueError(f"'max_wait_s' must be a number of seconds >= 0, got {raw!r}")
+    return float(raw)
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillSource:
-    """A decode-side request's ``kv_source``: the prefill nodes to ask, in order."""
+    """A decode-side request's ``kv_source``: the prefill nodes to ask, in
+    order, and (late binding) the round trip one more hop costs."""
 
     targets: tuple[PrefillTarget, ...]
+    hop_s: float = 0.0
+
+    def walk(self) -> PrefillWalk:
+        offers = tuple(t.offer for t in self.targets if t.offer is not None)
+        return PrefillWalk(offers, len(self.targets), self.hop_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,7 +254,9 @@ class WriteGrants(Protocol):
 
 
 # (target, request, grant) -> the reply; raises PrefillError.
-PrefillCall = Callable[[PrefillTarget, Request, KVGrant], Awaitable[PrefillReply]]
+# Ask one prefill node for a request's KV, with the longest queue it may
+# take it with (inf: any).
+PrefillCall = Callable[[PrefillTarget, Request, KVGrant, float], Awaitable[PrefillReply]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +282,9 @@ class HandoffStats:
     # Decode side: handoffs by outcome.
     ok: int = 0
     retried: int = 0
+    # Prefill nodes that passed a request on, their queue longer than the
+    # entry allowed (late binding); the next was asked.
+    passed_on: int = 0
     fell_back: int = 0
     cancelled: int = 0
     # Prefill side.
@@ -306,7 +355,10 @@ class KVReceiver(KVConnector):
         )
         # Held for as long as a prefill node may write them.
         hold = self._hold(job.block_ids)
-        for i, target in enumerate(source.targets):
+        walk = source.walk()
+        while (step := walk.next()) is not None:
+            i, max_wait = step
+            target = source.targets[i]
             t0 = self._clock()
             try:
                 opened = self._open_grant(grant, target.node_id)
@@ -315,7 +367,18 @@ class KVReceiver(KVConnector):
                 log.error("cannot open a KV grant; computing it here", error=str(exc))
                 break
             try:
-                reply = await self._prefill(target, req, grant)
+                reply = await self._prefill(target, req, grant, max_wait)
+            except PrefillBusy as exc:
+                # Late binding: its true queue is longer than the entry
+                # thought; the next candidate is forecast to start sooner.
+                log.info(
+                    "prefill node busy; asking the next",
+                    request_id=req.request_id,
+                    prefill_node=target.node_id,
+                    reason=str(exc),
+                )
+                self.stats.passed_on += 1
+                continue
             except PrefillError as exc:
                 log.warning(
                     "prefill failed; trying the next node"

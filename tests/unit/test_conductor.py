@@ -6,7 +6,7 @@ import hashlib
 import random
 
 from mooncaked.cluster.conductor import place
-from mooncaked.cluster.placement import Placement, PlacementRequest, Reject
+from mooncaked.cluster.placement import ConductorParams, Placement, PlacementRequest, Reject
 from mooncaked.cluster.state import (
     ClusterView,
     Member,
@@ -17,6 +17,9 @@ from mooncaked.cluster.state import (
 )
 
 MODEL = "m"
+
+# The best alone, ties by node id, no late binding: the orders these tests assert.
+EXACT = ConductorParams(spread=0.0, decode_spread=0.0, late_binding=False)
 
 
 def h(i: int) -> bytes:
@@ -66,7 +69,7 @@ def ids(p: Placement | Reject) -> tuple[str, tuple[str, ...]]:
 def test_a_single_both_node_does_everything() -> None:
     view = ClusterView("a", clock=lambda: 0.0)
     add(view, "a", "both")
-    p = place(view, request(), rng=random.Random(0))
+    p = place(view, request(), rng=random.Random(0), params=EXACT)
     assert ids(p) == ("a", ()) and isinstance(p, Placement) and p.colocated
 
 
@@ -74,7 +77,7 @@ def test_a_both_entry_serves_what_enters_it() -> None:
     view = ClusterView("a", clock=lambda: 0.0)
     add(view, "a", "both", load=NodeLoad(queued_prefill_tokens=10))
     add(view, "b", "both", cached=3)
-    assert ids(place(view, request(), rng=random.Random(0))) == ("a", ())
+    assert ids(place(view, request(), rng=random.Random(0), params=EXACT)) == ("a", ())
 
 
 def test_both_nodes_colocate_on_the_least_work_queued_plus_uncached() -> None:
@@ -86,8 +89,10 @@ def test_both_nodes_colocate_on_the_least_work_queued_plus_uncached() -> None:
     add(view, "b", "both", load=NodeLoad(queued_prefill_tokens=20), cached=3)
     add(view, "c", "both", load=NodeLoad(queued_prefill_tokens=500), cached=3)
     add(view, "d", "both")
-    assert ids(place(view, request(), rng=random.Random(0))) == ("b", ())  # 20 + 16
-    assert ids(place(view, request(), rng=random.Random(0), exclude=frozenset({"b"}))) == (
+    assert ids(place(view, request(), rng=random.Random(0), params=EXACT)) == ("b", ())  # 20 + 16
+    assert ids(
+        place(view, request(), rng=random.Random(0), params=EXACT, exclude=frozenset({"b"}))
+    ) == (
         "d",
         (),
     )  # 0 + 64
@@ -103,8 +108,14 @@ def test_dedicated_roles_disaggregate() -> None:
     add(view, "d3", "decode", load=NodeLoad(running_decode_batch=1, kv_usage=0.1))
     # Decode: fewest decodes, then KV usage; prefill: longest cached prefix,
     # then shortest queue, up to three to try in order.
-    assert ids(place(view, request(), rng=random.Random(0))) == ("d3", ("p2", "p3", "p1"))
-    assert ids(place(view, request(), rng=random.Random(0), max_prefill=1)) == ("d3", ("p2",))
+    assert ids(place(view, request(), rng=random.Random(0), params=EXACT)) == (
+        "d3",
+        ("p2", "p3", "p1"),
+    )
+    assert ids(place(view, request(), rng=random.Random(0), params=EXACT, max_prefill=1)) == (
+        "d3",
+        ("p2",),
+    )
 
 
 def test_roles_never_get_what_they_cannot_serve() -> None:
@@ -112,11 +123,11 @@ def test_roles_never_get_what_they_cannot_serve() -> None:
     add(view, "p1", "prefill")
     add(view, "b1", "both")
     # A both node decodes; the prefill node prefills.
-    assert ids(place(view, request(), rng=random.Random(0))) == ("b1", ("p1",))
+    assert ids(place(view, request(), rng=random.Random(0), params=EXACT)) == ("b1", ("p1",))
     view2 = ClusterView("p1", clock=lambda: 0.0)
     add(view2, "p1", "prefill")
     add(view2, "p2", "prefill")
-    r = place(view2, request(), rng=random.Random(0))
+    r = place(view2, request(), rng=random.Random(0), params=EXACT)
     assert isinstance(r, Reject) and r.status == 503 and "no decode node" in r.reason
 
 
@@ -125,7 +136,7 @@ def test_a_decode_node_without_a_prefill_node_prefills_itself() -> None:
     add(view, "d1", "decode")
     add(view, "p1", "prefill", status=MemberStatus.DEAD)
     add(view, "p2", "prefill", draining=True)
-    p = place(view, request(), rng=random.Random(0))
+    p = place(view, request(), rng=random.Random(0), params=EXACT)
     assert ids(p) == ("d1", ())
 
 
@@ -137,12 +148,12 @@ def test_dead_draining_other_models_and_excluded_nodes_are_left_out() -> None:
     add(view, "d4", "decode")
     add(view, "d5", "decode", status=MemberStatus.LEFT)
     add(view, "p1", "prefill")
-    assert ids(place(view, request(), rng=random.Random(0))) == ("d4", ("p1",))
-    r = place(view, request(), rng=random.Random(0), exclude=frozenset({"d4"}))
+    assert ids(place(view, request(), rng=random.Random(0), params=EXACT)) == ("d4", ("p1",))
+    r = place(view, request(), rng=random.Random(0), params=EXACT, exclude=frozenset({"d4"}))
     assert isinstance(r, Reject) and "no decode node" in r.reason
     empty = ClusterView("x", clock=lambda: 0.0)
     add(empty, "x", "both", model="other")
-    r = place(empty, request(), rng=random.Random(0))
+    r = place(empty, request(), rng=random.Random(0), params=EXACT)
     assert isinstance(r, Reject) and r.status == 503 and repr(MODEL) in r.reason
 
 
@@ -152,9 +163,11 @@ def test_suspects_come_after_every_alive_node() -> None:
     add(view, "d2", "decode", load=NodeLoad(running_decode_batch=50))
     add(view, "p1", "prefill", status=MemberStatus.SUSPECT, cached=4)
     add(view, "p2", "prefill")
-    assert ids(place(view, request(), rng=random.Random(0))) == ("d2", ("p2", "p1"))
+    assert ids(place(view, request(), rng=random.Random(0), params=EXACT)) == ("d2", ("p2", "p1"))
     # A suspect rather than no node at all.
-    assert ids(place(view, request(), rng=random.Random(0), exclude=frozenset({"d2"}))) == (
+    assert ids(
+        place(view, request(), rng=random.Random(0), params=EXACT, exclude=frozenset({"d2"}))
+    ) == (
         "d1",
         ("p2", "p1"),
     )

@@ -7,6 +7,7 @@ context token), KV is 1,000 bytes a token, blocks are 16 tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 
@@ -43,6 +44,9 @@ COSTS = NodeCosts(
     max_batch=64,
 )
 DRAM = 0b010
+
+# The best alone, ties by node id, no late binding: the orders these tests assert.
+EXACT = ConductorParams(spread=0.0, decode_spread=0.0, late_binding=False)
 
 
 def h(i: int) -> bytes:
@@ -93,7 +97,8 @@ def request(blocks: int = 64, max_tokens: int = 100, slo: Slo | None = None) -> 
 
 
 def params(**kw: object) -> ConductorParams:
-    return ConductorParams(**kw)  # type: ignore[arg-type]
+    """The exact ranking (no spread, no late binding) with ``kw`` changed."""
+    return dataclasses.replace(EXACT, **kw)  # type: ignore[arg-type]
 
 
 def placed(d: object) -> Placement:
@@ -106,7 +111,7 @@ def test_local_hit_wins_when_fetching_would_only_add_a_round_trip() -> None:
     add(view, "p1", "prefill", cached=32)
     add(view, "p2", "prefill")
     add(view, "d1", "decode")
-    dec = decide(view, request(), rng=random.Random(0))
+    dec = decide(view, request(), rng=random.Random(0), params=EXACT)
     p = placed(dec.result)
     assert p.prefill[0].node_id == "p1" and not p.fetch
     # 10 ms + 513 tokens.
@@ -122,7 +127,7 @@ def test_remote_hit_worth_fetching() -> None:
     add(view, "p1", "prefill")
     add(view, "p2", "prefill", load=NodeLoad(predicted_queue_s=0.1, queued_prefill_tokens=90))
     add(view, "d1", "decode", cached=48)
-    dec = decide(view, request(), rng=random.Random(0))
+    dec = decide(view, request(), rng=random.Random(0), params=EXACT)
     p = placed(dec.result)
     assert p.prefill[0].node_id == "p1" and p.fetch
     best = dec.prefill[0] if dec.prefill[0].node_id == "p1" else dec.prefill[1]
@@ -144,7 +149,7 @@ def test_remote_hit_not_worth_fetching_over_a_slow_link_or_below_the_threshold()
     view = ClusterView("p1", clock=lambda: 0.0)
     add(view, "p1", "prefill", costs=slow)
     add(view, "d1", "decode", cached=48)
-    dec = decide(view, request(), rng=random.Random(0))
+    dec = decide(view, request(), rng=random.Random(0), params=EXACT)
     p = placed(dec.result)
     # 768 KB at 100 KB/s is 7.7 s: recomputing 1,025 tokens (1.035 s) wins.
     assert not p.fetch and p.predicted_ttft_s == pytest.approx(1.035)
@@ -153,7 +158,7 @@ def test_remote_hit_not_worth_fetching_over_a_slow_link_or_below_the_threshold()
     view2 = ClusterView("p1", clock=lambda: 0.0)
     add(view2, "p1", "prefill", cached=40)
     add(view2, "d1", "decode", cached=44)
-    dec2 = decide(view2, request(), rng=random.Random(0))
+    dec2 = decide(view2, request(), rng=random.Random(0), params=EXACT)
     assert not placed(dec2.result).fetch and dec2.prefill[0].transfer_s == 0.0
     # With the threshold at 1.0 the 4 extra blocks are worth a fetch (64 ms
     # of compute against a 5 ms round trip).
@@ -172,7 +177,7 @@ def test_a_busy_holder_makes_an_idle_node_replicate_its_prefix() -> None:
     )
     add(view, "p2", "prefill")
     add(view, "d1", "decode")
-    dec = decide(view, request(), rng=random.Random(0))
+    dec = decide(view, request(), rng=random.Random(0), params=EXACT)
     p = placed(dec.result)
     assert p.prefill[0].node_id == "p2" and p.fetch
     s = next(s for s in dec.prefill if s.node_id == "p2")
@@ -183,7 +188,10 @@ def test_a_busy_holder_makes_an_idle_node_replicate_its_prefix() -> None:
     add(view_idle, "p2", "prefill")
     add(view_idle, "d1", "decode")
     assert (
-        placed(decide(view_idle, request(), rng=random.Random(0)).result).prefill[0].node_id == "p1"
+        placed(decide(view_idle, request(), rng=random.Random(0), params=EXACT).result)
+        .prefill[0]
+        .node_id
+        == "p1"
     )
 
 
@@ -212,7 +220,7 @@ def test_reject_when_the_best_ttft_misses_the_slo() -> None:
     add(view, "p1", "prefill", load=q)
     add(view, "p2", "prefill", load=q)
     add(view, "d1", "decode")
-    r = decide(view, request(), rng=random.Random(0), slo=Slo(ttft_s=1.0)).result
+    r = decide(view, request(), rng=random.Random(0), params=EXACT, slo=Slo(ttft_s=1.0)).result
     assert isinstance(r, Reject) and r.status == 429 and r.code == "ttft_slo"
     assert "3.04 s exceeds the SLO of 1.00 s" in r.reason
     assert r.retry_after_s == 3.0  # ceil(3.035 - 1.0)
@@ -236,7 +244,8 @@ def test_admission_allows_for_the_margin_recent_requests_needed() -> None:
     add(view, "p1", "prefill", load=q)
     add(view, "d1", "decode")
     assert isinstance(
-        decide(view, request(), rng=random.Random(0), slo=Slo(ttft_s=3.5)).result, Placement
+        decide(view, request(), rng=random.Random(0), params=EXACT, slo=Slo(ttft_s=3.5)).result,
+        Placement,
     )
     r = decide(
         view, request(), rng=random.Random(0), slo=Slo(ttft_s=3.5), params=params(ttft_margin=1.2)
@@ -266,7 +275,9 @@ def test_costs_not_measured_never_reject() -> None:
     view = ClusterView("p1", clock=lambda: 0.0)
     add(view, "p1", "prefill", costs=NodeCosts(), load=NodeLoad(queued_prefill_tokens=10**6))
     add(view, "d1", "decode", costs=NodeCosts(), load=NodeLoad(running_decode_batch=60))
-    p = placed(decide(view, request(), rng=random.Random(0), slo=Slo(0.001, 0.001)).result)
+    p = placed(
+        decide(view, request(), rng=random.Random(0), params=EXACT, slo=Slo(0.001, 0.001)).result
+    )
     assert p.predicted_ttft_s == 0.0 and p.predicted_tbt_s == 0.0
 
 
@@ -287,7 +298,9 @@ def test_no_decode_node_within_the_tbt_slo() -> None:
     # The message gives the best node's forecast, the one closest to the SLO.
     assert "(current load; predicted 52.1 ms on d1 at batch 40)" in r.reason, r.reason
     # With a looser SLO the least loaded decode node takes it.
-    p = placed(decide(view, request(), rng=random.Random(0), slo=Slo(tbt_s=0.2)).result)
+    p = placed(
+        decide(view, request(), rng=random.Random(0), params=EXACT, slo=Slo(tbt_s=0.2)).result
+    )
     assert p.decode.node_id == "d1"
     assert p.predicted_tbt_s == pytest.approx(0.010 + 41e-3 + (1025 + 50) * 1e-6)
 
@@ -373,7 +386,9 @@ def test_the_ledger_spreads_a_burst_until_gossip_catches_up() -> None:
     ledger = PendingLedger(min_age_s=0.3, max_age_s=3.0)
     chosen = []
     for _ in range(3):
-        dec = decide(view, request(), rng=random.Random(0), pending=ledger.pending(view, 0.0))
+        dec = decide(
+            view, request(), rng=random.Random(0), params=EXACT, pending=ledger.pending(view, 0.0)
+        )
         p = placed(dec.result)
         first = p.prefill[0].node_id
         chosen.append(first)
@@ -424,7 +439,7 @@ def test_decision_explains_itself() -> None:
     view = ClusterView("p1", clock=lambda: 0.0)
     add(view, "p1", "prefill")
     add(view, "d1", "decode", cached=48)
-    doc = decide(view, request(), rng=random.Random(0)).to_json()
+    doc = decide(view, request(), rng=random.Random(0), params=EXACT).to_json()
     assert doc["placement"]["fetch"] is True
     assert "fetching 48 blocks from d1" in str(doc["why"])
     [cand] = doc["prefill_candidates"]

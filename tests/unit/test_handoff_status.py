@@ -38,7 +38,13 @@ def sample(text: str, name: str, labels: str = "") -> float:
 def test_status_section_figures() -> None:
     st = snapshot().status()
     assert st["layerwise"] is True
-    assert st["handoffs"] == {"ok": 5, "retried": 2, "fell_back": 1, "cancelled": 3}
+    assert st["handoffs"] == {
+        "ok": 5,
+        "retried": 2,
+        "passed_on": 0,
+        "fell_back": 1,
+        "cancelled": 3,
+    }
     sent = st["sent"]
     assert sent["bytes"] == 4_000_000 and sent["steps"] == 4 and sent["failures"] == 1
     assert sent["mean_exposed_ms"] == 0.125

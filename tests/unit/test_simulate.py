@@ -55,6 +55,13 @@ def node(*, chunk: int, nic_bps: float = 1e9, max_batch: int = 8) -> NodeSpec:
     return NodeSpec(costs, nic_bps=nic_bps, dram_bytes=1e9)
 
 
+def exact(**kw: object) -> ConductorParams:
+    """Every choice the best alone, ties by node id, and no late binding:
+    the hand-computed timelines below follow one order."""
+    base: dict[str, object] = {"spread": 0.0, "decode_spread": 0.0, "late_binding": False}
+    return ConductorParams(**(base | kw))  # type: ignore[arg-type]
+
+
 def rec(line: int, ms: float, tokens: int, out: int, ids: list[int]) -> TraceRecord:
     return TraceRecord(line, ms, tokens, out, tuple(ids))
 
@@ -71,7 +78,7 @@ def run_sim(
     cfg = SimConfig(
         shape,
         spec,
-        params=ConductorParams(policy=policy, early_reject=early_reject),
+        params=exact(policy=policy, early_reject=early_reject),
         slo=slo or Slo(),
         gossip_s=0.0,
         scale=TraceScale(block_tokens=BS, input_scale=1.0),
@@ -404,7 +411,7 @@ def test_decode_runs_give_the_step_by_step_timeline(shape: Shape) -> None:
     base = SimConfig(
         shape,
         node(chunk=256),
-        params=ConductorParams(early_reject=EarlyReject.CURRENT),
+        params=exact(early_reject=EarlyReject.CURRENT),
         slo=Slo(ttft_s=5.0, tbt_s=0.02),
         scale=TraceScale(block_tokens=BS, input_scale=BS / 512, time_scale=0.2),
     )
