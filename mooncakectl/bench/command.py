@@ -108,9 +108,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     ld.add_argument("--seed", type=int, default=0)
     m = p.add_argument_group("metrics and output")
     m.add_argument(
-        "--goodput", nargs="+", default=[], metavar="KEY:MS", help="SLOs: ttft:MS tpot:MS e2el:MS"
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="KEY:MS",
+        help="SLOs: ttft:MS tpot:MS e2el:MS tbt:MS (tbt: the mean of a request's slowest "
+        "10%% of gaps between chunks, as the server's SLO judges it)",
     )
-    m.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    m.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl,e2el,tbt",
+        help="of ttft, tpot, itl, e2el, tbt",
+    )
     m.add_argument("--metric-percentiles", default="90,99")
     m.add_argument("--result-json", help="write the summary and every request here")
     m.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")

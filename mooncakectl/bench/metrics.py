@@ -4,13 +4,17 @@
 - TPOT: (E2EL - TTFT) / (output tokens - 1), for requests with more than one token;
 - ITL: every gap between consecutive output chunks, pooled over requests;
 - E2EL: send -> last byte of the response;
+- TBT (not vLLM's): per request, ``mooncaked.cluster.slo``'s: the mean of its
+  slowest tenth of gaps between output chunks, what the server's SLO judges;
 - throughputs over the run's duration (first send -> last request done);
-- goodput: completed requests per second that meet every ``--goodput`` SLO.
+- goodput: completed requests per second that meet every ``--goodput`` SLO
+  (``ttft`` and ``tbt`` judged by ``slo.Slo.met``, ``tpot`` and ``e2el`` as vLLM does).
 
 What vLLM's bench lacks, added here: rejected requests (HTTP 429) apart from
-errors by kind, the SLO attainment over every request sent, the share of
-prompt tokens the server served from its cache, and the nodes that ran each
-phase when the server says so.
+errors by kind, the SLO attainment over every request sent, late failures
+(admitted requests that missed an SLO or failed), the share of prompt tokens
+the server served from its cache, the nodes that ran each phase when the
+server says so, and the entry each request was sent to.
 
 Statistics of an empty sample are None (vLLM reports 0, which reads as a
 perfect latency when nothing completed).
@@ -26,13 +30,17 @@ from typing import Any
 
 import numpy as np
 
-METRICS = ("ttft", "tpot", "itl", "e2el")
+from mooncaked.cluster.slo import Slo, tbt_s
+
+METRICS = ("ttft", "tpot", "itl", "e2el", "tbt")
 METRIC_NAMES = {
     "ttft": "Time to first token",
     "tpot": "Time per output token (excl. 1st)",
     "itl": "Inter-token latency",
     "e2el": "End-to-end latency",
+    "tbt": "Time between tokens (slowest 10%)",
 }
+GOODPUT_KEYS = ("ttft", "tpot", "e2el", "tbt")
 REJECTED = "rejected"
 
 
@@ -103,6 +111,13 @@ class RequestRecord:
     def itls(self) -> list[float]:
         return [b - a for a, b in itertools.pairwise(self.chunk_s)]
 
+    @property
+    def tbt(self) -> float | None:
+        """The request's TBT as ``slo.tbt_s`` defines it, over its gaps between
+        chunks: each streamed chunk counts as one token (a server that sends
+        several tokens in a chunk shows one longer gap). None without a gap."""
+        return tbt_s(self.itls)
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -113,12 +128,12 @@ class RequestRecord:
 
 
 def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
-    """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (ms)."""
+    """``["ttft:500", "tbt:50"]`` -> ``{"ttft": 500.0, "tbt": 50.0}`` (ms)."""
     out: dict[str, float] = {}
     for spec in specs:
         name, sep, value = spec.partition(":")
-        if not sep or name not in ("ttft", "tpot", "e2el"):
-            raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {spec!r}")
+        if not sep or name not in GOODPUT_KEYS:
+            raise ValueError(f"--goodput takes ttft:MS, tpot:MS, e2el:MS or tbt:MS, got {spec!r}")
         try:
             ms = float(value)
         except ValueError:
@@ -155,19 +170,21 @@ def percentile_key(p: float) -> str:
 
 
 def meets_slo(rec: RequestRecord, slo_ms: Mapping[str, float]) -> bool:
-    """vLLM's rule: a request with one output token has TPOT 0."""
+    """Whether a completed request meets every SLO of ``slo_ms``. TTFT and TBT
+    are judged by ``Slo.met``, as the server judges them (a request without
+    a gap has no TBT and meets any TBT target; one without a token meets
+    no TTFT or TBT target); TPOT and E2EL by vLLM's rule (a request with
+    one output token has TPOT 0)."""
     if not rec.ok:
         return False
-    values = {
-        "ttft": rec.ttft,
-        "tpot": rec.tpot if rec.tpot is not None else 0.0,
-        "e2el": rec.e2el,
-    }
-    for name, limit in slo_ms.items():
-        v = values[name]
-        if v is None or v * 1000.0 > limit:
+    if "ttft" in slo_ms or "tbt" in slo_ms:
+        slo = Slo(slo_ms.get("ttft", 0.0) / 1000.0, slo_ms.get("tbt", 0.0) / 1000.0)
+        if not slo.met(rec.ttft, rec.tbt):
             return False
-    return True
+    if "tpot" in slo_ms and (rec.tpot or 0.0) * 1000.0 > slo_ms["tpot"]:
+        return False
+    # ok: the request ended, so it has an E2EL.
+    return "e2el" not in slo_ms or (rec.e2el or 0.0) * 1000.0 <= slo_ms["e2el"]
 
 
 def _stats(values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float | None]:
@@ -244,6 +261,7 @@ def summarize(
         "tpot": [v for r in done if (v := r.tpot) is not None],
         "itl": [v for r in done for v in r.itls],
         "e2el": [v for r in done if (v := r.e2el) is not None],
+        "tbt": [v for r in done if (v := r.tbt) is not None],
     }
     slo = dict(goodput_slo_ms or {})
     good = sum(1 for r in done if meets_slo(r, slo)) if slo else None

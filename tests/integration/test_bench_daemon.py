@@ -53,7 +53,7 @@ def check_metrics_against_records(result: dict[str, Any], percentiles: list[floa
     s = result["summary"]
     done = [r for r in timed(result) if r["error_kind"] is None]
     assert done
-    ttft, tpot, itl, e2el = [], [], [], []
+    ttft, tpot, itl, e2el, tbt = [], [], [], [], []
     for r in done:
         chunks = r["chunk_s"]
         assert chunks == sorted(chunks) and chunks[0] >= r["start_s"]
@@ -63,8 +63,19 @@ def check_metrics_against_records(result: dict[str, Any], percentiles: list[floa
         n_out = r["output_tokens"] if r["output_tokens"] is not None else len(chunks)
         if n_out > 1:
             tpot.append((e2el[-1] - ttft[-1]) / (n_out - 1))
-        itl += [(b - a) * 1000 for a, b in itertools.pairwise(chunks)]
-    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)):
+        gaps = [(b - a) * 1000 for a, b in itertools.pairwise(chunks)]
+        itl += gaps
+        if gaps:
+            # The mean of the slowest tenth of the gaps, at least one.
+            slowest = sorted(gaps, reverse=True)[: max(1, math.ceil(len(gaps) / 10))]
+            tbt.append(sum(slowest) / len(slowest))
+    for name, values in (
+        ("ttft", ttft),
+        ("tpot", tpot),
+        ("itl", itl),
+        ("e2el", e2el),
+        ("tbt", tbt),
+    ):
         got = s["latency_ms"][name]
         assert got["mean"] == pytest.approx(sum(values) / len(values))
         for p in percentiles:
@@ -100,7 +111,7 @@ def test_random_workload_poisson_metrics_match_the_raw_records(
         "--burstiness", "0.5",
         "--seed", "3",
         "--metric-percentiles", "50,90,99",
-        "--goodput", "ttft:600000", "e2el:600000",
+        "--goodput", "ttft:600000", "e2el:600000", "tbt:600000",
         "--plot", str(tmp_path / "plots"),
     )  # fmt: skip
     cfg, s = result["config"], result["summary"]

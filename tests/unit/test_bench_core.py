@@ -19,6 +19,7 @@ from mooncakectl.bench.metrics import (
     RequestRecord,
     meets_slo,
     parse_goodput,
+    parse_metric_names,
     parse_percentiles,
     summarize,
 )
@@ -45,6 +46,7 @@ from mooncakectl.bench.workloads import (
 )
 from mooncakectl.cli import run
 from mooncakectl.registry import Env, ExitStatus
+from mooncaked.cluster.slo import Slo, tbt_s
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conversation_trace_head200.jsonl"
 
@@ -306,6 +308,47 @@ def test_goodput_throughput_rejections_and_errors() -> None:
     assert s.total_token_throughput == pytest.approx((40 + 8) / 2.0)
     with pytest.raises(ValueError, match="'ttfb:5'"):
         parse_goodput(["ttfb:5"])
+
+
+def test_tbt_is_the_mean_of_the_slowest_tenth_of_chunk_gaps() -> None:
+    # 21 chunks, 20 gaps: 18 of 10 ms, then 300 and 500 ms. The slowest
+    # tenth is two gaps: TBT 400 ms, where TPOT (a mean) is 43 ms.
+    chunks = [0.5 + 0.01 * i for i in range(19)]
+    chunks += [chunks[-1] + 0.3, chunks[-1] + 0.8]
+    r = rec(0, 0.0, chunks)
+    assert r.tbt == pytest.approx(0.4)
+    assert r.tbt == pytest.approx(tbt_s(r.itls))
+    # Nine gaps: the slowest one alone.
+    assert rec(1, 0.0, [0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6]).tbt == (
+        pytest.approx(0.1)
+    )
+    # One chunk: no gap, no TBT.
+    assert rec(2, 0.0, [0.3]).tbt is None
+    s = summarize([r, rec(1, 0.0, [0.1, 0.3])], 1.0, percentiles=[50])
+    assert s.latency_ms["tbt"]["mean"] == pytest.approx((400.0 + 200.0) / 2)
+    assert s.to_json()["p50_tbt_ms"] == pytest.approx(300.0)
+    assert parse_metric_names("ttft,tbt") == ["ttft", "tbt"]
+
+
+def test_tbt_slo_is_judged_as_the_server_judges_it() -> None:
+    slo = parse_goodput(["ttft:500", "tbt:100"])
+    assert slo == {"ttft": 500.0, "tbt": 100.0}
+    # Gaps of 50 ms and one of 150 ms: the mean (TPOT) meets 100 ms, TBT does not.
+    stall = rec(0, 0.0, [0.1, 0.15, 0.2, 0.35, 0.4])
+    assert stall.tpot is not None and stall.tpot < 0.1
+    assert not meets_slo(stall, slo)
+    assert meets_slo(stall, {"ttft": 500.0, "tpot": 100.0})
+    # One token: no gap, so no TBT, and it meets the TBT target (slo.Slo.met).
+    one = rec(1, 0.0, [0.2])
+    assert meets_slo(one, slo) and meets_slo(one, {"tbt": 1.0})
+    # No token at all: meets no TTFT or TBT target, but an E2EL one.
+    empty = rec(2, 0.0, [])
+    assert empty.ok and not meets_slo(empty, {"tbt": 100.0})
+    assert meets_slo(empty, {"e2el": 100.0})
+    # The same rule as the daemon's.
+    assert meets_slo(stall, {"tbt": 150.0}) == Slo(0.0, 0.15).met(stall.ttft, stall.tbt)
+    with pytest.raises(ValueError, match="tbt:MS"):
+        parse_goodput(["tbt"])
 
 
 def test_cached_share_and_nodes() -> None:
