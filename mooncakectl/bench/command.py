@@ -184,7 +184,7 @@ def _compare(args: argparse.Namespace, env: Env) -> int:
     results = [read_result(p) for p in args.results]
     labels = compare_mod.run_labels(args.results, results)
     if args.json:
-        rows = compare_mod.compare_rows([r["summary"] for r in results])
+        rows = compare_mod.compare_table(results, labels)
         env.stdout.write(json.dumps({"runs": labels, "rows": rows}, indent=1) + "\n")
         return ExitStatus.OK
     compare_mod.print_compare(env.stdout, results, labels, env.stdout_isatty)

@@ -1,4 +1,10 @@
-"""Several runs side by side, each with its ratio to the first (the baseline)."""
+"""Several runs side by side, each with its ratio to the first (the baseline).
+
+Where the runs replayed one workload (equal request indices), each run
+after the first also gets its false rejections against the first: the
+requests it rejected that the first run, without early rejection, served
+within that run's SLOs. The other rows compare the runs' summaries alone.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from typing import Any, TextIO
 
 from rich.table import Table
 
+from mooncakectl.bench.metrics import REJECTED, RequestRecord, meets_slo
 from mooncakectl.bench.report import console
 
 # (label, key in the summary, scale to print, unit); latency rows follow from the data.
@@ -21,6 +28,7 @@ _ROWS = (
     ("Total token throughput (tok/s)", "total_token_throughput", 1.0, ""),
     ("Request goodput (req/s)", "request_goodput", 1.0, ""),
     ("SLO attainment (%)", "slo_attainment", 100.0, ""),
+    ("Late failures (admitted)", "late_failures", 1.0, ""),
     ("Cached prompt share (%)", "cached_share", 100.0, ""),
 )
 
@@ -47,6 +55,54 @@ def compare_rows(summaries: Sequence[Mapping[str, Any]]) -> list[tuple[str, list
     return rows
 
 
+def _timed(result: Mapping[str, Any]) -> list[RequestRecord]:
+    return [
+        rec for r in result.get("requests") or [] if not (rec := RequestRecord.from_json(r)).warmup
+    ]
+
+
+def _same_request(a: RequestRecord, b: RequestRecord) -> bool:
+    # Equal indices of two different workloads are different requests.
+    return (a.group, a.prompt_len, a.output_len) == (b.group, b.prompt_len, b.output_len)
+
+
+def false_rejections(base: Mapping[str, Any], run: Mapping[str, Any]) -> int | None:
+    """The requests ``run`` rejected (429) that completed in ``base`` and met
+    every SLO of ``run``'s ``--goodput`` there: rejections that a server
+    without early rejection (``base``) shows were not needed. None where it
+    cannot be measured: ``run`` has no SLOs, or the runs share no request
+    (same index, group and lengths)."""
+    slo = (run.get("summary") or {}).get("goodput_slo_ms") or {}
+    if not slo:
+        return None
+    served = {r.index: r for r in _timed(base)}
+    matched = false = 0
+    for r in _timed(run):
+        b = served.get(r.index)
+        if b is None or not _same_request(b, r):
+            continue
+        matched += 1
+        if r.error_kind == REJECTED and meets_slo(b, slo):
+            false += 1
+    return false if matched else None
+
+
+def compare_table(
+    results: Sequence[Mapping[str, Any]], labels: Sequence[str]
+) -> list[tuple[str, list[float | None]]]:
+    """``compare_rows`` of the summaries, with each later run's false
+    rejections against the first after the rejections."""
+    rows = compare_rows([r["summary"] for r in results])
+    if len(results) < 2:
+        return rows
+    false = [None, *(false_rejections(results[0], r) for r in results[1:])]
+    at = next((i + 1 for i, (name, _) in enumerate(rows) if name == "Rejected (429)"), len(rows))
+    rows.insert(
+        at, (f"False rejections vs {labels[0]}", [None if v is None else float(v) for v in false])
+    )
+    return rows
+
+
 def _fmt(v: float | None) -> str:
     if v is None:
         return "-"
@@ -70,8 +126,7 @@ def print_compare(
         table.add_column(label, justify="right")
         if i:
             table.add_column("ratio", justify="right")
-    summaries = [r["summary"] for r in results]
-    for name, values in compare_rows(summaries):
+    for name, values in compare_table(results, labels):
         cells = [name, _fmt(values[0])]
         for v in values[1:]:
             cells += [_fmt(v), _ratio(v, values[0])]

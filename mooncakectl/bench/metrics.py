@@ -220,6 +220,9 @@ class Summary:
     total_token_throughput: float
     request_goodput: float | None
     slo_attainment: float | None
+    # Admitted (not rejected) requests that missed an SLO or failed: the
+    # misses early rejection meant to prevent. None without SLOs.
+    late_failures: int | None
     goodput_slo_ms: dict[str, float]
     cached_tokens: int | None
     cached_share: float | None
@@ -289,6 +292,7 @@ def summarize(
         total_token_throughput=(total_in + total_out) / dur,
         request_goodput=None if good is None else good / dur,
         slo_attainment=None if good is None or not timed else good / len(timed),
+        late_failures=None if good is None else len(done) - good + failed,
         goodput_slo_ms=slo,
         cached_tokens=cached,
         cached_share=(None if cached is None or reported_prompt == 0 else cached / reported_prompt),

@@ -70,6 +70,7 @@ def summary_rows(s: Summary) -> list[tuple[str, str]]:
         rows.append(("Request goodput", _rate(s.request_goodput, "req/s")))
         att = s.slo_attainment
         rows.append(("SLO attainment", "-" if att is None else f"{100 * att:.1f}%"))
+        rows.append(("Late failures (admitted, missed or failed)", str(s.late_failures)))
     if s.cached_tokens is not None:
         share = "-" if s.cached_share is None else f"{100 * s.cached_share:.1f}%"
         rows.append(("Cached prompt tokens", f"{s.cached_tokens} ({share})"))

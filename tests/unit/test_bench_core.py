@@ -8,12 +8,18 @@ import io
 import json
 import math
 import socket
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from mooncakectl.bench.compare import compare_rows, print_compare
+from mooncakectl.bench.compare import (
+    compare_rows,
+    compare_table,
+    false_rejections,
+    print_compare,
+)
 from mooncakectl.bench.load import LoadPlan, arrival_times, run_load
 from mooncakectl.bench.metrics import (
     RequestRecord,
@@ -24,7 +30,7 @@ from mooncakectl.bench.metrics import (
     summarize,
 )
 from mooncakectl.bench.plot import series_cached_share, series_in_flight, series_output_rate
-from mooncakectl.bench.report import result_json
+from mooncakectl.bench.report import result_json, summary_rows
 from mooncakectl.bench.trace import (
     TraceError,
     TraceRecord,
@@ -302,6 +308,9 @@ def test_goodput_throughput_rejections_and_errors() -> None:
     assert s.errors == {"http_500": 1, "timeout": 1}
     assert s.request_goodput == pytest.approx(2 / 2.0)
     assert s.slo_attainment == pytest.approx(2 / 7)
+    # Admitted and missed (slow_ttft, slow_tpot) or failed (http, timeout).
+    assert s.late_failures == 4
+    assert ("Late failures (admitted, missed or failed)", "4") in summary_rows(s)
     assert s.request_throughput == pytest.approx(4 / 2.0)
     assert s.total_output_tokens == 3 + 2 + 2 + 1
     assert s.output_throughput == pytest.approx(8 / 2.0)
@@ -482,6 +491,59 @@ def test_compare_prints_runs_side_by_side_with_ratios(tmp_path: Path) -> None:
     env = make_env()
     assert run(["bench", "compare", str(pa), str(bad)], env) == ExitStatus.USAGE
     assert "c.json" in env.stderr.getvalue()  # type: ignore[attr-defined]
+
+
+def test_late_failures_and_false_rejections_against_a_run_without_rejection(
+    tmp_path: Path,
+) -> None:
+    slo = parse_goodput(["ttft:500"])
+
+    def fast(i: int) -> RequestRecord:
+        return rec(i, 0.0, [0.1, 0.2], prompt_len=10, group="random")
+
+    def slow(i: int) -> RequestRecord:
+        return rec(i, 0.0, [0.9, 1.0], prompt_len=10, group="random")
+
+    def rejected(i: int) -> RequestRecord:
+        return RequestRecord(i, group="random", prompt_len=10, status=429, error_kind="rejected")
+
+    # A: early rejection off, every request served; 2 missed the TTFT SLO.
+    a_recs = [fast(0), fast(1), slow(2), fast(3), fast(4)]
+    a = result_json({"label": "off"}, summarize(a_recs, 2.0, goodput_slo_ms=slo), a_recs)
+    # B: rejected 0, 1 (A served both in time: false) and 2 (A missed it);
+    # admitted 3 and missed, admitted 4 and failed: two late failures.
+    failed = RequestRecord(4, group="random", prompt_len=10, status=500, error_kind="http_500")
+    b_recs = [rejected(0), rejected(1), rejected(2), slow(3), failed]
+    b_sum = summarize(b_recs, 2.0, goodput_slo_ms=slo)
+    assert (b_sum.rejected, b_sum.completed, b_sum.late_failures) == (3, 1, 2)
+    assert summarize(b_recs, 2.0).late_failures is None  # no SLOs, nothing to miss
+    b = result_json({"label": "on"}, b_sum, b_recs)
+    assert false_rejections(a, b) == 2
+    # Not measurable: no SLOs in the run, or another workload (other lengths).
+    c = result_json({"label": "no-slo"}, summarize(b_recs, 2.0), b_recs)
+    assert false_rejections(a, c) is None
+    other = [replace(r, prompt_len=99) for r in b_recs]
+    d = result_json({"label": "other"}, summarize(other, 2.0, goodput_slo_ms=slo), other)
+    assert false_rejections(a, d) is None
+
+    labels = ["off", "on", "no-slo", "other"]
+    rows = dict(compare_table([a, b, c, d], labels))
+    assert rows["False rejections vs off"] == [None, 2.0, None, None]
+    assert rows["Late failures (admitted)"] == [1.0, 2.0, None, 2.0]
+    out = io.StringIO()
+    print_compare(out, [a, b, c, d], labels, tty=False)
+    line = next(x for x in out.getvalue().splitlines() if "False rejections vs off" in x)
+    # Each run's value and its ratio column: "-" where nothing was measured.
+    cells = [x.strip() for x in line.split("│")[2:-1]]
+    assert cells == ["-", "2", "-", "-", "-", "-", "-"]
+    paths = []
+    for name, res in zip(labels, (a, b, c, d), strict=True):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(res))
+    env = make_env()
+    assert run(["bench", "compare", *map(str, paths), "--json"], env) == ExitStatus.OK
+    doc = json.loads(env.stdout.getvalue())  # type: ignore[attr-defined]
+    assert dict(doc["rows"])["False rejections vs off"] == [None, 2.0, None, None]
 
 
 # ------------------------------------------------------------------ CLI failures
