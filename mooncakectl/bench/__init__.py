@@ -6,7 +6,8 @@ Modules, imports running one way (top never imports from below):
 - ``workloads`` requests to send: random, prefix families, trace replay (token ids)
 - ``metrics``   per-request records -> the summary, as ``vllm bench serve`` defines it
 - ``client``    one streamed request over aiohttp; probing the server
-- ``load``      when to send: trace timestamps, Poisson with burstiness, concurrency cap
+- ``load``      when to send: trace timestamps, Poisson with burstiness, concurrency cap;
+                where: each request's entry (``--entries``), drawn from the seed
 - ``report``    summary table, progress bar, the result JSON
 - ``plot``      PNGs from a result (matplotlib, the ``plot`` extra)
 - ``compare``   several result JSONs side by side

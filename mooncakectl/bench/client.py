@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 
@@ -28,6 +29,43 @@ MODEL_TBT_HEADER = "x-mooncaked-model-tbt-ms"
 API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Error messages kept per record: enough to tell errors apart, not whole pages.
 _MAX_ERROR_CHARS = 300
+
+
+def base_url(text: str, flag: str = "--url") -> str:
+    """``text`` as a server's base URL (``http://`` when it names no scheme,
+    no trailing slash); ValueError naming ``flag`` and the value if it is
+    not an http(s) URL of a host."""
+    url = text.strip()
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    bad = ValueError(f"{flag}: {text!r} is not an http(s) URL of a server")
+    try:
+        parts = urlsplit(url)
+        # Reading the port checks it: ValueError for one that is not a number.
+        _ = parts.port
+    except ValueError:
+        raise bad from None
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.query
+        or parts.fragment
+        or any(c.isspace() for c in url)
+    ):
+        raise bad
+    return url
+
+
+def parse_entries(text: str) -> list[str]:
+    """``--entries URL[,URL...]``: the base URLs, each checked, none twice."""
+    urls: list[str] = []
+    for part in text.split(","):
+        url = base_url(part, "--entries")
+        if url in urls:
+            raise ValueError(f"--entries: {part.strip()!r} is given twice")
+        urls.append(url)
+    return urls
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +242,7 @@ async def send_request(
     chat = ep.api == "chat"
     body = request_body(ep, req, text_of)
     timeout = aiohttp.ClientTimeout(total=ep.timeout_s)
+    rec.entry = ep.base_url
     rec.start_s = clock()
     try:
         async with session.post(

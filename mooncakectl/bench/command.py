@@ -8,7 +8,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -17,12 +17,14 @@ from mooncakectl.bench import compare as compare_mod
 from mooncakectl.bench.client import (
     Endpoint,
     accepts_token_ids,
+    base_url,
+    parse_entries,
     probe_server,
     send_request,
     synthetic_text,
     tokenizer_text,
 )
-from mooncakectl.bench.load import LoadPlan, run_load
+from mooncakectl.bench.load import LoadPlan, pick_entries, run_load
 from mooncakectl.bench.metrics import (
     RequestRecord,
     parse_goodput,
@@ -71,6 +73,12 @@ def _add_globals(p: argparse.ArgumentParser) -> None:
 def _add_common(p: argparse.ArgumentParser) -> None:
     _add_globals(p)
     s = p.add_argument_group("server")
+    s.add_argument(
+        "--entries",
+        metavar="URL[,URL...]",
+        help="send each request to one of these servers (the nodes of one cluster), "
+        "drawn per request from --seed; the first is probed (default: --url)",
+    )
     s.add_argument("--model", help="model name (default: the first of /v1/models)")
     s.add_argument("--api", choices=("completions", "chat"), default="completions")
     s.add_argument(
@@ -201,6 +209,8 @@ class RunInputs:
     """What the command line says, checked before the server is contacted."""
 
     plan: LoadPlan
+    # Base URLs the requests go to; the first is probed.
+    entries: list[str]
     slo_ms: dict[str, float]
     percentiles: list[float]
     metric_names: list[str]
@@ -237,6 +247,7 @@ def _workload(args: argparse.Namespace, inp: RunInputs, vocab_size: int) -> list
 def _bench(args: argparse.Namespace, env: Env) -> int:
     # Everything that can be checked without the server is checked first.
     slo = parse_goodput(args.goodput)
+    entries = parse_entries(args.entries) if args.entries else [base_url(args.url)]
     percentiles = parse_percentiles(args.metric_percentiles)
     metric_names = parse_metric_names(args.percentile_metrics)
     if args.vocab_size is not None and args.vocab_size < 2:
@@ -254,7 +265,7 @@ def _bench(args: argparse.Namespace, env: Env) -> int:
         duration_s=args.duration,
         seed=args.seed,
     )
-    inp = RunInputs(plan, slo, percentiles, metric_names, synthetic_text)
+    inp = RunInputs(plan, entries, slo, percentiles, metric_names, synthetic_text)
     if args.workload == "trace":
         inp.trace_scale = TraceScale(
             block_tokens=args.trace_block_tokens,
@@ -270,13 +281,11 @@ def _bench(args: argparse.Namespace, env: Env) -> int:
 
 async def _run(args: argparse.Namespace, env: Env, inp: RunInputs) -> int:
     plan = inp.plan
-    base_url = args.url.rstrip("/")
-    if "://" not in base_url:
-        base_url = "http://" + base_url
+    probe_url = inp.entries[0]
     # No pool limit: aiohttp's default of 100 connections would cap the concurrency.
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
-        info = await probe_server(session, base_url, args.model, args.timeout)
+        info = await probe_server(session, probe_url, args.model, args.timeout)
         vocab = args.vocab_size or info.vocab_size or inp.tokenizer_vocab or DEFAULT_VOCAB_SIZE
         requests = _workload(args, inp, vocab)
         max_len = args.max_model_len or info.max_model_len
@@ -286,18 +295,20 @@ async def _run(args: argparse.Namespace, env: Env, inp: RunInputs) -> int:
         if args.api == "chat":
             fmt = "text"
         elif args.prompt_format == "auto":
-            ok = await accepts_token_ids(session, base_url, info.model, args.timeout)
+            ok = await accepts_token_ids(session, probe_url, info.model, args.timeout)
             fmt = "ids" if ok else "text"
         else:
             fmt = args.prompt_format
         ep = Endpoint(
-            base_url=base_url,
+            base_url=probe_url,
             model=info.model,
             api=args.api,
             prompt_format=fmt,
             ignore_eos=args.ignore_eos,
             timeout_s=args.request_timeout,
         )
+        endpoints = {url: replace(ep, base_url=url) for url in inp.entries}
+        entry_of = pick_entries([*requests, *warmups], inp.entries, args.seed)
         label = args.label or f"{args.workload}-{plan.mode}"
         tty = _stderr_tty(env)
         with progress_bar(env.stderr, tty) as bar:
@@ -313,7 +324,9 @@ async def _run(args: argparse.Namespace, env: Env, inp: RunInputs) -> int:
             async def send(
                 req: BenchRequest, rec: RequestRecord, clock: Callable[[], float]
             ) -> None:
-                await send_request(session, ep, req, rec, clock, inp.text_of)
+                await send_request(
+                    session, endpoints[entry_of[req.index]], req, rec, clock, inp.text_of
+                )
 
             result = await run_load(requests, plan, send, warmups=warmups, on_done=on_done)
 
@@ -324,12 +337,14 @@ async def _run(args: argparse.Namespace, env: Env, inp: RunInputs) -> int:
         goodput_slo_ms=inp.slo_ms,
         percentiles=inp.percentiles,
         metrics=inp.metric_names,
+        entries=inp.entries,
     )
     config: dict[str, Any] = {
         "label": label,
         "workload": args.workload,
         "load": plan.mode,
-        "url": base_url,
+        "url": probe_url,
+        "entries": inp.entries,
         "model": info.model,
         "api": args.api,
         "prompt_format": fmt,

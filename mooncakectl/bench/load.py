@@ -1,4 +1,5 @@
-"""When to send: the arrival schedule and the driver that keeps to it.
+"""When and where to send: the arrival schedule, the driver that keeps to
+it, and which entry (base URL) each request goes to.
 
 Arrivals come from the trace's timestamps, or from a Poisson process whose
 gaps are gamma distributed (vLLM's ``--burstiness``: 1 is Poisson, below 1
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -74,6 +76,20 @@ def arrival_times(requests: Sequence[BenchRequest], plan: LoadPlan) -> list[floa
     gaps = rng.gamma(shape=plan.burstiness, scale=theta, size=n)
     # The first request goes at once, as in vLLM: the gaps come after each request.
     return [0.0, *np.cumsum(gaps[:-1]).tolist()]
+
+
+def pick_entries(
+    requests: Sequence[BenchRequest], entries: Sequence[str], seed: int
+) -> dict[int, str]:
+    """Each request's entry by its index, drawn uniformly from ``entries`` by
+    ``random.Random(seed)`` in the order given: the same requests, entries
+    and seed go to the same entries in every run, whatever the timing.
+    (Give the timed requests first, so that the number of warm-ups does not
+    move them.)"""
+    if not entries:
+        raise ValueError("no entry to send requests to")
+    rng = random.Random(seed)
+    return {r.index: rng.choice(entries) for r in requests}
 
 
 @dataclass(slots=True)

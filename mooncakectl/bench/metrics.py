@@ -72,6 +72,8 @@ class RequestRecord:
     cached_tokens: int | None = None
     prefill_node: str | None = None
     decode_node: str | None = None
+    # The base URL it was sent to (one of ``--entries``).
+    entry: str | None = None
     # The server's own forecasts for the request (mooncaked's Conductor), ms.
     predicted_ttft_ms: float | None = None
     predicted_tbt_ms: float | None = None
@@ -228,7 +230,8 @@ class Summary:
     cached_share: float | None
     # metric -> {"mean"|"median"|"std"|"p99"...: ms}
     latency_ms: dict[str, dict[str, float | None]]
-    # phase ("prefill", "decode") -> node -> requests; empty when no header was seen.
+    # phase ("prefill", "decode") -> node -> requests; empty when no header was
+    # seen; "entry" -> base URL -> requests sent there, with several entries.
     nodes: dict[str, dict[str, int]]
 
     def to_json(self) -> dict[str, Any]:
@@ -248,8 +251,11 @@ def summarize(
     goodput_slo_ms: Mapping[str, float] | None = None,
     percentiles: Sequence[float] = (90.0, 99.0),
     metrics: Sequence[str] = METRICS,
+    entries: Sequence[str] = (),
 ) -> Summary:
-    """The summary of a run's timed requests (warm-up records are skipped)."""
+    """The summary of a run's timed requests (warm-up records are skipped);
+    with several ``entries``, the requests sent to each (0 for one that
+    drew none)."""
     timed = [r for r in records if not r.warmup]
     done = [r for r in timed if r.ok]
     errors = Counter(r.error_kind for r in timed if r.error_kind is not None)
@@ -276,6 +282,9 @@ def summarize(
         seen = Counter(n for r in timed if (n := getattr(r, f"{phase}_node")) is not None)
         if seen:
             nodes[phase] = dict(sorted(seen.items()))
+    if len(entries) > 1:
+        sent = Counter(r.entry for r in timed)
+        nodes["entry"] = {url: sent[url] for url in entries}
     return Summary(
         duration_s=duration_s,
         num_requests=len(timed),

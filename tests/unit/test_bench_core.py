@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import math
+import random
 import socket
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +21,7 @@ from mooncakectl.bench.compare import (
     false_rejections,
     print_compare,
 )
-from mooncakectl.bench.load import LoadPlan, arrival_times, run_load
+from mooncakectl.bench.load import LoadPlan, arrival_times, pick_entries, run_load
 from mooncakectl.bench.metrics import (
     RequestRecord,
     meets_slo,
@@ -370,8 +371,19 @@ def test_cached_share_and_nodes() -> None:
     assert (plain.cached_tokens, plain.cached_share, plain.nodes) == (None, None, {})
 
 
+def test_requests_per_entry_are_counted_with_several_entries() -> None:
+    a, b, c = "http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"
+    records = [rec(0, 0.0, [0.1], entry=a), rec(1, 0.0, [0.1], entry=b)]
+    records += [RequestRecord(2, status=429, error_kind="rejected", entry=a)]
+    records += [rec(3, -1.0, [-0.5], entry=b, warmup=True)]
+    # Rejected requests count (they were sent there); warm-ups do not; an
+    # entry that drew nothing shows 0.
+    assert summarize(records, 1.0, entries=[a, b, c]).nodes == {"entry": {a: 2, b: 1, c: 0}}
+    assert summarize(records, 1.0, entries=[a]).nodes == {}
+
+
 def test_record_json_round_trip() -> None:
-    r = rec(3, 0.5, [0.7, 0.8], prompt_len=9, cached_tokens=4, group="family-1")
+    r = rec(3, 0.5, [0.7, 0.8], prompt_len=9, cached_tokens=4, group="family-1", entry="http://h:1")
     assert RequestRecord.from_json(json.loads(json.dumps(r.to_json()))) == r
 
 
@@ -429,6 +441,21 @@ async def test_run_load_caps_concurrency_and_keeps_warmups_apart() -> None:
     assert result.records[0].warmup and result.records[0].end_s is not None
     assert result.records[0].end_s <= 0.0 <= min(r.start_s for r in result.records[1:])
     assert result.not_sent == 0
+
+
+def test_entries_are_drawn_per_request_from_the_seed() -> None:
+    reqs = [BenchRequest(i, (1,), 1) for i in range(40)]
+    warm = [BenchRequest(-1 - i, (1,), 1) for i in range(3)]
+    urls = ["http://a:1", "http://b:2", "http://c:3"]
+    got = pick_entries([*reqs, *warm], urls, seed=7)
+    # random.Random(seed), one draw per request in the order given.
+    rng = random.Random(7)
+    assert [got[r.index] for r in [*reqs, *warm]] == [rng.choice(urls) for _ in range(43)]
+    assert set(got.values()) == set(urls)
+    # The timed requests' entries do not depend on the number of warm-ups.
+    assert {i: got[i] for i in range(40)} == pick_entries(reqs, urls, seed=7)
+    assert pick_entries(reqs, urls, seed=8) != pick_entries(reqs, urls, seed=7)
+    assert set(pick_entries(reqs, urls[:1], seed=7).values()) == {"http://a:1"}
 
 
 async def test_run_load_time_limit_stops_sending() -> None:
@@ -582,6 +609,16 @@ def test_bad_option_values_name_the_option() -> None:
     env = make_env()
     assert run(["bench", "random", "--api", "chat", "--prompt-format", "ids"], env) == 2
     assert "--prompt-format ids" in env.stderr.getvalue()  # type: ignore[attr-defined]
+    for entries, named in (
+        ("http://127.0.0.1:9,ftp://127.0.0.1:9", "'ftp://127.0.0.1:9'"),
+        ("127.0.0.1:9,127.0.0.1:port", "'127.0.0.1:port'"),
+        ("127.0.0.1:9,", "''"),
+        ("127.0.0.1:9,http://127.0.0.1:9/", "given twice"),
+    ):
+        env = make_env()
+        assert run(["bench", "random", "--entries", entries], env) == ExitStatus.USAGE
+        err = env.stderr.getvalue()  # type: ignore[attr-defined]
+        assert "--entries" in err and named in err, err
 
 
 async def test_a_server_still_loading_is_named_with_its_answer() -> None:
