@@ -3,6 +3,7 @@
     python tools/bench_conductor.py --trace ../shared/data/traces/conversation_trace.jsonl
     python tools/bench_conductor.py --trace T --until-s 600 --conversations 4/10 \
         --count 1000 --block-tokens 128 --time-scale 0.1 --overload 3 --warmups 16
+    python tools/bench_conductor.py --trace T --entries-compare 2 --repeats 3
 
 Which records: ``--start``/``--count`` of those in ``--from-s``..``--until-s``
 and, with ``--conversations [R/]K``, only one conversation in K, every turn
@@ -16,10 +17,12 @@ conductor) a fresh cluster of ``--prefill`` prefill + ``--decode`` decode
 until every node's profiled costs have reached the entry node by gossip, and
 ``mooncakectl bench trace`` replays the same slice of the trace at its
 timestamps (``--time-scale`` stretches them to fit the machine) against the
-entry (the decode node). Printed per policy: mean and p90 TTFT, SLO
-attainment (requests meeting ``--slo-ttft-ms`` and ``--slo-tbt-ms`` over all
-sent), goodput (requests/s meeting both), rejections; and ratios against
-``load_balance``.
+entry (the last decode node; with ``--entries N``, each request at one of
+the last N nodes started, drawn by the bench from its seed, the same draws
+in every run). Printed per policy: mean and p90 TTFT, SLO attainment
+(requests meeting ``--slo-ttft-ms`` and ``--slo-tbt-ms`` over all sent, TBT
+and "meeting" as ``mooncaked.cluster.slo`` defines them), goodput
+(requests/s meeting both), rejections; and ratios against ``load_balance``.
 
 Prediction accuracy: every response carries the Conductor's forecasts of TTFT
 and TBT (headers: as promised, corrected by the entry's calibration, and the
@@ -27,6 +30,14 @@ cost model's own); over the requests of the ``conductor`` run, the median of
 |forecast - measured| / measured for each. ``--warmups N`` sends N requests
 of random tokens first in every run, unmeasured, so the entry starts
 calibrated as it would after running a while.
+
+``--entries-compare N`` compares entry nodes instead (``--policies`` to run
+the policy comparison too): the conductor policy entered at one node, at N
+(each entry placing on its own gossip view), and load_balance at N, each
+on a fresh cluster (1 prefill + 2 decode unless ``--prefill``/``--decode``
+say: the shape where one entry was seen to herd requests onto one decode
+node), ``--repeats`` trials of the three; per run: mean and p90 TTFT,
+goodput, SLO attainment, rejections and the requests each decode node got.
 
 ``--overload F`` adds an overload comparison: the same slice F times faster
 with ``[slo]`` set, early rejection on the current decode load vs on the
@@ -134,7 +145,10 @@ async def run_policy(
     conductor: dict[str, Any],
     slo: dict[str, Any],
     time_scale: float,
+    entries: int = 1,
 ) -> dict[str, Any]:
+    """One run on a fresh cluster: ``mooncakectl bench trace`` replays the
+    slice, each request entering at one of ``entry_nodes(daemons, entries)``."""
     ns = argparse.Namespace(**vars(args))
     cluster = Cluster(ns, workdir)
     try:
@@ -169,60 +183,57 @@ async def run_policy(
             for d in daemons:
                 async with session.get(f"{d.url}/admin/status") as resp:
                     result["status_before"][d.node_id] = await resp.json()
-        # One client per entry node, each replaying every n-th record of the
-        # slice at its own timestamps (equal hash ids still make equal tokens).
-        entries = daemons[-1:] if args.entries == 1 else daemons[: args.entries]
-        lines: list[str] = args.lines
-        procs = []
-        for i, d in enumerate(entries):
-            part = workdir / f"{label}-{i}.jsonl"
-            part.write_text("".join(lines[i :: len(entries)]))
-            out = workdir / f"{label}-{i}.json"
-            cmd = [
-                sys.executable,
-                "-m",
-                "mooncakectl",
-                "bench",
-                "trace",
-                str(part),
-                "--url",
-                d.url,
-                "--trace-block-tokens",
-                str(args.block_tokens),
-                "--output-scale",
-                str(args.output_scale),
-                "--time-scale",
-                str(time_scale),
-                "--goodput",
-                f"ttft:{args.slo_ttft_ms}",
-                f"tpot:{args.slo_tbt_ms}",
-                "--num-warmups",
-                str(args.warmups),
-                "--result-json",
-                str(out),
-                "--label",
-                label,
-            ]
-            proc = await asyncio.create_subprocess_exec(
-                *cmd,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                cwd=REPO_ROOT,
-            )
-            procs.append((proc, out))
+        # One client replaying the slice at its timestamps; with several
+        # entries, the bench draws each request's entry from its seed, the
+        # same draws in every run.
+        entered = entry_nodes(daemons, entries)
+        result["entry_nodes"] = {d.url: d.node_id for d in entered}
+        trace = workdir / f"{label}.jsonl"
+        trace.write_text("".join(args.lines))
+        out = workdir / f"{label}.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "mooncakectl",
+            "bench",
+            "trace",
+            str(trace),
+            "--entries",
+            ",".join(d.url for d in entered),
+            "--trace-block-tokens",
+            str(args.block_tokens),
+            "--output-scale",
+            str(args.output_scale),
+            "--time-scale",
+            str(time_scale),
+            "--goodput",
+            f"ttft:{args.slo_ttft_ms}",
+            f"tbt:{args.slo_tbt_ms}",
+            "--num-warmups",
+            str(args.warmups),
+            "--result-json",
+            str(out),
+            "--label",
+            label,
+        ]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=REPO_ROOT,
+        )
         # The decode nodes' KV and batch while the replay runs: what admission
         # filled them with (a full KV cache makes handoffs wait for room).
         sampler = asyncio.create_task(_sample_decode(daemons[args.prefill :], result))
         try:
-            for proc, out in procs:
-                _stdout, stderr = await proc.communicate()
-                if proc.returncode != 0:
-                    raise RuntimeError(
-                        f"bench for {label} failed ({proc.returncode}):\n{stderr.decode()[-2000:]}"
-                    )
-                doc = json.loads(out.read_text())
-                result["requests"].extend(doc["requests"])
-                result["max_model_len"] = (doc.get("config") or {}).get("max_model_len")
+            _stdout, stderr = await proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"bench for {label} failed ({proc.returncode}):\n{stderr.decode()[-2000:]}"
+                )
+            doc = json.loads(out.read_text())
+            result["requests"] = doc["requests"]
+            result["max_model_len"] = (doc.get("config") or {}).get("max_model_len")
         finally:
             sampler.cancel()
             (outcome,) = await asyncio.gather(sampler, return_exceptions=True)
@@ -238,6 +249,15 @@ async def run_policy(
         return result
     finally:
         await cluster.stop()
+
+
+def entry_nodes(daemons: Sequence[Any], n: int) -> list[Any]:
+    """The ``n`` nodes requests enter at: the last started (a decode node,
+    the one entry of a run with one) and the ones started before it, so the
+    entries of a run with more include the one of a run with one."""
+    if not 1 <= n <= len(daemons):
+        raise ValueError(f"{n} entry nodes asked of a cluster of {len(daemons)}")
+    return list(reversed(daemons))[:n]
 
 
 SAMPLE_S = 0.5
@@ -295,14 +315,23 @@ def _ttft_ms(rec: dict[str, Any]) -> float | None:
     return (chunks[0] - rec["start_s"]) * 1e3
 
 
+def _gaps(rec: dict[str, Any]) -> list[float]:
+    """Seconds between consecutive chunks: one token each, as the bench counts them."""
+    if rec.get("error_kind") is not None:
+        return []
+    return [b - a for a, b in itertools.pairwise(rec.get("chunk_s") or [])]
+
+
 def _tbt_ms(rec: dict[str, Any]) -> float | None:
-    """The request's TBT as ``slo`` defines it, from its chunk gaps (one token
-    each); None for fewer than ``MIN_TBT_GAPS`` gaps, as the entry counts them."""
-    chunks = rec.get("chunk_s") or []
-    if rec.get("error_kind") is not None or len(chunks) < MIN_TBT_GAPS + 1:
-        return None
-    tbt = tbt_s([b - a for a, b in itertools.pairwise(chunks)])
+    """The request's TBT as ``slo.tbt_s`` defines it (None without a gap)."""
+    tbt = tbt_s(_gaps(rec))
     return None if tbt is None else tbt * 1e3
+
+
+def meets_slo(rec: dict[str, Any], slo: Slo) -> bool:
+    """Whether a completed request meets both SLOs, as ``Slo.met`` judges it."""
+    t, g = _ttft_ms(rec), _tbt_ms(rec)
+    return slo.met(None if t is None else t / 1e3, None if g is None else g / 1e3)
 
 
 def summarize(result: dict[str, Any], slo_ttft_ms: float, slo_tbt_ms: float) -> dict[str, Any]:
@@ -313,12 +342,11 @@ def summarize(result: dict[str, Any], slo_ttft_ms: float, slo_tbt_ms: float) -> 
     admitted = [r for r in recs if r.get("error_kind") is None]
 
     slo = Slo(slo_ttft_ms / 1e3, slo_tbt_ms / 1e3)
-
-    def good(r: dict[str, Any]) -> bool:
-        t, g = _ttft_ms(r), _tbt_ms(r)
-        return slo.met(None if t is None else t / 1e3, None if g is None else g / 1e3)
-
-    num_good = sum(1 for r in admitted if good(r))
+    num_good = sum(1 for r in admitted if meets_slo(r, slo))
+    decode_split: dict[str, int] = {}
+    for r in recs:
+        if (node := r.get("decode_node")) is not None:
+            decode_split[node] = decode_split.get(node, 0) + 1
     ends = [r["end_s"] for r in recs if r.get("end_s") is not None]
     duration = max(ends) if ends else 0.0
     return {
@@ -332,6 +360,8 @@ def summarize(result: dict[str, Any], slo_ttft_ms: float, slo_tbt_ms: float) -> 
         "admitted_meeting_slo": num_good / len(admitted) if admitted else None,
         "goodput_rps": num_good / duration if duration else None,
         "cached_tokens": sum(r.get("cached_tokens") or 0 for r in admitted),
+        # Requests per decode node, as the responses named it.
+        "decode_split": dict(sorted(decode_split.items())),
     } | decode_pressure(result)
 
 
@@ -358,8 +388,10 @@ def accuracy(result: dict[str, Any], prefix: str = "predicted") -> dict[str, Any
         t, p = _ttft_ms(r), r.get(f"{prefix}_ttft_ms")
         if t and p:
             ttft.append((p, t))
+        # Only a TBT over as many gaps as the entry calibrates on: over fewer
+        # it is one step's time, not the batch's the forecast is of.
         g, q = _tbt_ms(r), r.get(f"{prefix}_tbt_ms")
-        if g and q:
+        if g and q and len(_gaps(r)) >= MIN_TBT_GAPS:
             tbt.append((q, g))
 
     def med(pairs: list[tuple[float, float]], f: Any) -> float | None:
@@ -451,7 +483,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             conductor = {"policy": policy, "early_reject": args.early_reject}
             started = time.monotonic()
             results[policy] = await run_policy(
-                args, workdir, policy, conductor, slo, args.time_scale
+                args, workdir, policy, conductor, slo, args.time_scale, args.entries
             )
             summaries[policy] = summarize(results[policy], args.slo_ttft_ms, args.slo_tbt_ms)
             print(
@@ -479,6 +511,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             print()
             print_accuracy(acc, "prediction (conductor run, as promised)")
             print_accuracy(model, "prediction (conductor run, cost model before calibration)")
+        if args.entries_compare:
+            out["entries_compare"] = await compare_entries(args, workdir, slo, out)
         if args.overload:
             trials: list[dict[str, dict[str, Any]]] = []
             for trial in range(args.overload_repeats):
@@ -492,6 +526,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                         {"policy": "conductor", "early_reject": mode},
                         slo,
                         args.time_scale / args.overload,
+                        args.entries,
                     )
                     over[mode] = summarize(res, args.slo_ttft_ms, args.slo_tbt_ms)
                     over[mode]["rejections"] = _rejections(res)
@@ -508,6 +543,98 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             if len(trials) > 1:
                 print_overload_trials(trials)
     return out
+
+
+def entries_runs(n: int) -> list[tuple[str, str, int]]:
+    """(label, policy, entry nodes) of each run of ``--entries-compare n``:
+    the Conductor entered at one node, then at ``n`` (each entry deciding on
+    its own gossip view), and load_balance at ``n``, the baseline."""
+    return [
+        ("conductor-1e", "conductor", 1),
+        (f"conductor-{n}e", "conductor", n),
+        (f"load_balance-{n}e", "load_balance", n),
+    ]
+
+
+async def compare_entries(
+    args: argparse.Namespace, workdir: Path, slo: dict[str, Any], out: dict[str, Any]
+) -> list[dict[str, dict[str, Any]]]:
+    """``--repeats`` trials of ``entries_runs``, each run on a fresh cluster
+    replaying the same slice; prints their table and returns the summaries
+    (every request goes into ``out["entries_requests"]``)."""
+    trials: list[dict[str, dict[str, Any]]] = []
+    for trial in range(args.repeats):
+        runs: dict[str, dict[str, Any]] = {}
+        for name, policy, entries in entries_runs(args.entries_compare):
+            started = time.monotonic()
+            res = await run_policy(
+                args,
+                workdir,
+                f"{name}-t{trial + 1}",
+                {"policy": policy, "early_reject": args.early_reject},
+                slo,
+                args.time_scale,
+                entries,
+            )
+            runs[name] = summarize(res, args.slo_ttft_ms, args.slo_tbt_ms)
+            out.setdefault("entries_requests", []).append(
+                {
+                    "trial": trial,
+                    "run": name,
+                    "entry_nodes": res["entry_nodes"],
+                    "requests": res["requests"],
+                }
+            )
+            print(
+                f"  {name} (trial {trial + 1}): {time.monotonic() - started:.0f} s, "
+                f"mean TTFT {_fmt(runs[name]['mean_ttft_ms'], '.1f')} ms",
+                file=sys.stderr,
+            )
+        trials.append(runs)
+    print(
+        f"\nentry nodes: the Conductor entered at one node vs at "
+        f"{args.entries_compare}, load_balance at {args.entries_compare} "
+        f"({args.prefill}P+{args.decode}D, {args.repeats} trial(s))"
+    )
+    print_entries_table(trials)
+    return trials
+
+
+def _split(counts: dict[str, int]) -> str:
+    """``{"conductor-1e-t1-d0": 30, ...}`` -> ``"d0 30, d1 10"``: the node's
+    name within its run, and its requests."""
+    return ", ".join(f"{node.rsplit('-', 1)[-1]} {n}" for node, n in counts.items()) or "-"
+
+
+def print_entries_table(trials: Sequence[dict[str, dict[str, Any]]]) -> None:
+    cols = (
+        "run",
+        "trial",
+        "mean TTFT ms",
+        "p90 TTFT ms",
+        "goodput r/s",
+        "SLO attain.",
+        "rejected",
+        "decode split",
+    )
+    lines = [cols]
+    for trial, runs in enumerate(trials, start=1):
+        for name, s in runs.items():
+            lines.append(
+                (
+                    name,
+                    str(trial),
+                    _fmt(s["mean_ttft_ms"], ".1f"),
+                    _fmt(s["p90_ttft_ms"], ".1f"),
+                    _fmt(s["goodput_rps"], ".3f"),
+                    _fmt(s["slo_attainment"], ".1%"),
+                    str(s["rejected"]),
+                    _split(s.get("decode_split") or {}),
+                )
+            )
+    widths = [max(len(r[i]) for r in lines) for i in range(len(cols))]
+    for r in lines:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
 
 
 def print_overload(over: dict[str, dict[str, Any]]) -> None:
@@ -625,11 +752,16 @@ def main() -> int:
     p.add_argument(
         "--policies",
         type=lambda s: [x for x in s.split(",") if x],
-        default=list(POLICIES),
-        help="the policies to compare ('': none, the overload runs only)",
+        default=None,
+        help="the policies to compare ('': none, the overload runs only; "
+        "default: every one, none with --entries-compare)",
     )
-    p.add_argument("--prefill", type=int, default=2)
-    p.add_argument("--decode", type=int, default=1)
+    p.add_argument(
+        "--prefill", type=int, default=None, help="prefill daemons (2; 1 with --entries-compare)"
+    )
+    p.add_argument(
+        "--decode", type=int, default=None, help="decode daemons (1; 2 with --entries-compare)"
+    )
     p.add_argument("--model", default="builtin:tiny")
     p.add_argument("--cpu-threads", type=int, default=1)
     p.add_argument("--kv-blocks", type=int, default=4096)
@@ -641,7 +773,7 @@ def main() -> int:
         "--early-reject",
         choices=EARLY_REJECT,
         default="off",
-        help="admission in the policy comparison (off: every policy serves every request)",
+        help="admission in the policy and entry comparisons (off: every request is served)",
     )
     p.add_argument(
         "--warmups",
@@ -667,8 +799,20 @@ def main() -> int:
         "--entries",
         type=int,
         default=1,
-        help="nodes the clients enter at (1: the decode node; n: the first n nodes, "
-        "each its share of the records), to compare decisions on different views",
+        help="nodes the requests enter at (1: the last decode node; n: it and the n - 1 "
+        "started before it, each request at one drawn from the bench's seed), "
+        "to compare decisions on different views",
+    )
+    p.add_argument(
+        "--entries-compare",
+        type=int,
+        default=0,
+        metavar="N",
+        help="compare entering at one node and at N: conductor with 1 entry, conductor "
+        "with N, load_balance with N, on a 1P+2D cluster unless --prefill/--decode say",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=2, help="trials of every run of --entries-compare"
     )
     p.add_argument(
         "--pin",
@@ -678,6 +822,26 @@ def main() -> int:
     )
     p.add_argument("--json", help="write every figure here")
     args = p.parse_args()
+    # --entries-compare's own shape: one decode node of two is where the
+    # Conductor was seen to herd requests when it entered at one node.
+    if args.prefill is None:
+        args.prefill = 1 if args.entries_compare else 2
+    if args.decode is None:
+        args.decode = 2 if args.entries_compare else 1
+    if args.policies is None:
+        args.policies = [] if args.entries_compare else list(POLICIES)
+    if args.prefill < 1 or args.decode < 1:
+        p.error(f"--prefill and --decode must be >= 1, got {args.prefill} and {args.decode}")
+    nodes = args.prefill + args.decode
+    if not 1 <= args.entries <= nodes:
+        p.error(f"--entries: {args.entries} is not between 1 and the cluster's {nodes} nodes")
+    if args.entries_compare and not 2 <= args.entries_compare <= nodes:
+        p.error(
+            f"--entries-compare: {args.entries_compare} is not between 2 and the "
+            f"cluster's {nodes} nodes"
+        )
+    if args.repeats < 1:
+        p.error(f"--repeats: {args.repeats} is not a positive count")
     bad = [x for x in args.policies if x not in POLICIES]
     if bad:
         p.error(f"--policies: unknown {bad}; known {list(POLICIES)}")
