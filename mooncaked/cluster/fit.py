@@ -235,16 +235,30 @@ def _quantile(values: Sequence[float], q: float) -> float:
 
 class _NearPairs:
     """Calibration pairs (forecast, measured), oldest first, looked up by
-    forecast: ``ratios(f)`` are the measured / forecast ratios of the pairs
-    forecast within ``MARGIN_BAND`` of ``f``, or of the ``min_count``
-    nearest to it in log scale (the newest among equals) where fewer were.
-    Sorted once, so that the margin's grid costs a bisection a point."""
+    forecast: ``ratios(f)`` say what the pairs forecast within
+    ``MARGIN_BAND`` of ``f`` (or the ``min_count`` nearest to it in log
+    scale, the newest among equals, where fewer were) tell of a forecast
+    of ``f``: how much longer than ``f`` it is to take.
+
+    A pair forecast at ``p`` that took ``m`` tells it by its error carried
+    over: added as is to a longer forecast (``f + m - p``: what makes a
+    forecast run long, a request placed meanwhile, the KV landing late,
+    does not grow with the forecast), in proportion to a shorter one
+    (``f x m / p``). Carried over in proportion to a longer one too, the
+    few seconds a burst added to short forecasts made a forecast near a
+    30 s SLO look 5-20x too short to an entry that had seen only short
+    ones (simulated: most of the requests it rejected would have met the
+    SLO). Sorted once, so that the margin's grid costs a bisection a point."""
 
     def __init__(self, pairs: Sequence[tuple[float, float]], min_count: int) -> None:
         self._order = sorted(range(len(pairs)), key=lambda i: pairs[i][0])
         self._forecasts = [pairs[i][0] for i in self._order]
-        self._ratios = [pairs[i][1] / pairs[i][0] for i in self._order]
+        self._measured = [pairs[i][1] for i in self._order]
         self._min = min_count
+
+    def _ratios(self, f: float, js: Iterable[int]) -> list[float]:
+        fs, ms = self._forecasts, self._measured
+        return [1.0 + (ms[j] - fs[j]) / f if f >= fs[j] else ms[j] / fs[j] for j in js]
 
     def ratios(self, f: float) -> list[float]:
         fs = self._forecasts
@@ -252,7 +266,7 @@ class _NearPairs:
         hi = bisect.bisect_right(fs, f * MARGIN_BAND)
         want = min(self._min, len(fs))
         if hi - lo >= want:
-            return self._ratios[lo:hi]
+            return self._ratios(f, range(lo, hi))
 
         def dist(j: int) -> float:
             return abs(math.log(fs[j] / f))
@@ -269,8 +283,8 @@ class _NearPairs:
             # Pairs as near as the farthest taken are left out: take the
             # newest of them (rare: equal forecasts).
             ranked = sorted(range(len(fs)), key=lambda j: (dist(j), -self._order[j]))
-            return [self._ratios[j] for j in ranked[:want]]
-        return self._ratios[lo:hi]
+            return self._ratios(f, ranked[:want])
+        return self._ratios(f, range(lo, hi))
 
 
 class Calibration:
