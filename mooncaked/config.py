@@ -430,6 +430,10 @@ class ConductorConfig:
     late_binding: bool = True
     bind_slack: float = 0.5
     max_prefill: int = 8
+    # A request whose own prefill is longer than the TTFT SLO (a retry would
+    # fail the same way) is served as well as can be, not rejected, when it
+    # waits no longer than this share of the SLO; 0: rejected like others.
+    best_effort_wait: float = 0.1
     # Profile the engine at start-up (a few prompts and a decode batch) so
     # the cost model is usable before the first request.
     profile: bool = True
@@ -437,7 +441,7 @@ class ConductorConfig:
     def __post_init__(self) -> None:
         _check(self.balancing_threshold >= 1.0, "balancing_threshold", "must be >= 1.0")
         _check(self.max_replicas >= 1, "max_replicas", "must be >= 1")
-        for key in ("spread", "decode_spread", "bind_slack"):
+        for key in ("spread", "decode_spread", "bind_slack", "best_effort_wait"):
             value = getattr(self, key)
             _check(0.0 <= value <= 100.0, key, "must be in [0, 100]")
         _check(1 <= self.max_prefill <= 64, "max_prefill", "must be in [1, 64]")

@@ -419,6 +419,7 @@ def admission_params(conductor: ConductorConfig, block_size: int) -> ConductorPa
         late_binding=conductor.late_binding,
         bind_slack=conductor.bind_slack,
         max_prefill=conductor.max_prefill,
+        best_effort_wait=conductor.best_effort_wait,
     )
 
 

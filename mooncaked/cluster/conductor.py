@@ -15,6 +15,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mooncaked.cluster.costs import NodeCosts, predicted_tbt_s
 from mooncaked.cluster.placement import (
     Candidate,
     ConductorParams,
@@ -30,8 +31,8 @@ from mooncaked.cluster.ranking import (
     CandidateNode,
     DecodeScore,
     PrefillScore,
+    Prefixes,
     decode_score,
-    leasable_prefixes,
     order_decode,
     order_prefill,
     prefill_score,
@@ -173,13 +174,14 @@ def candidates(
 ) -> dict[str, CandidateNode]:
     """Every node that may serve ``request`` now, with what is known of it."""
     nodes: dict[str, CandidateNode] = {}
+    up = (MemberStatus.ALIVE, MemberStatus.SUSPECT)
+    model_id = request.model_id
+    none = PendingLoad()
     for node_id, m in view.members.items():
         st = m.state
-        if m.status not in (MemberStatus.ALIVE, MemberStatus.SUSPECT):
+        if st is None or m.status not in up or node_id in exclude:
             continue
-        if st is None or node_id in exclude:
-            continue
-        if st.draining or not st.api_addr or st.model_id != request.model_id:
+        if st.draining or not st.api_addr or st.model_id != model_id:
             continue
         match = matches.get(node_id)
         nodes[node_id] = CandidateNode(
@@ -188,7 +190,7 @@ def candidates(
             st.load,
             st.costs,
             st.forecast,
-            pending.get(node_id, PendingLoad()),
+            pending.get(node_id, none),
         )
     return nodes
 
@@ -241,10 +243,10 @@ def _disaggregated(
     rng: random.Random,
 ) -> Decision:
     """Prefill nodes by TTFT, then the decode node by TBT from when the prefill ends."""
-    leasable = leasable_prefixes(view, request, params)
+    prefixes = Prefixes(view, request, params, matches)
     pool = pools.prefill
-    scores = [prefill_score(view, request, params, n, nodes, matches, leasable) for n in pool]
-    order = order_prefill(params, pool, scores, rng)
+    scores = [prefill_score(request, params, n, nodes, prefixes) for n in pool]
+    order = within_ttft_first(params, slo, scores, order_prefill(params, pool, scores, rng))
     best = scores[order[0]] if order else None
     reject = check_ttft(params, slo, best)
     if reject is not None:
@@ -297,9 +299,9 @@ def _colocated(
 ) -> Decision:
     """One ``both`` node prefills and decodes: the least TTFT among ``pool``."""
     in_pool = {n.cand.node_id: n for n in pool}
-    leasable = leasable_prefixes(view, request, params)
-    scores = [prefill_score(view, request, params, n, in_pool, matches, leasable) for n in pool]
-    order = order_prefill(params, pool, scores, rng)
+    prefixes = Prefixes(view, request, params, matches)
+    scores = [prefill_score(request, params, n, in_pool, prefixes) for n in pool]
+    order = within_ttft_first(params, slo, scores, order_prefill(params, pool, scores, rng))
     best = scores[order[0]]
     reject = check_ttft(params, slo, best)
     if reject is not None:
@@ -336,21 +338,68 @@ def offers(params: ConductorParams, tried: list[PrefillScore]) -> tuple[PrefillO
     )
 
 
+def admits_decode(
+    costs: NodeCosts,
+    batch: int,
+    context_tokens: int,
+    prompt_tokens: int,
+    expected_output_tokens: float,
+    slo: Slo,
+) -> bool:
+    """The Mooncake paper's baseline (``EarlyReject.BASELINE``): a decode node
+    takes a request whose prefill is done only while a step of its batch now
+    (``batch`` requests holding ``context_tokens``) with it added stays
+    within the TBT SLO. A refusal then has cost a prefill for nothing: what
+    early rejection on arrival avoids."""
+    if slo.tbt_s <= 0.0 or not costs.known:
+        return True
+    ctx = context_tokens + prompt_tokens + expected_output_tokens / 2
+    return predicted_tbt_s(costs, batch + 1, ctx) <= slo.tbt_s
+
+
 def judges_tbt(params: ConductorParams, slo: Slo) -> bool:
     """Whether the TBT SLO is judged on arrival (``EarlyReject.on_arrival``)."""
     return params.early_reject.on_arrival and slo.tbt_s > 0.0
 
 
+def within_ttft_first(
+    params: ConductorParams, slo: Slo, scores: list[PrefillScore], order: list[int]
+) -> list[int]:
+    """``order`` with the candidates the TTFT check admits first: a random
+    pick among near-equals (``ranking.spread``) must not reject a request
+    that the best of them would serve within the SLO."""
+    ok = [i for i in order if check_ttft(params, slo, scores[i]) is None]
+    if len(ok) == len(order) or not ok:
+        return order
+    admitted = set(ok)
+    return ok + [i for i in order if i not in admitted]
+
+
 def check_ttft(params: ConductorParams, slo: Slo, best: PrefillScore | None) -> Reject | None:
     """The rejection of a request whose best TTFT, corrected and with the
     entry's margin, misses the TTFT SLO; None when it meets it (or nothing
-    judges it: no SLO, no costs known yet, early rejection off)."""
+    judges it: no SLO, no costs known yet, early rejection off).
+
+    A request that misses the SLO even on an idle node (its own prefill is
+    longer) is served as well as can be, not rejected, when its node can
+    start it within ``best_effort_wait`` of the SLO: a retry would fail the
+    same way, so a 429 would turn it away for good, and its conversation's
+    next turns would lose the prefix it leaves cached. It counts as a late
+    failure. Behind a longer queue it is rejected like any other."""
     if (
         best is None
         or params.early_reject is EarlyReject.OFF
         or slo.ttft_s <= 0.0
         or not best.costs_known
         or params.ttft(best.ttft_s) * params.ttft_margin <= slo.ttft_s
+    ):
+        return None
+    idle_s = (best.transfer_s if best.fetch else 0.0) + best.prefill_s
+    wait_s = best.ttft_s - idle_s
+    if (
+        params.best_effort_wait > 0.0
+        and params.ttft(idle_s) > slo.ttft_s
+        and wait_s <= params.best_effort_wait * slo.ttft_s
     ):
         return None
     ttft = params.ttft(best.ttft_s)

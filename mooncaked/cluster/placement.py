@@ -96,6 +96,10 @@ class ConductorParams:
     # request on.
     late_binding: bool = True
     bind_slack: float = 0.5
+    # A request whose own prefill is longer than the TTFT SLO is served (a
+    # late failure) rather than rejected when it waits no longer than this
+    # share of the SLO (``conductor.check_ttft``); 0: rejected too.
+    best_effort_wait: float = 0.1
     # Seconds per prompt token assumed of a node whose costs are unknown yet
     # (a ranking aid only: it never rejects).
     nominal_token_s: float = 1e-4
@@ -115,7 +119,7 @@ class ConductorParams:
     tbt_margin: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("spread", "spread_min", "decode_spread", "bind_slack"):
+        for name in ("spread", "spread_min", "decode_spread", "bind_slack", "best_effort_wait"):
             v = getattr(self, name)
             if not 0.0 <= v < math.inf:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
