@@ -107,32 +107,31 @@ class DecodeForecast:
         """Batch and context expected ``seconds`` from now (linear between horizons)."""
         if not self.batch or seconds <= 0.0:
             return float(now_batch), float(now_ctx)
-        xs = (0.0, *FORECAST_HORIZONS_S)
-        bs = (float(now_batch), *self.batch)
-        cs = (float(now_ctx), *self.context_tokens)
-        if seconds >= xs[-1]:
-            return bs[-1], cs[-1]
-        for i in range(1, len(xs)):
-            if seconds <= xs[i]:
-                f = (seconds - xs[i - 1]) / (xs[i] - xs[i - 1])
-                return bs[i - 1] + f * (bs[i] - bs[i - 1]), cs[i - 1] + f * (cs[i] - cs[i - 1])
-        return bs[-1], cs[-1]
+        i = bisect.bisect_left(FORECAST_HORIZONS_S, seconds)
+        if i >= len(self.batch):
+            return self.batch[-1], self.context_tokens[-1]
+        hi = FORECAST_HORIZONS_S[i]
+        if i == 0:
+            lo, b0, c0 = 0.0, float(now_batch), float(now_ctx)
+        else:
+            lo, b0, c0 = FORECAST_HORIZONS_S[i - 1], self.batch[i - 1], self.context_tokens[i - 1]
+        f = (seconds - lo) / (hi - lo)
+        return b0 + f * (self.batch[i] - b0), c0 + f * (self.context_tokens[i] - c0)
 
     def mean_over(
         self, start_s: float, length_s: float, now_batch: int, now_ctx: int, *, points: int = 5
     ) -> tuple[float, float]:
         """Batch and context averaged over ``length_s`` from ``start_s`` on: what
         a request that joins then and decodes that long shares its steps with."""
-        if length_s <= 0.0 or points < 2:
+        if length_s <= 0.0 or points < 2 or not self.batch:
             return self.at(start_s, now_batch, now_ctx)
-        samples = [
-            self.at(start_s + length_s * i / (points - 1), now_batch, now_ctx)
-            for i in range(points)
-        ]
-        return (
-            sum(b for b, _ in samples) / points,
-            sum(c for _, c in samples) / points,
-        )
+        sb = sc = 0.0
+        step = length_s / (points - 1)
+        for i in range(points):
+            b, c = self.at(start_s + step * i, now_batch, now_ctx)
+            sb += b
+            sc += c
+        return sb / points, sc / points
 
 
 class DepartureRate:

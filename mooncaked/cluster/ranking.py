@@ -8,7 +8,7 @@ at a time; ``conductor.decide`` picks from what they return.
 
 from __future__ import annotations
 
-import dataclasses
+import bisect
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -89,29 +89,68 @@ class CandidateNode:
     pending: PendingLoad
 
 
-def leasable_prefixes(
-    view: ClusterView, request: PlacementRequest, params: ConductorParams
-) -> dict[str, PrefixMatch]:
-    """The prefix each node can lease (DRAM or SSD; device blocks cannot be),
-    looked up once per request rather than once per candidate."""
-    if params.policy is not Policy.CONDUCTOR or not request.hashes:
-        return {}
-    return view.longest_prefix(request.hashes, tiers=LEASABLE_TIERS)
+class Prefixes:
+    """What placement needs of a request's prefix across the cluster, worked
+    out once per request rather than once per candidate: who else holds the
+    longest leasable run of it, how many hold a run that long, and each
+    node's prefill time for a cached length (nodes often share a model)."""
+
+    def __init__(
+        self,
+        view: ClusterView,
+        request: PlacementRequest,
+        params: ConductorParams,
+        matches: Mapping[str, PrefixMatch],
+    ) -> None:
+        # The last prompt token is always computed (its logits give the first token).
+        self.usable = max(0, (request.num_prompt_tokens - 1) // params.block_size)
+        leasable = (
+            view.longest_prefix(request.hashes, tiers=LEASABLE_TIERS)
+            if params.policy is Policy.CONDUCTOR and request.hashes
+            else {}
+        )
+        ranked = []
+        for other, match in leasable.items():
+            nb = min(match.num_blocks, self.usable)
+            m = view.members.get(other)
+            if nb > 0 and m is not None and m.status is MemberStatus.ALIVE:
+                ranked.append((-nb, other))
+        ranked.sort()
+        # A candidate is no holder of its own: the two longest cover every one.
+        self._longest = [(-nb, other) for nb, other in ranked[:2]]
+        self._held = sorted(m.num_blocks for m in matches.values())
+        self._prefill: dict[tuple[object, ...], float] = {}
+
+    def longest_elsewhere(self, node_id: str) -> tuple[int, str | None]:
+        """The longest prefix a node other than ``node_id`` can lease, and
+        which (ties: the least node id); (0, None) when nobody can."""
+        for nb, other in self._longest:
+            if other != node_id:
+                return nb, other
+        return 0, None
+
+    def copies(self, num_blocks: int) -> int:
+        """Nodes holding a run of at least ``num_blocks`` of the prefix."""
+        return len(self._held) - bisect.bisect_left(self._held, num_blocks)
+
+    def prefill_s(self, costs: NodeCosts, new: int, cached: int, decode_seqs: int) -> float:
+        key = (costs.step, costs.chunk_tokens, new, cached, decode_seqs)
+        t = self._prefill.get(key)
+        if t is None:
+            t = self._prefill[key] = costs.prefill_s(new, cached, decode_seqs=decode_seqs)
+        return t
 
 
 def prefill_score(
-    view: ClusterView,
     request: PlacementRequest,
     params: ConductorParams,
     n: CandidateNode,
     nodes: Mapping[str, CandidateNode],
-    matches: Mapping[str, PrefixMatch],
-    leasable: Mapping[str, PrefixMatch],
+    prefixes: Prefixes,
 ) -> PrefillScore:
     bs = params.block_size
     total = request.num_prompt_tokens
-    # The last prompt token is always computed (its logits give the first token).
-    usable = max(0, (total - 1) // bs)
+    usable = prefixes.usable
     local = min(n.cand.cached_blocks, usable)
     node_id = n.cand.node_id
     known = n.costs.known
@@ -123,43 +162,28 @@ def prefill_score(
         cached = cached_blocks * bs
         if not known:
             return (total - cached) * params.nominal_token_s
-        return n.costs.prefill_s(total - cached, cached, decode_seqs=n.load.running_decode_batch)
+        return prefixes.prefill_s(n.costs, total - cached, cached, n.load.running_decode_batch)
 
     local_s = compute_s(local)
-    score = PrefillScore(
-        node_id,
-        local,
-        0,
-        None,
-        queue_s,
-        0.0,
-        local_s,
-        queue_s + local_s,
-        False,
-        known,
-        total - local * bs,
-    )
+    local_ttft = queue_s + local_s
+    new_tokens = total - local * bs
     if params.policy is not Policy.CONDUCTOR or not request.hashes:
-        return score
-    # The longest prefix another node can lease.
-    remote, holder, copies = 0, None, 0
-    for other, match in leasable.items():
-        nb = min(match.num_blocks, usable)
-        if other == node_id or nb <= 0:
-            continue
-        m = view.members.get(other)
-        if m is None or m.status is not MemberStatus.ALIVE:
-            continue
-        if nb > remote or (nb == remote and holder is not None and other < holder):
-            remote, holder = nb, other
-    if holder is None or remote <= local or remote < params.balancing_threshold * max(local, 1):
-        return dataclasses.replace(score, remote_blocks=remote, holder=holder)
-    # Nodes holding (nearly all of) that prefix already: replicas.
-    copies = sum(1 for mt in matches.values() if mt.num_blocks >= remote)
-    if copies >= params.max_replicas:
-        return dataclasses.replace(
-            score, remote_blocks=remote, holder=holder, note=f"{copies} copies already"
+        return PrefillScore(
+            node_id, local, 0, None, queue_s, 0.0, local_s, local_ttft, False, known, new_tokens
         )
+    remote, holder = prefixes.longest_elsewhere(node_id)
+    if holder is None or remote <= local or remote < params.balancing_threshold * max(local, 1):
+        return PrefillScore(
+            node_id, local, remote, holder, queue_s, 0.0, local_s, local_ttft, False, known,
+            new_tokens,
+        )  # fmt: skip
+    # Nodes holding (nearly all of) that prefix already: replicas.
+    copies = prefixes.copies(remote)
+    if copies >= params.max_replicas:
+        return PrefillScore(
+            node_id, local, remote, holder, queue_s, 0.0, local_s, local_ttft, False, known,
+            new_tokens, f"{copies} copies already",
+        )  # fmt: skip
     bps = n.costs.link_bps(holder) or params.default_link_bps
     kvb = n.costs.kv_bytes_per_token
     move_s = (
@@ -170,10 +194,11 @@ def prefill_score(
     rest_s = compute_s(remote)
     # The fetch runs while the request waits in the queue.
     fetch_ttft = max(queue_s, move_s) + rest_s
-    if fetch_ttft >= score.ttft_s:
-        return dataclasses.replace(
-            score, remote_blocks=remote, holder=holder, transfer_s=move_s, note="recompute faster"
-        )
+    if fetch_ttft >= local_ttft:
+        return PrefillScore(
+            node_id, local, remote, holder, queue_s, move_s, local_s, local_ttft, False, known,
+            new_tokens, "recompute faster",
+        )  # fmt: skip
     holder_node = nodes.get(holder)
     busy = holder_node is not None and fetch_ttft < _own_ttft(holder_node, total, remote, params)
     return PrefillScore(
