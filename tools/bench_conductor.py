@@ -77,7 +77,9 @@ from mooncaked.cluster.slo import MIN_TBT_GAPS, Slo, tbt_s
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The daemon's own names: a flag here is a value of [conductor] there.
 POLICIES = tuple(p.value for p in Policy)
-EARLY_REJECT = tuple(e.value for e in EarlyReject)
+# What a daemon's [conductor] early_reject takes: the paper's baseline (TBT
+# judged at the decode node after the prefill) is the simulator's alone.
+EARLY_REJECT = tuple(e.value for e in EarlyReject if e is not EarlyReject.BASELINE)
 
 
 def pool_cpus(prefill: int, decode: int, cpus: Sequence[int]) -> list[str]:

@@ -32,6 +32,7 @@ from mooncakectl.simulate.host import SharedHost
 from mooncakectl.simulate.network import Flow, Network
 from mooncakectl.simulate.node import SimNode, SimRequest
 from mooncaked.cluster.admission import Admission
+from mooncaked.cluster.conductor import admits_decode
 from mooncaked.cluster.costs import MAX_LINKS, NodeCosts
 from mooncaked.cluster.placement import (
     ConductorParams,
@@ -425,24 +426,41 @@ class Simulation:
             if r.prefilled:
                 # The KV lagged the compute: the first token leaves once it is all in.
                 r.first_token_s = self.events.now
-                self._first_token(r)
-                self.nodes[r.decode_node or ""].admit_decode(r)
+                self._join_decode(r)
 
         self.network.start(pnode.node_id, r.decode_node or "", nbytes, arrived, "kv")
 
     def _prefilled(self, pnode: SimNode, r: SimRequest) -> None:
         r.prefilled = True
-        dnode = self.nodes[r.decode_node or ""]
-        if r.kv_in or r.num_output_tokens <= 1:
-            self._first_token(r)
         if r.num_output_tokens <= 1:
-            dnode.finish_without_decode(r)
+            self._first_token(r)
+            self.nodes[r.decode_node or ""].finish_without_decode(r)
         elif r.kv_in:
-            dnode.admit_decode(r)
+            self._join_decode(r)
         else:
             # As in the daemon, the first token is out only when the KV is in
             # place on the decode node (``arrived`` sets it).
             r.first_token_s = None
+
+    def _join_decode(self, r: SimRequest) -> None:
+        """Prefill done and KV in: the decode node takes the request, or (the
+        paper's baseline) refuses it when its batch now cannot keep the TBT
+        SLO with it, before the first token leaves."""
+        dnode = self.nodes[r.decode_node or ""]
+        if self.params.early_reject is EarlyReject.BASELINE and not admits_decode(
+            dnode.costs,
+            len(dnode.running) + len(dnode.waiting),
+            dnode.context_tokens,
+            r.num_prompt_tokens,
+            dnode.lengths.expected_more(0, r.num_output_tokens),
+            self.config.slo,
+        ):
+            r.first_token_s = None
+            r.reject_code = "tbt_slo_after_prefill"
+            dnode.refuse_decode(r)
+            return
+        self._first_token(r)
+        dnode.admit_decode(r)
 
     def _first_token(self, r: SimRequest) -> None:
         if r.ttft_s is not None and r.placement is not None:

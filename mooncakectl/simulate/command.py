@@ -27,7 +27,7 @@ from mooncakectl.bench.workloads import TraceScale
 from mooncakectl.registry import Env, ExitStatus, command
 from mooncakectl.simulate.cluster import Shape, SimConfig, SimResult, Simulation, trace_requests
 from mooncakectl.simulate.costs import GB, PRESETS, NodeSpec, preset_node, profile_node
-from mooncakectl.simulate.results import SimSummary, result_json, summarize
+from mooncakectl.simulate.results import SimSummary, false_rejections, result_json, summarize
 from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy
 from mooncaked.cluster.slo import Slo
 
@@ -165,6 +165,13 @@ def _configure(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--max-replicas", type=int, default=ConductorParams().max_replicas)
     s.add_argument("--bind-slack", type=float, default=ConductorParams().bind_slack)
+    s.add_argument(
+        "--best-effort-wait",
+        type=float,
+        default=ConductorParams().best_effort_wait,
+        help="a request whose own prefill misses the TTFT SLO is served if it waits no "
+        "longer than this share of the SLO (0: rejected)",
+    )
     s.add_argument("--max-prefill", type=int, default=ConductorParams().max_prefill)
     s.add_argument(
         "--spread",
@@ -192,6 +199,13 @@ def _configure(p: argparse.ArgumentParser) -> None:
         "the request on to the next candidate",
     )
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--false-rejections",
+        choices=("on", "off"),
+        default="on",
+        help="also run without rejection (same seed and options) to count the requests "
+        "each mode rejected that would have met both SLOs",
+    )
     w = p.add_argument_group("capacity plan")
     w.add_argument(
         "--sweep", action="store_true", help="find the smallest cluster meeting the SLOs"
@@ -279,6 +293,7 @@ def _inputs(args: argparse.Namespace) -> Inputs:
             decode_spread=args.decode_spread,
             late_binding=args.late_binding == "on",
             bind_slack=args.bind_slack,
+            best_effort_wait=args.best_effort_wait,
             max_prefill=args.max_prefill,
         ),
         slo=Slo(args.slo_ttft, args.slo_tbt / 1000.0),
@@ -317,6 +332,8 @@ def print_runs(env: Env, summaries: Sequence[SimSummary], title: str) -> None:
         "of admitted",
         "goodput r/s",
         "rejected",
+        "false rej.",
+        "late fail",
         "hit local",
         "hit global",
         "moved GB",
@@ -337,6 +354,8 @@ def print_runs(env: Env, summaries: Sequence[SimSummary], title: str) -> None:
             f"{100 * s.admitted_slo_attainment:.1f}%",
             f"{s.goodput:.2f}",
             str(s.rejected),
+            "-" if s.false_rejections is None else str(s.false_rejections),
+            str(s.late_failures),
             f"{100 * s.local_hit_rate:.1f}%",
             f"{100 * s.global_hit_rate:.1f}%",
             f"{sum(s.bytes_moved.values()) / GB:.0f}",
@@ -449,11 +468,22 @@ def simulate(args: argparse.Namespace, env: Env) -> int:
     results: list[SimResult] = []
     summaries: list[SimSummary] = []
     for policy in inp.policies:
-        for reject in inp.rejects:
+        runs: dict[EarlyReject, tuple[SimResult, SimSummary]] = {}
+        # Rejection off first: the reference each other mode's false
+        # rejections are counted against (run even when not asked for).
+        modes = [EarlyReject.OFF, *(r for r in inp.rejects if r is not EarlyReject.OFF)]
+        if modes == [EarlyReject.OFF] or args.false_rejections == "off":
+            modes = list(inp.rejects)
+        for reject in modes:
             cfg = replace(
                 inp.base, params=replace(inp.base.params, policy=policy, early_reject=reject)
             )
-            res, s = _run(cfg, inp.records)
+            runs[reject] = _run(cfg, inp.records)
+        reference = runs.get(EarlyReject.OFF)
+        for reject in inp.rejects:
+            res, s = runs[reject]
+            if reference is not None and reject is not EarlyReject.OFF:
+                s.false_rejections = false_rejections(res, reference[0])
             results.append(res)
             summaries.append(s)
     if args.json:

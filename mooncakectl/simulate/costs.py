@@ -62,6 +62,11 @@ class HardwareSpec:
     # Share of peak that a real engine reaches.
     compute_efficiency: float = 0.5
     memory_efficiency: float = 0.7
+    # What a step costs beyond reading the weights and the KV and the
+    # flops: tensor-parallel all-reduces (two a layer) and kernel launches,
+    # per step and per sequence in it (their traffic grows with the batch).
+    step_overhead_s: float = 0.0
+    seq_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +95,24 @@ class NodeSpec:
 LLAMA3_70B = ModelSpec("llama3-70b", 80, 8192, 8, 70.6e9)
 LLAMA3_8B = ModelSpec("llama3-8b", 32, 4096, 4, 8.0e9)
 # A800 80GB SXM: A100's compute and memory, NVLink and I/O cut for export.
-A800_X8 = HardwareSpec("8xa800", 8, 312e12, 2.039e12, 80 * GB, 4, 200.0, 1024 * GB)
+# Eight of them serve LLaMA-70B with tensor parallelism over all eight: the
+# per-step and per-sequence overheads are fitted to published decode times
+# of a 70B model on 8 x A100 with TP 8 (README: "Where the 70B preset's
+# costs come from"): 16-16.5 ms a token at batch 1, 20 at 8, 25 at 50,
+# 33 at 85, 40-43 at 150-200, against 12.5-30 ms without them.
+A800_X8 = HardwareSpec(
+    "8xa800",
+    8,
+    312e12,
+    2.039e12,
+    80 * GB,
+    4,
+    200.0,
+    1024 * GB,
+    step_overhead_s=0.005,
+    seq_overhead_s=25e-6,
+)
+# One GPU: no tensor parallelism, nothing to all-reduce.
 A800_X1 = HardwareSpec("1xa800", 1, 312e12, 2.039e12, 80 * GB, 1, 200.0, 256 * GB)
 
 PRESETS: dict[str, Preset] = {
@@ -107,16 +129,18 @@ def analytic_step_cost(model: ModelSpec, hw: HardwareSpec) -> StepCost:
     so a pair costs 2 a d layers flops and a token b d^2 layers. A step
     reads the weights once (``base``) and each decode reads its context's
     KV (``ctx``); each decoded token costs a prompt token's projections.
+    The hardware's fixed overheads (all-reduces, launches) add to the step
+    and to each sequence in it.
     """
     flops = hw.num_gpus * hw.gpu_flops * hw.compute_efficiency
     hbm = hw.num_gpus * hw.gpu_hbm_bps * hw.memory_efficiency
     d, layers = model.hidden_size, model.num_layers
     token_s = layers * PROJ_B * d * d / flops
     return StepCost(
-        base_s=model.weight_bytes / hbm,
+        base_s=model.weight_bytes / hbm + hw.step_overhead_s,
         token_s=token_s,
         pair_s=2.0 * ATTN_A * d * layers / flops,
-        seq_s=token_s,
+        seq_s=token_s + hw.seq_overhead_s,
         ctx_s=model.kv_bytes_per_token / hbm,
     )
 

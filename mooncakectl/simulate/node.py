@@ -171,6 +171,11 @@ class SimNode:
         self.incoming.append(r)
         self.version += 1
 
+    def refuse_decode(self, r: SimRequest) -> None:
+        """``r``'s KV is here but the node will not decode it (it was rejected)."""
+        self.incoming.remove(r)
+        self.version += 1
+
     def admit_decode(self, r: SimRequest) -> None:
         """``r``'s KV is here and its first token out: it joins the batch when there is room."""
         self.incoming.remove(r)

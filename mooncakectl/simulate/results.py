@@ -5,6 +5,10 @@
   its slowest tenth of token gaps); statistics are over requests;
 - SLO attainment: requests meeting both SLOs over every request, rejected
   ones included; goodput: those per second of the run;
+- late failures: requests admitted that missed an SLO; false rejections:
+  requests rejected that met both SLOs in the same run without rejection
+  (same seed and options: ``false_rejections``), what admission should
+  not have rejected;
 - cache hit rates: prompt tokens served from the prefill node's own cache
   (local), and from anywhere in the cluster, fetched blocks included (global).
 """
@@ -62,6 +66,8 @@ class SimSummary:
     # Of the requests admitted, the share that met both SLOs (what early
     # rejection promises; 0 with none admitted).
     admitted_slo_attainment: float
+    # Admitted requests that missed an SLO.
+    late_failures: int
     goodput: float
     # ms: mean, p50, p90, p99
     ttft_ms: dict[str, float | None]
@@ -74,6 +80,9 @@ class SimSummary:
     decode_busy: float
     sim_events: int
     sim_wall_s: float
+    # Rejected requests that met both SLOs in the run without rejection
+    # (None: not measured, or nothing is rejected in this run's mode).
+    false_rejections: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -115,6 +124,7 @@ def summarize(result: SimResult) -> SimSummary:
         slo_tbt_s=cfg.slo.tbt_s,
         slo_attainment=good / len(reqs) if reqs else 0.0,
         admitted_slo_attainment=good / len(placed) if placed else 0.0,
+        late_failures=len(placed) - sum(1 for r in placed if meets_slo(r, cfg.slo)),
         goodput=good / duration,
         ttft_ms=latency_stats([r.ttft_s for r in done if r.ttft_s is not None]),
         tbt_ms=latency_stats([r.tbt_s for r in done if r.tbt_s is not None]),
@@ -127,6 +137,14 @@ def summarize(result: SimResult) -> SimSummary:
         sim_events=result.num_events,
         sim_wall_s=result.wall_s,
     )
+
+
+def false_rejections(run: SimResult, reference: SimResult) -> int:
+    """Requests ``run`` rejected that met both SLOs in ``reference``: the same
+    requests (by index) and SLOs, run without rejection."""
+    slo = run.config.slo
+    met = {r.index for r in reference.requests if meets_slo(r, slo)}
+    return sum(1 for r in run.requests if r.reject_code is not None and r.index in met)
 
 
 def request_json(r: SimRequest) -> dict[str, Any]:

@@ -58,7 +58,12 @@ def node(*, chunk: int, nic_bps: float = 1e9, max_batch: int = 8) -> NodeSpec:
 def exact(**kw: object) -> ConductorParams:
     """Every choice the best alone, ties by node id, and no late binding:
     the hand-computed timelines below follow one order."""
-    base: dict[str, object] = {"spread": 0.0, "decode_spread": 0.0, "late_binding": False}
+    base: dict[str, object] = {
+        "spread": 0.0,
+        "decode_spread": 0.0,
+        "late_binding": False,
+        "best_effort_wait": 0.0,
+    }
     return ConductorParams(**(base | kw))  # type: ignore[arg-type]
 
 
@@ -141,6 +146,28 @@ def test_early_rejection_on_the_ttft_slo_only_when_enabled() -> None:
     # B and C met the 1 s SLO; A was rejected: two of three, both admitted.
     assert s.slo_attainment == pytest.approx(2 / 3)
     assert s.admitted_slo_attainment == 1.0
+
+
+def test_a_request_over_the_slo_even_alone_is_served_when_it_need_not_wait() -> None:
+    # A alone would take 1.03 s, over a 1 s SLO wherever it ran: rejected, a
+    # retry would fail the same way. Served as well as can be instead (a
+    # late failure), it leaves its prefix cached for C; B, behind it, would
+    # wait past the SLO and is rejected as before.
+    slo = Slo(ttft_s=1.0)
+    cfg = SimConfig(
+        Shape(1, 1),
+        node(chunk=400),
+        params=exact(early_reject=EarlyReject.CURRENT, best_effort_wait=0.1),
+        slo=slo,
+        gossip_s=0.0,
+        scale=TraceScale(block_tokens=BS, input_scale=1.0),
+    )
+    res = simulate(cfg, chunked_trace())
+    assert [r.reject_code for r in res.requests] == [None, "ttft_slo", None]
+    assert res.requests[0].ttft_s == pytest.approx(1.03)
+    assert res.requests[2].local_cached_tokens == 500
+    s = summarize(res)
+    assert s.late_failures == 1 and s.rejected == 1
 
 
 def fetch_trace() -> list[TraceRecord]:
@@ -230,6 +257,25 @@ def test_flows_share_a_nic() -> None:
     assert done["first"] == pytest.approx(0.015)
     assert done["second"] == pytest.approx(0.020)
     assert net.bytes_moved == {"first": 1e6, "second": 1e6}
+
+
+def test_flows_that_end_together_end_in_the_order_they_started() -> None:
+    # Ties are settled by start order, not by where the flows sit in memory:
+    # a run's results must not depend on what the process allocated before.
+    # Flows are made at scattered addresses (objects freed in between), on
+    # one NIC, equal in size, so all end at the same instant.
+    for trial in range(5):
+        events = EventQueue()
+        net = Network(events, {"src": 1e8, **{f"d{i}": 1e8 for i in range(40)}})
+        order: list[str] = []
+        keep: list[object] = []
+        for i in range(40):
+            keep.append([object() for _ in range((i * 7 + trial) % 13)])
+            if i % 3 == 0:
+                keep.pop(0)
+            net.start("src", f"d{i}", 1e6, lambda f, order=order: order.append(f.tag), f"f{i}")
+        events.run()
+        assert order == [f"f{i}" for i in range(40)], trial
 
 
 def test_block_cache_lru_with_an_ssd_tier() -> None:
