@@ -10,12 +10,14 @@ ranking with the TBT check; the scores are ``ranking``'s.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mooncaked.cluster.costs import NodeCosts, predicted_tbt_s
+from mooncaked.cluster.holders import LEASABLE_TIERS
 from mooncaked.cluster.placement import (
     Candidate,
     ConductorParams,
@@ -33,6 +35,7 @@ from mooncaked.cluster.ranking import (
     PrefillScore,
     Prefixes,
     decode_score,
+    decode_scorer,
     order_decode,
     order_prefill,
     prefill_score,
@@ -155,14 +158,16 @@ def decide(
     params = params if params is not None else ConductorParams()
     slo = request.slo if request.slo is not None else (slo if slo is not None else Slo())
     max_prefill = params.max_prefill if max_prefill is None else max_prefill
-    matches = view.longest_prefix(request.hashes) if request.hashes else {}
+    matches, leasable = view.longest_prefixes(request.hashes, LEASABLE_TIERS)
     nodes = candidates(view, request, exclude, pending if pending is not None else {}, matches)
     pools = choose_pools(view, request, nodes)
     if isinstance(pools, Reject):
         return Decision(pools, params.policy)
     if pools.colocated:
-        return _colocated(view, request, params, slo, pools.prefill, matches, rng)
-    return _disaggregated(view, request, params, slo, pools, nodes, matches, max_prefill, rng)
+        return _colocated(view, request, params, slo, pools.prefill, matches, leasable, rng)
+    return _disaggregated(
+        view, request, params, slo, pools, nodes, matches, leasable, max_prefill, rng
+    )
 
 
 def candidates(
@@ -185,7 +190,7 @@ def candidates(
             continue
         match = matches.get(node_id)
         nodes[node_id] = CandidateNode(
-            Candidate(node_id, st.api_addr, st.role, match.num_blocks if match else 0),
+            _candidate(node_id, st.api_addr, st.role, match.num_blocks if match else 0),
             m.status is MemberStatus.SUSPECT,
             st.load,
             st.costs,
@@ -193,6 +198,13 @@ def candidates(
             pending.get(node_id, none),
         )
     return nodes
+
+
+@functools.lru_cache(maxsize=8192)
+def _candidate(node_id: str, api_addr: str, role: str, cached_blocks: int) -> Candidate:
+    # Immutable and made for every node on every request: a bounded memo
+    # saves a frozen dataclass's costly __init__ for all but the holders.
+    return Candidate(node_id, api_addr, role, cached_blocks)
 
 
 def choose_pools(
@@ -239,11 +251,12 @@ def _disaggregated(
     pools: Pools,
     nodes: Mapping[str, CandidateNode],
     matches: Mapping[str, PrefixMatch],
+    leasable: Mapping[str, PrefixMatch],
     max_prefill: int,
     rng: random.Random,
 ) -> Decision:
     """Prefill nodes by TTFT, then the decode node by TBT from when the prefill ends."""
-    prefixes = Prefixes(view, request, params, matches)
+    prefixes = Prefixes(view, request, params, matches, leasable)
     pool = pools.prefill
     scores = [prefill_score(request, params, n, nodes, prefixes) for n in pool]
     order = within_ttft_first(params, slo, scores, order_prefill(params, pool, scores, rng))
@@ -253,7 +266,8 @@ def _disaggregated(
         return Decision(reject, params.policy, tuple(scores), (), reject.reason)
     join_in_s = params.ttft(best.ttft_s) if best is not None else 0.0
     dpool = pools.decode
-    dscores = [decode_score(request, params, slo, n, join_in_s) for n in dpool]
+    scorer = decode_scorer(request, params, slo, join_in_s)
+    dscores = [scorer(n) for n in dpool]
     dorder = order_decode(params, dpool, dscores, rng)
     if judges_tbt(params, slo):
         dorder = [i for i in dorder if dscores[i].within_slo]
@@ -295,11 +309,12 @@ def _colocated(
     slo: Slo,
     pool: list[CandidateNode],
     matches: Mapping[str, PrefixMatch],
+    leasable: Mapping[str, PrefixMatch],
     rng: random.Random,
 ) -> Decision:
     """One ``both`` node prefills and decodes: the least TTFT among ``pool``."""
     in_pool = {n.cand.node_id: n for n in pool}
-    prefixes = Prefixes(view, request, params, matches)
+    prefixes = Prefixes(view, request, params, matches, leasable)
     scores = [prefill_score(request, params, n, in_pool, prefixes) for n in pool]
     order = within_ttft_first(params, slo, scores, order_prefill(params, pool, scores, rng))
     best = scores[order[0]]
@@ -368,6 +383,8 @@ def within_ttft_first(
     """``order`` with the candidates the TTFT check admits first: a random
     pick among near-equals (``ranking.spread``) must not reject a request
     that the best of them would serve within the SLO."""
+    if not order or check_ttft(params, slo, scores[order[0]]) is None:
+        return order
     ok = [i for i in order if check_ttft(params, slo, scores[i]) is None]
     if len(ok) == len(order) or not ok:
         return order

@@ -18,7 +18,9 @@ from mooncaked.cluster.costs import NodeCosts
 FORECAST_HORIZONS_S = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
-@dataclass(frozen=True, slots=True)
+# A node's work is rebuilt every gossip round, an item per request it holds:
+# plain slotted classes (a frozen one's __init__ is several times dearer).
+@dataclass(slots=True)
 class PrefillWork:
     """A prompt waiting or being computed: tokens left, and tokens already in KV."""
 
@@ -26,7 +28,7 @@ class PrefillWork:
     cached_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecodeWork:
     """A request that decodes (or will, once its KV is in): its context so far,
     its output tokens so far and the most it may still produce."""
@@ -125,12 +127,28 @@ class DecodeForecast:
         a request that joins then and decodes that long shares its steps with."""
         if length_s <= 0.0 or points < 2 or not self.batch:
             return self.at(start_s, now_batch, now_ctx)
+        # The sample times only grow: one walk along the horizons serves them all.
+        hs, bs, cs = FORECAST_HORIZONS_S, self.batch, self.context_tokens
+        last = (len(hs) if len(hs) < len(bs) else len(bs)) - 1
+        j = 0
+        lo, b0, c0 = 0.0, float(now_batch), float(now_ctx)
         sb = sc = 0.0
-        step = length_s / (points - 1)
         for i in range(points):
-            b, c = self.at(start_s + step * i, now_batch, now_ctx)
-            sb += b
-            sc += c
+            t = start_s + length_s * i / (points - 1)
+            if t <= 0.0:
+                sb += now_batch
+                sc += now_ctx
+                continue
+            while j <= last and hs[j] < t:
+                lo, b0, c0 = hs[j], bs[j], cs[j]
+                j += 1
+            if j > last:
+                sb += bs[last]
+                sc += cs[last]
+            else:
+                f = (t - lo) / (hs[j] - lo)
+                sb += b0 + f * (bs[j] - b0)
+                sc += c0 + f * (cs[j] - c0)
         return sb / points, sc / points
 
 
@@ -186,26 +204,45 @@ def forecast_decode(
         1e-6,
         costs.step.decode_step_s(max(1, len(now)), sum(w.context_tokens for w in now)),
     )
-    spans = [
-        (
-            w.starts_in_s,
-            w.starts_in_s + lengths.expected_more(w.output_tokens, w.max_more_tokens) * step,
-            w,
-        )
-        for w in work
-    ]
-    known_until = max((w.starts_in_s for w in work), default=0.0)
+    # Each request decodes at the horizons from its start to its end: a run
+    # of them (bisected), added to a difference array, so the whole forecast
+    # costs one pass over the work, not one per horizon.
+    hs = FORECAST_HORIZONS_S
+    num = len(hs)
+    d_count = [0] * (num + 1)
+    # Its context at horizon h: context_tokens + (h - start) / step.
+    d_ctx = [0.0] * (num + 1)
+    known_until = 0.0
+    for w in work:
+        start = w.starts_in_s
+        if start > known_until:
+            known_until = start
+        end = start + lengths.expected_more(w.output_tokens, w.max_more_tokens) * step
+        lo = bisect.bisect_left(hs, start)
+        hi = bisect.bisect_right(hs, end, lo)
+        # A horizon equal to the end is past it (start <= h < end).
+        while hi > lo and hs[hi - 1] >= end:
+            hi -= 1
+        if hi > lo:
+            d_count[lo] += 1
+            d_count[hi] -= 1
+            v = w.context_tokens - start / step
+            d_ctx[lo] += v
+            d_ctx[hi] -= v
     run_s = lengths.mean() * step
     out_b: list[float] = []
     out_c: list[float] = []
-    for h in FORECAST_HORIZONS_S:
-        alive = [(start, w) for start, end, w in spans if start <= h < end]
+    count = 0
+    ctx = 0.0
+    for i, h in enumerate(hs):
+        count += d_count[i]
+        ctx += d_ctx[i]
         # Unknown arrivals, from the last known one on, still there at h.
         span = max(0.0, min(run_s, h - known_until))
         joined = arrival_rate * span
-        out_b.append(float(len(alive)) + joined)
+        out_b.append(float(count) + joined)
         out_c.append(
-            float(sum(w.context_tokens + (h - start) / step for start, w in alive))
+            (ctx + count * h / step if count else 0.0)
             + joined * (arrival_context_tokens + span / 2 / step)
         )
     return DecodeForecast(tuple(round(b, 2) for b in out_b), tuple(float(round(c)) for c in out_c))

@@ -11,12 +11,11 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from mooncaked.cluster.costs import NodeCosts, predicted_tbt_s, transfer_s
 from mooncaked.cluster.forecast import DecodeForecast
-from mooncaked.cluster.holders import LEASABLE_TIERS
 from mooncaked.cluster.placement import (
     Candidate,
     ConductorParams,
@@ -37,7 +36,10 @@ def _fields_json(obj: object) -> dict[str, object]:
     }
 
 
-@dataclass(frozen=True, slots=True)
+# Scores are made by the hundred for every request (one per candidate) and
+# never changed after: plain slotted classes, whose __init__ is several
+# times cheaper than a frozen one's.
+@dataclass(slots=True)
 class PrefillScore:
     """One prefill candidate's predicted TTFT, term by term."""
 
@@ -60,7 +62,7 @@ class PrefillScore:
         return _fields_json(self)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class DecodeScore:
     node_id: str
     batch_now: int
@@ -101,14 +103,14 @@ class Prefixes:
         request: PlacementRequest,
         params: ConductorParams,
         matches: Mapping[str, PrefixMatch],
+        leasable: Mapping[str, PrefixMatch],
     ) -> None:
+        """``matches``: every node's cached run of the prompt; ``leasable``:
+        the part of it in tiers a peer can lease (``LEASABLE_TIERS``)."""
         # The last prompt token is always computed (its logits give the first token).
         self.usable = max(0, (request.num_prompt_tokens - 1) // params.block_size)
-        leasable = (
-            view.longest_prefix(request.hashes, tiers=LEASABLE_TIERS)
-            if params.policy is Policy.CONDUCTOR and request.hashes
-            else {}
-        )
+        if params.policy is not Policy.CONDUCTOR:
+            leasable = {}
         ranked = []
         for other, match in leasable.items():
             nb = min(match.num_blocks, self.usable)
@@ -134,7 +136,12 @@ class Prefixes:
         return len(self._held) - bisect.bisect_left(self._held, num_blocks)
 
     def prefill_s(self, costs: NodeCosts, new: int, cached: int, decode_seqs: int) -> float:
-        key = (costs.step, costs.chunk_tokens, new, cached, decode_seqs)
+        step = costs.step
+        # By value, not by object: every node publishes its own costs.
+        key = (
+            step.base_s, step.token_s, step.pair_s, step.seq_s, step.ctx_s,
+            costs.chunk_tokens, new, cached, decode_seqs,
+        )  # fmt: skip
         t = self._prefill.get(key)
         if t is None:
             t = self._prefill[key] = costs.prefill_s(new, cached, decode_seqs=decode_seqs)
@@ -151,18 +158,22 @@ def prefill_score(
     bs = params.block_size
     total = request.num_prompt_tokens
     usable = prefixes.usable
-    local = min(n.cand.cached_blocks, usable)
-    node_id = n.cand.node_id
-    known = n.costs.known
-    queue_s = n.load.predicted_queue_s + n.pending.prefill_s
-    if not known:
-        queue_s = (n.load.queued_prefill_tokens + n.pending.prefill_tokens) * params.nominal_token_s
+    cand = n.cand
+    local = cand.cached_blocks if cand.cached_blocks < usable else usable
+    node_id = cand.node_id
+    load = n.load
+    costs = n.costs
+    known = costs.step.known
+    if known:
+        queue_s = load.predicted_queue_s + n.pending.prefill_s
+    else:
+        queue_s = (load.queued_prefill_tokens + n.pending.prefill_tokens) * params.nominal_token_s
 
     def compute_s(cached_blocks: int) -> float:
         cached = cached_blocks * bs
         if not known:
             return (total - cached) * params.nominal_token_s
-        return prefixes.prefill_s(n.costs, total - cached, cached, n.load.running_decode_batch)
+        return prefixes.prefill_s(costs, total - cached, cached, load.running_decode_batch)
 
     local_s = compute_s(local)
     local_ttft = queue_s + local_s
@@ -292,47 +303,68 @@ def spread(
 def decode_score(
     request: PlacementRequest, params: ConductorParams, slo: Slo, n: CandidateNode, join_in_s: float
 ) -> DecodeScore:
-    load = n.load
-    # Its gossiped batch (handoffs waiting for KV included), and with what
-    # this entry placed there since.
-    gossiped = max(load.pending_decode, load.running_decode_batch)
-    batch_now = gossiped + n.pending.decodes
-    ctx_now = load.decode_context_tokens
+    return decode_scorer(request, params, slo, join_in_s)(n)
+
+
+def decode_scorer(
+    request: PlacementRequest, params: ConductorParams, slo: Slo, join_in_s: float
+) -> Callable[[CandidateNode], DecodeScore]:
+    """``decode_score`` of each candidate for one request: what does not
+    depend on the candidate is worked out once (a pool may be hundreds)."""
     expected = request.expected_output_tokens or request.max_tokens / 2
-    known = n.costs.known
-    if params.early_reject not in (EarlyReject.CURRENT, EarlyReject.BASELINE):
-        # Averaged over the request's own run, from when its prefill is to
-        # end: what it shares its steps with, which is what its TBT is.
-        b0, c0 = n.forecast.at(join_in_s, gossiped, ctx_now)
-        run_s = (
-            expected * n.costs.step.decode_step_s(max(1, math.ceil(b0) + 1), round(c0))
-            if known
-            else 0.0
-        )
-        batch, ctx = n.forecast.mean_over(join_in_s, run_s, gossiped, ctx_now)
-    else:
-        # The batch decoding now and its context (the handoffs' share taken
-        # out): the node's load at the request's arrival, as the Mooncake
-        # paper's early rejection (and its baseline) judge it. Blind to what the prefills under way will hand over, it
-        # admits more than the decode side can then serve within the SLO.
-        batch = float(load.running_decode_batch)
-        ctx = ctx_now * batch / gossiped if gossiped > 0 else 0.0
-    batch += n.pending.decodes
-    tbt = (
-        predicted_tbt_s(
-            n.costs,
-            batch + 1,
-            ctx + request.num_prompt_tokens + expected / 2,
-            queued_prefill_tokens=load.queued_prefill_tokens if n.cand.role == "both" else 0,
-        )
-        if known
-        else 0.0
-    )
-    room = n.costs.max_batch <= 0 or batch + 1 <= n.costs.max_batch
-    within = room and (
-        not known or slo.tbt_s <= 0.0 or params.tbt(tbt) * params.tbt_margin <= slo.tbt_s
-    )
-    return DecodeScore(n.cand.node_id, batch_now, round(batch, 3), tbt, within, known)
+    added_ctx = request.num_prompt_tokens + expected / 2
+    forecast_run = params.early_reject not in (EarlyReject.CURRENT, EarlyReject.BASELINE)
+    slo_tbt = slo.tbt_s
+
+    def score(n: CandidateNode) -> DecodeScore:
+        load = n.load
+        costs = n.costs
+        step = costs.step
+        base, seq, per_ctx = step.base_s, step.seq_s, step.ctx_s
+        # Its gossiped batch (handoffs waiting for KV included), and with
+        # what this entry placed there since.
+        gossiped = load.pending_decode
+        if load.running_decode_batch > gossiped:
+            gossiped = load.running_decode_batch
+        extra = n.pending.decodes
+        batch_now = gossiped + extra
+        ctx_now = load.decode_context_tokens
+        known = base > 0.0 or step.token_s > 0.0 or seq > 0.0
+        if forecast_run:
+            # Averaged over the request's own run, from when its prefill is
+            # to end: what it shares its steps with, which is what its TBT is.
+            forecast = n.forecast
+            run_s = 0.0
+            if known:
+                b0, c0 = forecast.at(join_in_s, gossiped, ctx_now)
+                run_s = expected * (base + seq * max(1, math.ceil(b0) + 1) + per_ctx * round(c0))
+            batch, ctx = forecast.mean_over(join_in_s, run_s, gossiped, ctx_now)
+        else:
+            # The batch decoding now and its context (the handoffs' share
+            # taken out): the node's load at the request's arrival, as the
+            # Mooncake paper's early rejection (and its baseline) judge it.
+            # Blind to what the prefills under way will hand over, it admits
+            # more than the decode side can then serve within the SLO.
+            batch = float(load.running_decode_batch)
+            ctx = ctx_now * batch / gossiped if gossiped > 0 else 0.0
+        batch += extra
+        tbt = 0.0
+        if known:
+            if n.cand.role == "both" and load.queued_prefill_tokens > 0:
+                queued = load.queued_prefill_tokens
+                tbt = predicted_tbt_s(
+                    costs, batch + 1, ctx + added_ctx, queued_prefill_tokens=queued
+                )
+            else:
+                # predicted_tbt_s without a prefill chunk, inline: a pool may be hundreds.
+                b = math.ceil(batch + 1)
+                tbt = base + seq * (b if b > 1 else 1) + per_ctx * round(ctx + added_ctx)
+        within = costs.max_batch <= 0 or batch + 1 <= costs.max_batch
+        if within and known and slo_tbt > 0.0:
+            within = params.tbt(tbt) * params.tbt_margin <= slo_tbt
+        return DecodeScore(n.cand.node_id, batch_now, round(batch, 3), tbt, within, known)
+
+    return score
 
 
 def order_decode(

@@ -618,6 +618,45 @@ class ClusterView:
             out[node_id] = PrefixMatch(n, (counts[0], counts[1], counts[2]))
         return out
 
+    def longest_prefixes(
+        self, hashes: Sequence[bytes], tiers: int
+    ) -> tuple[dict[str, PrefixMatch], dict[str, PrefixMatch]]:
+        """``longest_prefix(hashes)`` and ``longest_prefix(hashes, tiers=tiers)``
+        in one pass over the nodes (the Conductor asks both of every request)."""
+        every: dict[str, PrefixMatch] = {}
+        some: dict[str, PrefixMatch] = {}
+        if not hashes:
+            return every, some
+        tiers &= ALL_TIERS_MASK
+        first = hashes[0]
+        fastest = _FASTEST_TIER
+        for node_id, index in self.blocks.items():
+            masks = index.masks
+            m0 = masks.get(first, 0)
+            if not m0:
+                continue
+            counts = [0, 0, 0]
+            sub = [0, 0, 0]
+            n = k = 0
+            within = bool(m0 & tiers)
+            for h in hashes:
+                m = masks.get(h, 0)
+                if not m:
+                    break
+                counts[fastest[m]] += 1
+                n += 1
+                if within:
+                    t = m & tiers
+                    if t:
+                        sub[fastest[t]] += 1
+                        k += 1
+                    else:
+                        within = False
+            every[node_id] = PrefixMatch(n, (counts[0], counts[1], counts[2]))
+            if k:
+                some[node_id] = PrefixMatch(k, (sub[0], sub[1], sub[2]))
+        return every, some
+
     def check_integrity(self) -> None:
         """Raises RuntimeError if the view contradicts itself."""
         me = self.members.get(self.self_id)

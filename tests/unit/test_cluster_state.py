@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mooncaked.cluster import wire
@@ -251,6 +253,24 @@ def test_longest_prefix_in_some_tiers_only() -> None:
     assert view.longest_prefix(seq, tiers=tier_mask("ssd")) == {}
     with pytest.raises(ValueError, match="unknown tier"):
         tier_mask("hbm")
+
+
+def test_both_prefixes_in_one_pass_are_the_two_lookups() -> None:
+    rng = random.Random(7)
+    seq = [h(i) for i in range(12)]
+    for _ in range(200):
+        view = ClusterView("a", clock=lambda: 10.0)
+        for node in "abcdef":
+            blocks = NodeBlocks(1)
+            for x in seq:
+                if rng.random() < 0.85:
+                    blocks.masks[x] = rng.randrange(1, 8)
+            view.blocks[node] = blocks
+        tiers = rng.choice([0b110, 0b010, 0b100, 0b111])
+        every, some = view.longest_prefixes(seq, tiers)
+        assert every == view.longest_prefix(seq)
+        assert some == view.longest_prefix(seq, tiers=tiers)
+    assert view.longest_prefixes([], 0b110) == ({}, {})
 
 
 def test_to_json_lists_members_and_summary() -> None:
