@@ -358,7 +358,10 @@ class Simulation:
         queued = pnode.queue_s() if max_wait < math.inf else 0.0
         if queued > max_wait:
             r.num_bounces += 1
-            self.events.at(self.events.now + self.params.fetch_rtt_s, self._offer, r)
+            # A limit below 0 is known before asking (the decode node skips
+            # the call); a refusal costs the round trip to the node.
+            hop = self.params.fetch_rtt_s if max_wait >= 0.0 else 0.0
+            self.events.at(self.events.now + hop, self._offer, r)
             return
         r.walk = None
         r.prefill_node = pnode.node_id

@@ -82,6 +82,14 @@ class ConductorAPI:
         out: dict[str, Any] = {
             "policy": adm.params.policy.value,
             "early_reject": adm.params.early_reject.value,
+            # How entries deciding on one view keep apart (cluster/ranking.spread,
+            # engine/late_binding), and who is served past the TTFT SLO.
+            "spread": adm.params.spread,
+            "decode_spread": adm.params.decode_spread,
+            "late_binding": adm.params.late_binding,
+            "bind_slack": adm.params.bind_slack,
+            "max_prefill": adm.params.max_prefill,
+            "best_effort_wait": adm.params.best_effort_wait,
             "slo": {"ttft_s": adm.slo.ttft_s, "tbt_s": adm.slo.tbt_s, "target": adm.target},
             "decisions": [
                 {"policy": p, "outcome": o, "count": n}

@@ -208,10 +208,6 @@ class DisaggAPI:
             data = await self._body(request)
             if self._role == "decode":
                 raise Rejected(rpc_error(409, "this node only decodes; it does not prefill"))
-            engine = self._ready_engine()
-            sender = self._sender()
-            if sender is None:
-                raise Rejected(rpc_error(503, "this node cannot send KV (no transfer engine)"))
             try:
                 rid = _request_id(data.get("request_id"))
                 prompt = _token_ids(data.get("prompt_token_ids"))
@@ -235,6 +231,10 @@ class DisaggAPI:
                         code="prefill_busy",
                     )
                 )
+            engine = self._ready_engine()
+            sender = self._sender()
+            if sender is None:
+                raise Rejected(rpc_error(503, "this node cannot send KV (no transfer engine)"))
             # One token: the first of the completion, sampled exactly as the
             # decode node would; stop conditions are the decode node's to check.
             first = dataclasses.replace(sampling, max_tokens=1, stop=(), stop_token_ids=())

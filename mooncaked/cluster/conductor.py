@@ -69,6 +69,9 @@ class Decision:
                 "decode": r.decode.node_id,
                 "prefill": [c.node_id for c in r.prefill],
                 "fetch": r.fetch,
+                "prefill_fetch": list(r.prefill_fetch),
+                # Late binding: what the entry forecast of each, as offered.
+                "offers": [o.to_list() for o in r.offers],
                 "predicted_ttft_s": round(r.predicted_ttft_s, 6),
                 "predicted_tbt_s": round(r.predicted_tbt_s, 6),
                 "model_ttft_s": round(r.model_ttft_s, 6),

@@ -359,6 +359,10 @@ class KVReceiver(KVConnector):
         while (step := walk.next()) is not None:
             i, max_wait = step
             target = source.targets[i]
+            if max_wait < 0.0:
+                # Slower than the candidates left even idle: not worth a call.
+                self.stats.passed_on += 1
+                continue
             t0 = self._clock()
             try:
                 opened = self._open_grant(grant, target.node_id)

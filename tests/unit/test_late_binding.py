@@ -7,8 +7,13 @@ import math
 import random
 from collections import Counter
 
+import aiohttp
+import orjson
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
+from mooncaked.api.disagg import PREFILL_PATH, DisaggAPI, PrefillClient
 from mooncaked.cluster.admission import Admission
 from mooncaked.cluster.costs import NodeCosts, StepCost
 from mooncaked.cluster.placement import ConductorParams, Placement, PlacementRequest
@@ -16,8 +21,10 @@ from mooncaked.cluster.slo import Slo
 from mooncaked.cluster.state import ClusterView, NodeLoad
 from mooncaked.engine.connector import ConnectorContext
 from mooncaked.engine.handoff import (
+    KVGrant,
     KVReceiver,
     PrefillBusy,
+    PrefillError,
     PrefillReply,
     PrefillSource,
     PrefillTarget,
@@ -26,7 +33,8 @@ from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.late_binding import PrefillOffer, PrefillWalk
 from mooncaked.engine.plan import LoadJob, SampledToken
 from mooncaked.engine.runner import KVLayout
-from mooncaked.request import Request, SamplingParams
+from mooncaked.request import Request, SamplingParams, sampling_to_dict
+from mooncaked.rpc import derive_key, signed_headers
 from tests.unit.test_conductor_costs import add
 
 # 10 ms a step, 1 ms a prompt token: a 100-token prompt takes 0.11 s anywhere.
@@ -168,3 +176,72 @@ async def test_the_decode_node_asks_the_next_when_a_prefill_node_passes_it_on() 
     # The blocks it held for the prefill node's writes are released.
     pool.free(blocks)
     assert pool.num_free_blocks == 8
+
+
+async def test_a_prefill_node_whose_queue_is_too_long_passes_the_request_on() -> None:
+    """The real endpoint and client over HTTP: the node judges the offer by
+    its own queue (2 s here) before anything else, and the decode node's
+    client reads a refusal as PrefillBusy, not as a failure."""
+    secret = b"s" * 32
+    api = DisaggAPI(
+        secret=secret,
+        node_id=lambda: "p1",
+        role="prefill",
+        engine=lambda: None,
+        sender=lambda: None,
+        draining=lambda: False,
+        queue_s=lambda: 2.0,
+    )
+    app = web.Application()
+    app.add_routes(api.routes())
+    async with TestServer(app) as server:
+        url = str(server.make_url(""))
+
+        async def call(extra: dict[str, object]) -> tuple[int, dict[str, object]]:
+            body = orjson.dumps(
+                {
+                    "request_id": "r1",
+                    "prompt_token_ids": [1, 2, 3],
+                    "sampling": sampling_to_dict(SamplingParams(max_tokens=4)),
+                    "grant": GRANT.to_dict(),
+                    **extra,
+                }
+            )
+            headers = signed_headers(derive_key(secret), "POST", PREFILL_PATH, body)
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url.rstrip("/") + PREFILL_PATH, data=body, headers=headers) as r,
+            ):
+                return r.status, orjson.loads(await r.read())
+
+        status, doc = await call({"max_wait_s": 1.0})
+        assert status == 409 and doc["error"]["code"] == "prefill_busy"
+        assert "2.000 s" in doc["error"]["message"]
+        # Within its limit, or with none, the node goes on (and, not serving
+        # in this test, answers 503: nothing was queued by the refusal).
+        for extra in ({"max_wait_s": 5.0}, {}):
+            status, doc = await call(extra)
+            assert status == 503, doc
+        status, doc = await call({"max_wait_s": -1.0})
+        assert status == 400 and "max_wait_s" in doc["error"]["message"]
+
+        async with PrefillClient(secret=secret, timeout_s=5.0) as client:
+            target = PrefillTarget("p1", url)
+            req = Request("r1", [1, 2, 3], SamplingParams(max_tokens=4))
+            with pytest.raises(PrefillBusy, match=r"2\.000 s"):
+                await client.prefill(target, req, GRANT, 1.0)
+            with pytest.raises(PrefillError) as exc:
+                await client.prefill(target, req, GRANT, 5.0)
+            assert not isinstance(exc.value, PrefillBusy) and "503" in str(exc.value)
+
+
+GRANT = KVGrant(
+    request_id="r1",
+    node_id="d1",
+    transfer_address="127.0.0.1:1",
+    segment="kv",
+    layout=KVLayout(num_layers=1, num_blocks=8, block_size=16, row_bytes=8),
+    first_block=0,
+    block_ids=(0,),
+    ttl_s=5.0,
+)
