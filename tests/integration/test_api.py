@@ -725,7 +725,13 @@ async def test_handoff_status_and_metrics_of_a_serving_node(node: Node) -> None:
         st = await (await s.get("/admin/status")).json()
     handoff = st["handoff"]
     assert handoff["layerwise"] is True
-    assert handoff["handoffs"] == {"ok": 0, "retried": 0, "fell_back": 0, "cancelled": 0}
+    assert handoff["handoffs"] == {
+        "ok": 0,
+        "retried": 0,
+        "passed_on": 0,
+        "fell_back": 0,
+        "cancelled": 0,
+    }
     assert handoff["sent"]["bytes"] == 0
     assert "bytes_written" in handoff["transfer"]
     text = await scrape(node)
