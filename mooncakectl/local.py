@@ -32,11 +32,19 @@ from typing import Any, TextIO
 
 from mooncakectl.client import Client, DaemonError, DaemonUnreachable
 from mooncakectl.registry import Env, ExitStatus, command
+from mooncakectl.rundir import (
+    STATE_FILE,
+    identity,
+    not_our_daemon,
+    open_run_dir,
+    read_state,
+    write_private,
+    write_state,
+)
 from mooncaked.config import BUILTIN_PREFIX
 from mooncaked.engine.bundled import SMOLLM2_INSTALL, default_model_path
 from mooncaked.process import cores
 
-STATE_FILE = "nodes.json"
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 DEFAULT_PORT = 8000
 LOOPBACK = "127.0.0.1"
@@ -226,20 +234,6 @@ def _run_dir(args: argparse.Namespace) -> Path:
     return Path(tempfile.gettempdir()) / f"mooncakectl-{os.getuid()}"
 
 
-def _read_state(run_dir: Path) -> list[dict[str, Any]]:
-    try:
-        data = json.loads((run_dir / STATE_FILE).read_text())
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot read {run_dir / STATE_FILE}: {exc}") from None
-    return list(data.get("nodes", []))
-
-
-def _write_state(run_dir: Path, nodes: list[dict[str, Any]]) -> None:
-    (run_dir / STATE_FILE).write_text(json.dumps({"nodes": nodes}, indent=2))
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -266,7 +260,14 @@ def stop_nodes(
     """SIGTERM every live node at once (each drains), wait up to ``wait_s``, then
     SIGKILL the ones still running. Returns (drained, killed)."""
     procs = procs or {}
-    live = [n for n in nodes if _alive(int(n["pid"]))]
+    live = []
+    for node in nodes:
+        pid = int(node["pid"])
+        why = None if pid in procs else not_our_daemon(node)
+        if why is None:
+            live.append(node)
+        elif why != "it is not running":
+            env.stderr.write(f"mooncakectl: not signalling pid {pid} ({_label(node)}): {why}\n")
     for node in live:
         try:
             os.kill(int(node["pid"]), signal.SIGTERM)
@@ -403,9 +404,8 @@ def up(args: argparse.Namespace, env: Env) -> int:
     plans = plan_nodes(args.prefill, args.decode, args.port)
     cpus = node_cpus(len(plans), sorted(os.sched_getaffinity(0))) if args.pin else [""] * len(plans)
     base = read_base_config(args.config)
-    run_dir = _run_dir(args)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    running = [n for n in _read_state(run_dir) if _alive(int(n["pid"]))]
+    run_dir = open_run_dir(_run_dir(args))
+    running = [n for n in read_state(run_dir) if not_our_daemon(n) is None]
     if running:
         env.stderr.write(
             f"mooncakectl: already running: {', '.join(n['url'] for n in running)} "
@@ -422,7 +422,7 @@ def up(args: argparse.Namespace, env: Env) -> int:
     started: list[tuple[NodePlan, subprocess.Popen[bytes], Path]] = []
     for plan, plan_cpus in zip(plans, cpus, strict=True):
         node_dir = run_dir / plan.name if cluster else run_dir
-        node_dir.mkdir(parents=True, exist_ok=True)
+        open_run_dir(node_dir)
         doc = node_config(
             base,
             plan,
@@ -436,11 +436,13 @@ def up(args: argparse.Namespace, env: Env) -> int:
         )
         config_path = node_dir / ("mooncaked.toml" if cluster else f"mooncaked-{plan.port}.toml")
         # The secret is in it: readable by this user only.
-        config_path.touch(mode=0o600)
-        config_path.write_text(to_toml(doc))
+        write_private(config_path, to_toml(doc))
         log_path = node_dir / ("mooncaked.log" if cluster else f"mooncaked-{plan.port}.log")
         cmd = [sys.executable, "-m", "mooncaked", "--config", str(config_path)]
-        with open(log_path, "ab") as log:
+        log_fd = os.open(
+            log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+        with os.fdopen(log_fd, "ab") as log:
             # A new session: the daemon outlives this command and its terminal.
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
@@ -454,10 +456,11 @@ def up(args: argparse.Namespace, env: Env) -> int:
                 "node_id": plan.node_id,
                 "role": plan.role,
                 "log": str(log_path),
+                **identity(proc.pid, str(config_path)),
             }
         )
         # Written after each start: a failure halfway still leaves `down` a record.
-        _write_state(run_dir, nodes)
+        write_state(run_dir, nodes)
 
     deadline = time.monotonic() + args.start_timeout
     try:
@@ -534,7 +537,7 @@ def _configure_down(p: argparse.ArgumentParser) -> None:
 )
 def down(args: argparse.Namespace, env: Env) -> int:
     run_dir = _run_dir(args)
-    nodes = _read_state(run_dir)
+    nodes = read_state(open_run_dir(run_dir)) if run_dir.exists() else []
     drained, killed = stop_nodes(env, nodes, args.wait)
     (run_dir / STATE_FILE).unlink(missing_ok=True)
     if not drained and not killed:

@@ -194,8 +194,20 @@ def pin_cpus(cpu_list: str) -> frozenset[int]:
         tasks = [int(t) for t in os.listdir(f"/proc/{os.getpid()}/task")]
     except OSError:
         tasks = [0]
-    for tid in tasks:
-        os.sched_setaffinity(tid, wanted)
+    if wanted == allowed:
+        # Already so (e.g. systemd's CPUAffinity=): nothing to ask the kernel.
+        return wanted
+    try:
+        for tid in tasks:
+            os.sched_setaffinity(tid, wanted)
+    except PermissionError as exc:
+        # A seccomp filter (systemd's SystemCallFilter=~@resources) answers
+        # EPERM: a restart would fail the same way, so this is a config error.
+        raise ConfigError(
+            f"node.cpus: {cpu_list!r} cannot be applied: sched_setaffinity is not permitted "
+            f"({exc.strerror}); under systemd allow it with SystemCallFilter=sched_setaffinity, "
+            "or pin with CPUAffinity= in the unit and leave node.cpus empty"
+        ) from None
     return wanted
 
 
