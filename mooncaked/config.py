@@ -345,6 +345,10 @@ class ClusterConfig:
     block_log_entries: int = 65536
     # Dead and left members are forgotten after this long.
     dead_reap_s: float = 300.0
+    # Incarnations and generations are wall-clock milliseconds in origin: news
+    # claiming one further ahead of this node's clock than this is refused, so
+    # no forged claim can outrank a node's own answer for longer.
+    max_clock_skew_s: float = 60.0
     # Tests only: serve POST /admin/test/blocks (fake block events) and
     # /admin/test/drop_peers (a staged partition). Never in production.
     test_hooks: bool = False
@@ -377,6 +381,11 @@ class ClusterConfig:
         _check(self.max_broadcasts > 0, "max_broadcasts", "must be > 0")
         _check(self.block_log_entries > 0, "block_log_entries", "must be > 0")
         _check(self.dead_reap_s > 0, "dead_reap_s", "must be > 0")
+        _check(
+            0 < self.max_clock_skew_s <= 86400,
+            "max_clock_skew_s",
+            "must be > 0 and at most 86400 (a day); set NTP up rather than raise it",
+        )
         for seed in self.seeds:
             host, sep, port = seed.rpartition(":")
             _check(

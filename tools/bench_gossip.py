@@ -251,6 +251,7 @@ class SimCluster:
                 f"s{i:04d}",
                 SECRET,
                 clock=lambda: self.now,
+                wall_clock=lambda: int(self.now * 1000),
                 rng=random.Random(seed * 100_003 + i),
                 generation=1000 + i,
                 local_state=lambda i=i: self.loads[i],

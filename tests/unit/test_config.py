@@ -90,6 +90,8 @@ def test_values_are_read_and_ints_accepted_for_floats(tmp_path: Path) -> None:
         ('[transfer]\ntransports = "tcp"\n', ["'transfer.transports'", "list"]),
         ("[cluster]\nprobe_timeout_s = 1.0\n", ["'cluster.probe_timeout_s'", "probe_interval_s"]),
         ('[cluster]\nseeds = ["nohostport"]\n', ["'cluster.seeds'", "host:port"]),
+        ("[cluster]\nmax_clock_skew_s = 0\n", ["'cluster.max_clock_skew_s'", "> 0"]),
+        ("[cluster]\nmax_clock_skew_s = inf\n", ["'cluster.max_clock_skew_s'", "86400"]),
         ('[node]\ncluster_secret = "short"\n', ["'node.cluster_secret'", "8 characters"]),
         ('[node]\ncpus = "0-x"\n', ["'node.cpus'", "'0-x'", "not a CPU"]),
         ('[node]\ncpus = "3-1"\n', ["'node.cpus'", "'3-1'"]),

@@ -12,6 +12,7 @@ import random
 from dataclasses import replace
 
 import pytest
+from structlog.testing import capture_logs
 
 from mooncaked.cluster import wire
 from mooncaked.cluster.gossip.core import GossipCore
@@ -42,6 +43,8 @@ class SimNet:
         self.loads: dict[str, LocalState] = {}
         # Status history per (observer, target): what each node believed, in order.
         self.history: dict[tuple[str, str], list[MemberStatus]] = {}
+        # How far a node's wall clock runs ahead of the others', in milliseconds.
+        self.clock_ahead_ms: dict[str, int] = {}
 
     def addr_of(self, node_id: str) -> Addr:
         for addr, core in self.cores.items():
@@ -61,6 +64,7 @@ class SimNet:
             node_id,
             SECRET,
             clock=self.clock,
+            wall_clock=lambda: int(self.clock.t * 1000) + self.clock_ahead_ms.get(node_id, 0),
             rng=random.Random(f"{node_id}:{port}"),
             generation=generation or 1_000 + port,
             local_state=lambda: self.loads[node_id],
@@ -120,8 +124,13 @@ class SimNet:
         if dst is None or dst.node_id in self.paused:
             src.counters.syncs_failed += 1
             return False
-        replies = dst.handle_tcp_request(src.sync_packet("sync", join))
-        src.handle_sync_reply(replies[0], node_id)
+        try:
+            replies = dst.handle_tcp_request(src.sync_packet("sync", join))
+            src.handle_sync_reply(replies[0], node_id)
+        except wire.WireError:
+            # As on real sockets: a refused request or reply is a failed sync.
+            src.counters.syncs_failed += 1
+            return False
         return True
 
     def _pull(self, src: GossipCore, node_id: str) -> None:
@@ -569,15 +578,23 @@ def test_a_suspicion_at_the_top_incarnation_is_dropped_not_fatal() -> None:
 def test_the_highest_accepted_accusation_can_still_be_refuted() -> None:
     net = make_cluster(3)
     n0, n1 = net.core("n0"), net.core("n1")
-    top = wire.MAX_INCARNATION - 1
-    n1.on_datagram(
-        signed(net, "n2", {"t": "suspect", "node": "n0", "inc": top, "from": "n2"}),
-        net.addr_of("n2"),
-    )
+    # As far ahead of the wall clock as receivers allow.
+    top = wall_ms(net) + int(CONFIG.max_clock_skew_s * 1000)
+    accusation = signed(net, "n2", {"t": "suspect", "node": "n0", "inc": top, "from": "n2"})
+    n1.on_datagram(accusation, net.addr_of("n2"))
     assert n1.view.members["n0"].status is MemberStatus.SUSPECT
-    net.run_until(lambda: net.all_see("n0", MemberStatus.ALIVE), 2 * CONFIG.suspect_timeout_s)
-    assert n0.incarnation == wire.MAX_INCARNATION
-    assert n1.view.members["n0"].incarnation == wire.MAX_INCARNATION
+    n0.on_datagram(accusation, net.addr_of("n2"))
+    assert n0.incarnation == top + 1
+    # n0's refutation, one more than allowed, reaches n1 in the same instant
+    # (on the ack of a ping): refused there, it must be said again.
+    n0.on_datagram(signed(net, "n1", {"t": "ping", "seq": 99, "target": "n0"}), net.addr_of("n1"))
+    net.deliver()
+    assert n1.counters.dropped_invalid == 1
+    assert n1.view.members["n0"].status is MemberStatus.SUSPECT
+    net.run_until(lambda: net.all_see("n0", MemberStatus.ALIVE), CONFIG.suspect_timeout_s)
+    assert n1.view.members["n0"].incarnation == top + 1
+    assert net.core("n2").view.members["n0"].incarnation == top + 1
+    assert MemberStatus.DEAD not in net.history[("n1", "n0")]
 
 
 def _state_of(net: SimNet, node_id: str, **changes: object) -> dict[str, object]:
@@ -701,3 +718,187 @@ def test_a_ping_req_probes_only_members_at_their_known_address() -> None:
         net.addr_of("n1"),
     )
     assert [addr for addr, _ in n0.take_outbox()] == [net.addr_of("n2")]
+
+
+# -- forged membership news: a node can always refute what is said about it -----------------
+
+# Where no node listens: a forged alive points a member here.
+NOWHERE: Addr = ("127.0.0.1", 7999)
+
+
+def wall_ms(net: SimNet) -> int:
+    """The wall clock, in milliseconds, every core of ``net`` reads."""
+    return int(net.clock.t * 1000)
+
+
+def forged(*messages: dict[str, object]) -> bytes:
+    """Signed with the cluster secret by a sender that is no member."""
+    return wire.Codec(SECRET, "intruder").seal([wire.msg_frame(m) for m in messages])
+
+
+def restart(net: SimNet, node_id: str, seed: str) -> GossipCore:
+    """A new process of ``node_id`` at the same address, its generation its start time."""
+    port = net.addr_of(node_id)[1]
+    return net.add(node_id, port, seeds=(f"127.0.0.1:{seed}",), generation=wall_ms(net))
+
+
+def seen_at(net: SimNet, node_id: str, observers: tuple[str, ...]) -> bool:
+    """Every observer holds ``node_id`` alive, at its real address, in its current generation."""
+    core = net.core(node_id)
+    for observer in observers:
+        m = net.core(observer).view.members.get(node_id)
+        if (
+            m is None
+            or m.status is not MemberStatus.ALIVE
+            or m.addr != net.addr_of(node_id)
+            or m.generation != core.generation
+        ):
+            return False
+    return True
+
+
+def test_a_forged_alive_at_the_top_incarnation_cannot_cut_a_node_out() -> None:
+    net = make_cluster(3)
+    n0 = net.core("n0")
+    claim = {
+        "t": "alive",
+        "node": "n0",
+        "inc": wire.MAX_INCARNATION,
+        "gen": n0.generation,
+        "addr": list(NOWHERE),
+    }
+    for observer in ("n1", "n2"):
+        net.core(observer).on_datagram(forged(claim), NOWHERE)
+    net.deliver()
+    net.run_until(lambda: seen_at(net, "n0", ("n1", "n2")), 10)
+    # And it stays so: no probe of a dead address turns it into a suspect.
+    net.run_for(2 * CONFIG.suspect_timeout_s)
+    assert seen_at(net, "n0", ("n1", "n2"))
+    for observer in ("n1", "n2"):
+        assert MemberStatus.DEAD not in net.history[(observer, "n0")]
+
+
+def test_a_forged_suspicion_at_the_top_then_a_pause_then_a_restart() -> None:
+    net = make_cluster(3)
+    net.pause("n0")
+    claim = {"t": "suspect", "node": "n0", "inc": wire.MAX_INCARNATION - 1, "from": "n2"}
+    net.core("n1").on_datagram(forged(claim), NOWHERE)
+    net.deliver()
+    # n0 does not answer for longer than the suspect timeout.
+    net.run_for(CONFIG.suspect_timeout_s + 2.0)
+    net.resume("n0")
+    net.run_until(lambda: seen_at(net, "n0", ("n1", "n2")), 10)
+    new = restart(net, "n0", "7001")
+    net.run_until(lambda: seen_at(net, "n0", ("n1", "n2")), 10)
+    assert all(m.status is MemberStatus.ALIVE for m in new.view.members.values())
+
+
+def test_a_refutation_refused_as_too_far_ahead_is_said_again() -> None:
+    # Syncs rare: only the node itself can repair a peer that missed its news.
+    net = make_cluster(3, replace(CONFIG, sync_interval_s=60.0))
+    net.clock_ahead_ms["n0"] = 1000  # n0's clock runs a second ahead of the others'
+    n0, n1 = net.core("n0"), net.core("n1")
+    old = n1.view.members["n0"].incarnation
+    # A claim about n0 as far ahead as n0's own clock allows: n0 outranks it,
+    # and every copy of its answer reaches peers that refuse it for a second.
+    top = wall_ms(net) + 1000 + int(CONFIG.max_clock_skew_s * 1000)
+    claim = {"t": "alive", "node": "n0", "inc": top, "gen": n0.generation, "addr": [*NOWHERE]}
+    n0.on_datagram(forged(claim), NOWHERE)
+    assert n0.incarnation == top + 1
+    net.run_until(lambda: n0.num_pending_broadcasts == 0, 1.0)
+    assert n1.view.members["n0"].incarnation == old
+    assert n1.counters.dropped_invalid >= 1
+    # Past the second, n1 suspects n0 at the incarnation it knows.
+    net.run_for(1.0)
+    n1.on_datagram(
+        signed(net, "n2", {"t": "suspect", "node": "n0", "inc": old, "from": "n2"}),
+        net.addr_of("n2"),
+    )
+    net.run_until(lambda: net.all_see("n0", MemberStatus.ALIVE), CONFIG.suspect_timeout_s)
+    for observer in ("n1", "n2"):
+        assert net.core(observer).view.members["n0"].incarnation == top + 1
+        assert MemberStatus.DEAD not in net.history[(observer, "n0")]
+
+
+def test_news_further_ahead_than_the_clock_skew_allows_is_refused_and_counted() -> None:
+    net = make_cluster(3)
+    n0 = net.core("n0")
+    n0.take_outbox()
+    limit = wall_ms(net) + int(CONFIG.max_clock_skew_s * 1000)
+    ahead = {"t": "alive", "node": "n9", "inc": limit + 1, "gen": limit + 1, "addr": [*NOWHERE]}
+    before = digest(n0)
+    with capture_logs() as logs:
+        n0.on_datagram(signed(net, "n1", ahead), net.addr_of("n1"))
+    assert n0.counters.dropped_invalid == 1
+    assert digest(n0) == before
+    assert n0.take_outbox() == []
+    warnings = [e for e in logs if e["log_level"] == "warning"]
+    assert len(warnings) == 1
+    assert warnings[0]["target"] == "n9" and warnings[0]["incarnation"] == limit + 1
+    assert warnings[0]["ahead_s"] == pytest.approx(CONFIG.max_clock_skew_s + 0.001)
+    assert "NTP" in warnings[0]["event"]
+    # Accusations likewise; the limit itself is accepted.
+    n0.on_datagram(
+        signed(net, "n1", {"t": "suspect", "node": "n2", "inc": limit + 1, "from": "n1"}),
+        net.addr_of("n1"),
+    )
+    assert n0.counters.dropped_invalid == 2
+    assert n0.view.members["n2"].status is MemberStatus.ALIVE
+    n0.on_datagram(signed(net, "n1", {**ahead, "inc": limit, "gen": limit}), net.addr_of("n1"))
+    assert n0.counters.dropped_invalid == 2
+    assert n0.view.members["n9"].generation == limit
+
+
+def test_a_sync_entry_too_far_ahead_is_skipped_and_the_rest_applied() -> None:
+    net = make_cluster(2)
+    n0 = net.core("n0")
+    limit = wall_ms(net) + int(CONFIG.max_clock_skew_s * 1000)
+    entry = {"status": "alive", "addr": [*NOWHERE], "state": None, "seg": [], "sver": 0}
+    members = [
+        {**entry, "node": "n7", "inc": 9000, "gen": 9000},
+        {**entry, "node": "n8", "inc": limit + 1, "gen": limit + 1},
+    ]
+    n0.handle_tcp_request(signed(net, "n1", {"t": "sync", "join": False, "members": members}))
+    assert n0.counters.dropped_invalid == 1
+    assert "n7" in n0.view.members and "n8" not in n0.view.members
+
+
+def test_a_node_whose_clock_runs_too_far_ahead_is_refused_by_its_peers() -> None:
+    net = make_cluster(2)
+    skew_ms = int(CONFIG.max_clock_skew_s * 1000)
+    net.clock_ahead_ms["n2"] = skew_ms + 5000
+    n2 = net.add("n2", 7002, seeds=("127.0.0.1:7000",), generation=wall_ms(net) + skew_ms + 5000)
+    net.run_for(2.0)
+    assert "n2" not in net.core("n0").view.members
+    assert net.core("n0").counters.dropped_invalid >= 1
+    # A generation beyond the bound of its own clock is a caller's mistake.
+    with pytest.raises(ValueError, match="max_clock_skew_s"):
+        GossipCore(
+            CONFIG,
+            "n3",
+            SECRET,
+            clock=net.clock,
+            wall_clock=lambda: wall_ms(net),
+            rng=random.Random(3),
+            generation=wall_ms(net) + skew_ms + 1,
+            local_state=LocalState,
+        )
+    assert n2.incarnation == n2.generation
+
+
+@pytest.mark.parametrize("num_nodes", [2, 3])
+def test_a_forged_alive_at_the_highest_accepted_incarnation_is_refuted(num_nodes: int) -> None:
+    net = make_cluster(num_nodes)
+    n0 = net.core("n0")
+    top = wall_ms(net) + int(CONFIG.max_clock_skew_s * 1000)
+    claim = {"t": "alive", "node": "n0", "inc": top, "gen": n0.generation, "addr": [*NOWHERE]}
+    observers = tuple(f"n{i}" for i in range(1, num_nodes))
+    # Only the others hear it, and they then send n0's news to nowhere.
+    for observer in observers:
+        net.core(observer).on_datagram(forged(claim), NOWHERE)
+        assert net.core(observer).view.members["n0"].addr == NOWHERE
+    net.run_until(lambda: seen_at(net, "n0", observers), 10)
+    assert n0.incarnation == top + 1
+    for observer in observers:
+        assert net.core(observer).view.members["n0"].incarnation == top + 1
+        assert MemberStatus.DEAD not in net.history[(observer, "n0")]

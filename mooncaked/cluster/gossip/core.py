@@ -35,7 +35,12 @@ import structlog
 
 from mooncaked.cluster import wire
 from mooncaked.cluster.gossip.blocks import BlockReplication
-from mooncaked.cluster.gossip.membership import Membership, next_tick, suspect_frame
+from mooncaked.cluster.gossip.membership import (
+    Membership,
+    WallClock,
+    next_tick,
+    suspect_frame,
+)
 from mooncaked.cluster.gossip.queue import BroadcastQueue
 from mooncaked.cluster.state import (
     BlockDelta,
@@ -74,13 +79,26 @@ class GossipCore:
         secret: bytes,
         *,
         clock: Clock,
+        wall_clock: WallClock,
         rng: random.Random,
         generation: int,
         local_state: Callable[[], LocalState],
         addr: Addr = ("127.0.0.1", 0),
     ) -> None:
+        """``clock`` reads monotonic seconds (liveness, timers); ``wall_clock`` reads
+        wall-clock milliseconds, where incarnations start: ``generation`` is the
+        process's start time on it.
+        """
         if generation <= 0:
             raise ValueError(f"generation must be > 0 (it orders restarts), got {generation}")
+        ahead_ms = generation - wall_clock()
+        if ahead_ms > config.max_clock_skew_s * 1000:
+            # Every peer would refuse this node's news.
+            raise ValueError(
+                f"generation {generation} is {ahead_ms / 1000:.3f} s ahead of the wall clock, "
+                f"beyond cluster.max_clock_skew_s = {config.max_clock_skew_s}; "
+                "use the start time in milliseconds"
+            )
         self.config = config
         self.node_id = node_id
         self.codec = wire.Codec(secret, node_id)
@@ -106,6 +124,7 @@ class GossipCore:
             config,
             self.view,
             clock=clock,
+            wall_clock=wall_clock,
             rng=rng,
             generation=generation,
             addr=addr,
@@ -362,11 +381,15 @@ class GossipCore:
             swim.on_ping_req(sender, addr, msg)
         elif t == "alive":
             node_id, inc, gen, member_addr = wire.get_member(msg)
+            swim.check_incarnation(node_id, inc)
             swim.on_alive(node_id, inc, gen, member_addr, wire.reframe(wire.FRAME_MSG, raw))
-        elif t == "suspect":
-            swim.on_suspect(*_accusation(msg))
-        elif t == "dead":
-            swim.on_dead(*_accusation(msg))
+        elif t == "suspect" or t == "dead":
+            node_id, inc, source = _accusation(msg)
+            swim.check_incarnation(node_id, inc)
+            if t == "suspect":
+                swim.on_suspect(node_id, inc, source)
+            else:
+                swim.on_dead(node_id, inc, source)
         elif t == "state":
             # Most state news arrives again and again: check before decoding it all.
             node_id = msg.get("node")
@@ -538,7 +561,10 @@ class GossipCore:
         """Merges a remote member list; remote 'dead' is only taken as 'suspect'.
 
         Every entry is decoded before any is applied: a list with one bad
-        entry is dropped whole (WireError), never half-merged.
+        entry is dropped whole (WireError), never half-merged. An entry whose
+        incarnation is too far ahead of this node's clock is skipped (and
+        counted) rather than failing the list: it is well-formed, just not
+        acceptable yet, and the rest of the list is news we need.
 
         Alive and state news about third parties is applied but not passed on:
         the peer already spreads what it learned by gossip, and re-spreading a
@@ -553,6 +579,11 @@ class GossipCore:
         swim = self.membership
         for e in entries:
             node_id = e.node_id
+            try:
+                swim.check_incarnation(node_id, e.inc)
+            except wire.BoundsError:
+                self.counters.dropped_invalid += 1
+                continue
             spread = node_id == sender
             if e.status is MemberStatus.ALIVE:
                 swim.on_alive(node_id, e.inc, e.gen, e.addr, spread=spread)

@@ -7,9 +7,19 @@ A suspect that does not refute (by gossiping ``alive`` with a higher
 incarnation) within ``suspect_timeout_s`` is declared dead. Ordering is by
 incarnation: news about a node with a lower incarnation than known is
 dropped. A process starts its incarnation (and its ``generation``) at its
-start time in milliseconds, so a restarted node outranks everything said
-about its previous life and rejoins at once. ``leave()`` announces ``dead``
-from the node itself (status ``left``).
+start time in wall-clock milliseconds and raises it by one per refutation,
+so a restarted node outranks everything honestly said about its previous
+life and rejoins at once.
+
+That origin is an invariant checked on receipt: news naming an incarnation
+more than ``max_clock_skew_s`` ahead of this node's wall clock is refused
+(``check_incarnation``). A node can therefore always answer what is said
+about it, restarts included: a forged claim (signed by someone holding the
+cluster secret) sits at most that far ahead, the node's refutation is one
+more, and every receiver takes it once its clock allows, at the latest after
+``max_clock_skew_s``. A node that hears itself accused at an incarnation below
+its own (a peer missed or refused its refutation) says it again.
+``leave()`` announces ``dead`` from the node itself (status ``left``).
 
 No I/O: packets go out through the ``send`` function the core passes in,
 news through the broadcast queue, and what the block-index replica must
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,8 +46,20 @@ log = structlog.get_logger(__name__)
 
 Addr = tuple[str, int]
 Clock = Callable[[], float]
+# Wall-clock milliseconds: the origin of incarnations and generations.
+WallClock = Callable[[], int]
 # (address, frames, node it is meant for): the core seals the frames with news.
 Send = Callable[[Addr, list[bytes], str | None], None]
+
+# A clock-skew warning names a node at most this often (news repeats a lot).
+_SKEW_WARNING_EVERY_S = 10.0
+# Nodes whose skew warnings are remembered; beyond it the memory is cleared.
+_MAX_SKEW_WARNED = 1024
+
+
+def wall_clock_ms() -> int:
+    """This host's wall clock in milliseconds: where a process starts its incarnation."""
+    return time.time_ns() // 1_000_000
 
 
 class MemberListener(Protocol):
@@ -77,8 +100,10 @@ class Membership:
         "_rng",
         "_send",
         "_seq",
+        "_skew_warned",
         "_suspect_deadlines",
         "_up_peers",
+        "_wall_clock",
         "config",
         "counters",
         "generation",
@@ -95,6 +120,7 @@ class Membership:
         view: ClusterView,
         *,
         clock: Clock,
+        wall_clock: WallClock,
         rng: random.Random,
         generation: int,
         addr: Addr,
@@ -107,6 +133,7 @@ class Membership:
         self.node_id = view.self_id
         self.counters = view.counters
         self._clock = clock
+        self._wall_clock = wall_clock
         self._rng = rng
         self._queue = queue
         self._send = send
@@ -128,6 +155,8 @@ class Membership:
         self._probe_order: list[str] = []
         self._probe_pos = 0
         self._next_probe = now + rng.uniform(0, config.probe_interval_s)
+        # node id -> when (monotonic) its clock skew was last logged.
+        self._skew_warned: dict[str, float] = {}
 
     def announce(self) -> None:
         """Queues this node's own alive news (after binding, or a refutation)."""
@@ -320,6 +349,39 @@ class Membership:
 
     # ------------------------------------------------------- membership rules
 
+    def check_incarnation(self, node_id: str, inc: int) -> None:
+        """Refuses (``BoundsError``) an incarnation too far ahead of this node's wall clock.
+
+        Without this bound one signed claim at the top incarnation would stand
+        until the member is reaped: nothing can outrank it, not even the node
+        itself after a restart (its new generation is its start time).
+        """
+        ahead_ms = inc - self._wall_clock()
+        if ahead_ms <= self.config.max_clock_skew_s * 1000:
+            return
+        self._warn_skew(node_id, inc, ahead_ms)
+        raise wire.BoundsError(
+            f"incarnation {inc} of {node_id!r} is {ahead_ms / 1000:.3f} s ahead of this node's "
+            f"clock (max_clock_skew_s = {self.config.max_clock_skew_s})"
+        )
+
+    def _warn_skew(self, node_id: str, inc: int, ahead_ms: int) -> None:
+        now = self._clock()
+        last = self._skew_warned.get(node_id)
+        if last is not None and now - last < _SKEW_WARNING_EVERY_S:
+            return
+        if len(self._skew_warned) >= _MAX_SKEW_WARNED:
+            self._skew_warned.clear()
+        self._skew_warned[node_id] = now
+        log.warning(
+            "refused news of a node ahead of this node's clock; check NTP on both hosts",
+            node=self.node_id,
+            target=node_id,
+            incarnation=inc,
+            ahead_s=round(ahead_ms / 1000, 3),
+            max_clock_skew_s=self.config.max_clock_skew_s,
+        )
+
     def _set_status(self, m: Member, status: MemberStatus) -> None:
         if m.status is not status:
             log.info(
@@ -346,6 +408,18 @@ class Membership:
         self.counters.refutations += 1
         log.info("refuting suspicion", node=self.node_id, incarnation=self.incarnation)
         self.announce()
+
+    def _deny(self, inc: int) -> None:
+        """Answers a suspicion or death of this node heard at incarnation ``inc``."""
+        if self.leaving:
+            return
+        if inc >= self.incarnation:
+            self._refute(inc)
+        elif ("m", self.node_id, 0) not in self._queue:
+            # The accuser holds an older suspicion: it missed our refutation
+            # (lost, or refused while ahead of its clock) or knew our previous
+            # life. Say it again; news already queued is on its way.
+            self.announce()
 
     def on_alive(
         self,
@@ -395,8 +469,7 @@ class Membership:
 
     def on_suspect(self, node_id: str, inc: int, source: str) -> None:
         if node_id == self.node_id:
-            if inc >= self.incarnation and not self.leaving:
-                self._refute(inc)
+            self._deny(inc)
             return
         m = self.view.members.get(node_id)
         if m is None or inc < m.incarnation or m.status is not MemberStatus.ALIVE:
@@ -409,8 +482,7 @@ class Membership:
     def on_dead(self, node_id: str, inc: int, source: str) -> None:
         left = source == node_id
         if node_id == self.node_id:
-            if inc >= self.incarnation and not self.leaving:
-                self._refute(inc)
+            self._deny(inc)
             return
         m = self.view.members.get(node_id)
         if m is None or inc < m.incarnation or not m.is_up:

@@ -41,6 +41,9 @@ class BroadcastQueue:
     def __len__(self) -> int:
         return len(self._where)
 
+    def __contains__(self, key: Key) -> bool:
+        return key in self._where
+
     def put(self, key: Key, frame: bytes) -> None:
         """Queue ``frame``; it replaces queued news under the same key."""
         old = self._where.get(key)

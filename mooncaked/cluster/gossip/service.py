@@ -25,6 +25,7 @@ import structlog
 
 from mooncaked.cluster import wire
 from mooncaked.cluster.gossip.core import Addr, Clock, GossipCore, SyncTarget
+from mooncaked.cluster.gossip.membership import WallClock, wall_clock_ms
 from mooncaked.cluster.state import BlockEvent, ClusterCounters, ClusterView, LocalState
 from mooncaked.config import ClusterConfig
 from mooncaked.tasks import TaskSet
@@ -90,6 +91,7 @@ class ClusterService:
         *,
         local_state: Callable[[], LocalState] = LocalState,
         clock: Clock = time.monotonic,
+        wall_clock: WallClock = wall_clock_ms,
         rng: random.Random | None = None,
         generation: int | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
@@ -102,8 +104,9 @@ class ClusterService:
             node_id,
             secret,
             clock=clock,
+            wall_clock=wall_clock,
             rng=rng if rng is not None else random.Random(),
-            generation=generation if generation is not None else time.time_ns() // 1_000_000,
+            generation=generation if generation is not None else wall_clock(),
             local_state=local_state,
             addr=(config.gossip_host, config.gossip_port),
         )
