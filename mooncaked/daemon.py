@@ -94,6 +94,7 @@ from mooncaked.engine.handoff import KVReceiver, KVSender
 from mooncaked.engine.store_connector import TieredStoreConnector
 from mooncaked.notify import Notifier
 from mooncaked.router import Router
+from mooncaked.rpc import Target
 from mooncaked.secrets import is_loopback
 from mooncaked.transfer import Access, TransferEngine
 
@@ -127,8 +128,15 @@ class Node:
         *,
         engine_factory: EngineFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
+        generation: int | None = None,
     ) -> None:
+        """``generation`` (default: now, in ms since the epoch) tells this
+        process from the node's earlier ones: gossip orders restarts by it,
+        and node-to-node calls are signed for it."""
         self._config = config
+        self.generation = generation if generation is not None else time.time_ns() // 1_000_000
+        if self.generation <= 0:
+            raise ValueError(f"generation must be > 0, got {self.generation}")
         # None: the engine is built with its KV cache in a transfer segment.
         self._engine_factory = engine_factory
         self._clock = clock
@@ -192,6 +200,7 @@ class Node:
         self.disagg = DisaggAPI(
             secret=secret,
             node_id=lambda: self.node_id,
+            generation=self.generation,
             role=config.node.role,
             engine=lambda: self._engine,
             sender=lambda: self._sender,
@@ -493,7 +502,9 @@ class Node:
         secret = cfg.node.cluster_secret.encode()
         async with contextlib.AsyncExitStack() as stack:
             prefill_client = await stack.enter_async_context(
-                PrefillClient(secret=secret, timeout_s=cfg.disagg.grant_ttl_s)
+                PrefillClient(
+                    secret=secret, timeout_s=cfg.disagg.grant_ttl_s, targets=self.router.target_of
+                )
             )
             layout = engine.runner.kv_layout
             receiver = KVReceiver(
@@ -565,6 +576,7 @@ class Node:
         self.internal = InternalAPI(
             secret=self._config.node.cluster_secret.encode(),
             node_id=lambda: self.node_id,
+            generation=self.generation,
             holding=lambda: self._holding,
         )
         self.extra_routes.extend(self.internal.routes())
@@ -592,6 +604,7 @@ class Node:
                     node_id=lambda: self.node_id,
                     block_bytes=layout.block_bytes,
                     layout=layout.fingerprint(),
+                    targets=self._target_at,
                 )
             )
             cache = await stack.enter_async_context(
@@ -648,6 +661,14 @@ class Node:
         member = self._member
         return member.view if member is not None else None
 
+    def _target_at(self, url: str) -> Target | None:
+        """What a call to the node at ``url`` is signed for, if the view knows it."""
+        view = self._cluster_view()
+        if view is None:
+            return None
+        member = view.member_at(url.removeprefix("http://").rstrip("/"))
+        return None if member is None else Target(member.node_id, member.generation)
+
     def _cluster_snapshot(self) -> ClusterSnapshot | None:
         member = self._member
         return member.snapshot() if member is not None else None
@@ -679,6 +700,7 @@ class Node:
             pool=engine.pool,
             store=self.store,
             segments=segments,
+            generation=self.generation,
             on_failure=self.fail,
         )
         async with member:

@@ -54,7 +54,7 @@ from mooncaked.request import (
     output_from_dict,
     sampling_to_dict,
 )
-from mooncaked.rpc import derive_key, signed_headers
+from mooncaked.rpc import Target, derive_key, signed_headers
 
 log = structlog.get_logger(__name__)
 
@@ -347,9 +347,16 @@ class _RemoteStream:
 
     async def open(self) -> None:
         session = self._router.session()
+        target = self._router.target_of(self._node.node_id)
+        if target is None:
+            # Unbound, the call could be replayed on any node: not sent.
+            raise DecodeNodeLost(
+                f"{self._node.node_id} is not in this node's cluster view (left or reaped); "
+                "a call to it cannot be signed"
+            )
         headers = {
             "Content-Type": "application/json",
-            **signed_headers(self._router.key, "POST", GENERATE_PATH, self._body),
+            **signed_headers(self._router.key, "POST", GENERATE_PATH, self._body, target=target),
         }
         try:
             resp = await session.post(
@@ -469,6 +476,13 @@ class Router:
 
     def clock(self) -> float:
         return self._clock()
+
+    def target_of(self, node_id: str) -> Target | None:
+        """What a call to ``node_id`` is signed for: its id and generation in
+        this node's view (None: not in the view)."""
+        view = self._view()
+        member = view.get(node_id) if view is not None else None
+        return Target(node_id, member.generation) if member is not None else None
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

@@ -64,7 +64,7 @@ from mooncaked.request import (
     sampling_from_dict,
     sampling_to_dict,
 )
-from mooncaked.rpc import Verifier, derive_key, signed_headers
+from mooncaked.rpc import Target, Verifier, derive_key, signed_headers
 from mooncaked.transfer import TransferEngine, TransferOp, WriteGrant
 
 log = structlog.get_logger(__name__)
@@ -114,13 +114,15 @@ class DisaggAPI:
         *,
         secret: bytes,
         node_id: Callable[[], str],
+        generation: int,
         role: str,
         engine: Callable[[], EngineCore | None],
         sender: Callable[[], KVSender | None],
         draining: Callable[[], bool],
         queue_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
-        self.verifier = Verifier(secret)
+        # Calls are good only if signed for this node in this process.
+        self.verifier = Verifier(secret, identity=lambda: Target(node_id(), generation))
         # How long a prompt queued now waits here, as this node prices it (late binding).
         self._queue_s = queue_s
         self._node_id = node_id
@@ -336,8 +338,17 @@ class TransferWriteGrants:
 class PrefillClient:
     """The decode node's side of ``/internal/prefill``."""
 
-    def __init__(self, *, secret: bytes, timeout_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        secret: bytes,
+        timeout_s: float,
+        targets: Callable[[str], Target | None],
+    ) -> None:
+        """``targets(node_id)``: what a call to that node is signed for (its
+        generation from the cluster view), None when it is not in the view."""
         self._key = derive_key(secret)
+        self._targets = targets
         self._timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
 
@@ -368,9 +379,16 @@ class PrefillClient:
                 **({"max_wait_s": round(max_wait_s, 6)} if math.isfinite(max_wait_s) else {}),
             }
         )
+        bound = self._targets(target.node_id)
+        if bound is None:
+            # Unbound, the call could be replayed on any node: not sent.
+            raise PrefillError(
+                f"{target.node_id} is not in this node's cluster view; "
+                "a call to it cannot be signed"
+            )
         headers = {
             "Content-Type": "application/json",
-            **signed_headers(self._key, "POST", PREFILL_PATH, body),
+            **signed_headers(self._key, "POST", PREFILL_PATH, body, target=bound),
         }
         url = target.url.rstrip("/") + PREFILL_PATH
         try:

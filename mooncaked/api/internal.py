@@ -12,12 +12,16 @@ Endpoints (every request signed, see below; anything else gets 401):
   offsets when it has none. 409 when the reader's block layout differs.
 - ``POST /internal/cache/release`` ``{"lease_id": n}`` -> ``{"released": bool}``;
   false means the lease had lapsed and what the reader read must be discarded.
+- ``GET /internal/identity`` (unsigned) -> ``{"node_id", "generation"}``: what
+  a call to this node must be signed for, for callers that know it by URL
+  only (``store.peers`` not in their cluster view).
 
 Authentication: every call is signed with a key derived from the cluster
-secret, over the method, the path, a timestamp, a nonce and the body
-(``mooncaked.rpc``), so only cluster members can lease slots, a body signed
-for one path is refused on another, and a captured call replayed is refused
-(401) before it takes a lease. A reader holds at most
+secret, over the method, the path, the target node and its generation, a
+timestamp, a nonce and the body (``mooncaked.rpc``), so only cluster members
+can lease slots, a body signed for one path is refused on another, and a
+captured call replayed (here, on another node, or here after a restart) is
+refused (401) before it takes a lease. A reader holds at most
 ``store.peer_max_leases_per_reader`` leases at once, so one peer cannot take
 every slot of ``peer_max_leases``.
 
@@ -41,13 +45,14 @@ from aiohttp import web
 from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
 from mooncaked.cache.hashing import BlockHash, parse_hex_hashes
 from mooncaked.cache.peer import LeaseDesk, Offer, PeerError
-from mooncaked.rpc import Verifier, derive_key, signed_headers
+from mooncaked.rpc import Target, Verifier, derive_key, signed_headers
 from mooncaked.transfer import OpStatus, TransferEngine, TransferOp
 
 log = structlog.get_logger(__name__)
 
 LOOKUP_PATH = "/internal/cache/lookup"
 RELEASE_PATH = "/internal/cache/release"
+IDENTITY_PATH = "/internal/identity"
 # Most hashes one lookup may name (a 1M-token prompt in 16-token blocks).
 MAX_LOOKUP_HASHES = 65536
 # Largest body of each call: a lookup of MAX_LOOKUP_HASHES hex hashes, a release.
@@ -84,14 +89,31 @@ class InternalAPI:
         *,
         secret: bytes,
         node_id: Callable[[], str],
+        generation: int,
         holding: Callable[[], Holding | None],
     ) -> None:
-        self.verifier = Verifier(secret)
         self._node_id = node_id
+        self._generation = generation
+        # Calls are good only if signed for this node in this process.
+        self.verifier = Verifier(secret, identity=self.identity)
         self._holding = holding
 
+    def identity(self) -> Target:
+        return Target(self._node_id(), self._generation)
+
     def routes(self) -> list[web.RouteDef]:
-        return [web.post(LOOKUP_PATH, self.lookup), web.post(RELEASE_PATH, self.release)]
+        return [
+            web.post(LOOKUP_PATH, self.lookup),
+            web.post(RELEASE_PATH, self.release),
+            web.get(IDENTITY_PATH, self.identify),
+        ]
+
+    async def identify(self, request: web.Request) -> web.Response:
+        me = self.identity()
+        return web.Response(
+            body=orjson.dumps({"node_id": me.node_id, "generation": me.generation}),
+            content_type="application/json",
+        )
 
     @property
     def num_unauthorized(self) -> int:
@@ -152,16 +174,36 @@ class InternalAPI:
         )
 
 
+class _Refused(PeerError):
+    """The peer refused the call's signature (401)."""
+
+
 class InternalClient:
-    """The reader's side of the control calls (a ``PeerClient``)."""
+    """The reader's side of the control calls (a ``PeerClient``).
+
+    Each call is signed for its peer's node id and generation: from
+    ``targets(peer_url)`` (the cluster view) when it knows the peer, else as
+    the peer's ``/internal/identity`` says, remembered until the peer refuses
+    a call (401: restarted, or another node at that address now).
+    """
 
     def __init__(
-        self, *, secret: bytes, node_id: Callable[[], str], block_bytes: int, layout: bytes
+        self,
+        *,
+        secret: bytes,
+        node_id: Callable[[], str],
+        block_bytes: int,
+        layout: bytes,
+        targets: Callable[[str], Target | None] = lambda peer: None,
     ) -> None:
         self._key = derive_key(secret)
         self._node_id = node_id
         self._block_bytes = block_bytes
         self._layout = layout
+        self._targets = targets
+        # Peer URL -> what it said it is; bounded by the peers asked (the
+        # view's members and the configured peers).
+        self._identities: dict[str, Target] = {}
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -183,23 +225,51 @@ class InternalClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def _target(self, session: aiohttp.ClientSession, peer: str, timeout_s: float) -> Target:
+        """What a call to ``peer`` is signed for; raises PeerError when unknown."""
+        base = peer.rstrip("/")
+        known = self._targets(base)
+        if known is not None:
+            return known
+        cached = self._identities.get(base)
+        if cached is not None:
+            return cached
+        data = await self._exchange(session.get, base + IDENTITY_PATH, {}, timeout_s)
+        try:
+            target = Target(str(data["node_id"]), int(data["generation"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PeerError(f"{base}: malformed identity answer ({exc!r})") from None
+        self._identities[base] = target
+        return target
+
     async def _call(self, peer: str, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         session = self._session
         if session is None:
             raise PeerError("the internal client is not started")
+        target = await self._target(session, peer, timeout_s)
         raw = orjson.dumps(body)
         headers = {
             "Content-Type": "application/json",
-            **signed_headers(self._key, "POST", path, raw),
+            **signed_headers(self._key, "POST", path, raw, target=target),
         }
-        url = peer.rstrip("/") + path
         try:
-            async with session.post(
-                url, data=raw, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as resp:
+            return await self._exchange(
+                session.post, peer.rstrip("/") + path, {"data": raw, "headers": headers}, timeout_s
+            )
+        except _Refused:
+            # Restarted, or another node answers there now: ask it again next time.
+            self._identities.pop(peer.rstrip("/"), None)
+            raise
+
+    async def _exchange(
+        self, send: Callable[..., Any], url: str, kwargs: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        try:
+            async with send(url, timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as resp:
                 payload = await resp.read()
                 if resp.status != 200:
-                    raise PeerError(
+                    cls = _Refused if resp.status == 401 else PeerError
+                    raise cls(
                         f"{url} answered {resp.status}: {payload[:200].decode(errors='replace')}"
                     )
         except (aiohttp.ClientError, OSError) as exc:

@@ -25,11 +25,16 @@ import orjson
 import structlog
 from aiohttp import hdrs, web
 from aiohttp.http import HttpVersion11
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, InvalidURLError
 
 
 class ServerLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """aiohttp's server logger, with malformed requests as one warning line."""
+    """aiohttp's server logger, with malformed requests as one warning line.
+
+    The line gives the parser's reason only: aiohttp quotes the raw line it
+    could not parse, and that line may be an ``Authorization`` header whose
+    token must never reach a log.
+    """
 
     def __init__(self, logger: logging.Logger | None = None) -> None:
         super().__init__(logger or logging.getLogger("aiohttp.server"), {})
@@ -38,12 +43,28 @@ class ServerLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
         if isinstance(exc_info, HttpProcessingError):
             # The client's malformed request: one line, no traceback.
             self.warning(
-                "malformed HTTP request: %s",
-                str(exc_info).replace("\n", " ").strip(),
+                "malformed HTTP request: %d %s (the raw bytes are not logged)",
+                exc_info.code,
+                self.reason(exc_info),
                 **kwargs,
             )
             return
         self.error(msg, *args, exc_info=exc_info, **kwargs)
+
+    @staticmethod
+    def reason(exc: HttpProcessingError) -> str:
+        """The parser's reason without the client's bytes: its first line, up
+        to the first quote (aiohttp quotes what it read, as b'...' or '...')."""
+        if isinstance(exc, InvalidURLError):
+            # Its message is the request's path itself, unquoted.
+            return "invalid URL"
+        first = str(exc.message).strip().split("\n", 1)[0]
+        for i, ch in enumerate(first):
+            if ch in "'\"":
+                first = first[: i - 1 if i and first[i - 1] == "b" else i]
+                break
+        # Printable ASCII only, and short: nothing a client sent can slip through.
+        return "".join(c for c in first if " " <= c <= "~").strip(" :")[:120]
 
 
 log = structlog.get_logger(__name__)

@@ -39,11 +39,18 @@ class ClusterMember:
         pool: BlockPool,
         store: TieredStore | None = None,
         segments: Sequence[Mapping[str, Any]] = (),
+        generation: int | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
-        """``on_failure`` hears of a gossip loop that died."""
+        """``on_failure`` hears of a gossip loop that died; ``generation`` is
+        this process's (default: now in ms), the one its signed calls name."""
         self.service = ClusterService(
-            config, node_id, secret, local_state=meter, on_failure=on_failure
+            config,
+            node_id,
+            secret,
+            local_state=meter,
+            generation=generation,
+            on_failure=on_failure,
         )
         self._pool = pool
         self._store = store

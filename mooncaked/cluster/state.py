@@ -574,6 +574,14 @@ class ClusterView:
     def get(self, node_id: str) -> Member | None:
         return self.members.get(node_id)
 
+    def member_at(self, api_addr: str) -> Member | None:
+        """The up member whose state announces the HTTP API ``host:port``, if any
+        (a dead one's address may have been taken by a newer process)."""
+        for m in self.members.values():
+            if m.is_up and m.state is not None and m.state.api_addr == api_addr:
+                return m
+        return None
+
     def up_members(self) -> list[Member]:
         return [m for m in self.members.values() if m.is_up]
 

@@ -34,7 +34,7 @@ from mooncaked.engine.late_binding import PrefillOffer, PrefillWalk
 from mooncaked.engine.plan import LoadJob, SampledToken
 from mooncaked.engine.runner import KVLayout
 from mooncaked.request import Request, SamplingParams, sampling_to_dict
-from mooncaked.rpc import derive_key, signed_headers
+from mooncaked.rpc import Target, derive_key, signed_headers
 from tests.unit.test_conductor_costs import add
 
 # 10 ms a step, 1 ms a prompt token: a 100-token prompt takes 0.11 s anywhere.
@@ -186,6 +186,7 @@ async def test_a_prefill_node_whose_queue_is_too_long_passes_the_request_on() ->
     api = DisaggAPI(
         secret=secret,
         node_id=lambda: "p1",
+        generation=P1.generation,
         role="prefill",
         engine=lambda: None,
         sender=lambda: None,
@@ -207,7 +208,7 @@ async def test_a_prefill_node_whose_queue_is_too_long_passes_the_request_on() ->
                     **extra,
                 }
             )
-            headers = signed_headers(derive_key(secret), "POST", PREFILL_PATH, body)
+            headers = signed_headers(derive_key(secret), "POST", PREFILL_PATH, body, target=P1)
             async with (
                 aiohttp.ClientSession() as session,
                 session.post(url.rstrip("/") + PREFILL_PATH, data=body, headers=headers) as r,
@@ -225,7 +226,8 @@ async def test_a_prefill_node_whose_queue_is_too_long_passes_the_request_on() ->
         status, doc = await call({"max_wait_s": -1.0})
         assert status == 400 and "max_wait_s" in doc["error"]["message"]
 
-        async with PrefillClient(secret=secret, timeout_s=5.0) as client:
+        targets = {"p1": P1}
+        async with PrefillClient(secret=secret, timeout_s=5.0, targets=targets.get) as client:
             target = PrefillTarget("p1", url)
             req = Request("r1", [1, 2, 3], SamplingParams(max_tokens=4))
             with pytest.raises(PrefillBusy, match=r"2\.000 s"):
@@ -233,8 +235,19 @@ async def test_a_prefill_node_whose_queue_is_too_long_passes_the_request_on() ->
             with pytest.raises(PrefillError) as exc:
                 await client.prefill(target, req, GRANT, 5.0)
             assert not isinstance(exc.value, PrefillBusy) and "503" in str(exc.value)
+            # Its view says p1 restarted since: the call it signs is refused there.
+            targets["p1"] = Target("p1", P1.generation + 1)
+            with pytest.raises(PrefillError, match=r"401.*signed for node p1 generation"):
+                await client.prefill(target, req, GRANT, 5.0)
+            assert api.verifier.num_misdirected == 1
+            # Not in its view at all: nothing is sent, rather than a call any node would take.
+            del targets["p1"]
+            with pytest.raises(PrefillError, match="not in this node's cluster view"):
+                await client.prefill(target, req, GRANT, 5.0)
+            assert api.verifier.num_unauthorized == 1
 
 
+P1 = Target("p1", 1_700_000_000_000)
 GRANT = KVGrant(
     request_id="r1",
     node_id="d1",

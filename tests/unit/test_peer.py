@@ -51,6 +51,8 @@ class Side:
     desk: LeaseDesk
     url: str = ""
     fetcher: PeerFetcher | None = None
+    # Its process's generation: signed calls to it name it.
+    generation: int = 1
 
 
 async def make(
@@ -64,6 +66,8 @@ async def make(
     ssd: bool = False,
     lease_timeout_s: float = 30.0,
     timeout_s: float = 5.0,
+    generation: int = 1,
+    port: int = 0,
 ) -> Side:
     """One node's cache side; everything it starts is closed with ``stack``."""
     cfg = StoreConfig(
@@ -84,16 +88,18 @@ async def make(
     holding = Holding(
         desk, BB, LAYOUT.fingerprint(), transfer.descriptor(SEGMENT).to_dict(), transfer.address
     )
-    api = InternalAPI(secret=secret, node_id=lambda: name, holding=lambda: holding)
+    api = InternalAPI(
+        secret=secret, node_id=lambda: name, generation=generation, holding=lambda: holding
+    )
     app = web.Application()
     app.add_routes(api.routes())
     runner = web.AppRunner(app)
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     port = runner.addresses[0][1]
-    s = Side(name, store, transfer, desk, f"http://127.0.0.1:{port}")
+    s = Side(name, store, transfer, desk, f"http://127.0.0.1:{port}", generation=generation)
     client = InternalClient(
         secret=secret, node_id=lambda: name, block_bytes=BB, layout=LAYOUT.fingerprint()
     )

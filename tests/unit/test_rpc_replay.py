@@ -1,14 +1,16 @@
 """Replay protection of signed internal calls, and the per-reader lease cap.
 
 The holder's internal RPC runs for real on loopback (``tests.unit.test_peer``'s
-harness). A call captured on the wire and sent again, or sent late, is
-refused with 401 and takes no lease; an unsigned or oversized call is refused
-before its body is read.
+harness). A call captured on the wire and sent again, sent late, sent to
+another node or to the same node after a restart, is refused with 401 and
+takes no lease; an unsigned or oversized call is refused before its body is
+read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -18,21 +20,37 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import TestServer
 
-from mooncaked.api.internal import LOOKUP_PATH, MAX_LOOKUP_BYTES, RELEASE_PATH, InternalAPI
-from mooncaked.cache.peer import LeaseDesk
+from mooncaked.api.disagg import DisaggAPI
+from mooncaked.api.internal import (
+    LOOKUP_PATH,
+    MAX_LOOKUP_BYTES,
+    RELEASE_PATH,
+    InternalAPI,
+    InternalClient,
+)
+from mooncaked.cache.peer import LeaseDesk, PeerError
+from mooncaked.cluster.placement import Candidate
+from mooncaked.cluster.state import ClusterView
+from mooncaked.request import SamplingParams
+from mooncaked.router import DecodeNodeLost, RouteError, Router, _RemoteStream
 from mooncaked.rpc import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
+    TARGET_HEADER,
     TIMESTAMP_HEADER,
+    Target,
     Verifier,
     derive_key,
     sign,
     signed_headers,
 )
-from tests.unit.test_peer import BB, HASHES, LAYOUT, SECRET, make, put, rows
+from tests.unit.test_conductor_costs import add
+from tests.unit.test_peer import BB, HASHES, LAYOUT, SECRET, Side, make, put, rows
 
 KEY = derive_key(SECRET)
+ME = Target("n1", 1_700_000_000_000)
 
 
 class Clock:
@@ -43,13 +61,15 @@ class Clock:
         return self.now
 
 
-def call(body: bytes, path: str = "/p", now: float = 1_000_000.0) -> dict[str, str]:
-    return signed_headers(KEY, "POST", path, body, now=now)
+def call(
+    body: bytes, path: str = "/p", now: float = 1_000_000.0, target: Target = ME
+) -> dict[str, str]:
+    return signed_headers(KEY, "POST", path, body, target=target, now=now)
 
 
 def test_verifier_refuses_replays_stale_calls_and_bad_signatures() -> None:
     clock = Clock()
-    v = Verifier(SECRET, window_s=30.0, max_nonces=3, clock=clock)
+    v = Verifier(SECRET, identity=lambda: ME, window_s=30.0, max_nonces=3, clock=clock)
     h = call(b"{}")
     assert v.verify("POST", "/p", h, b"{}") is None
     assert "replayed" in (v.verify("POST", "/p", h, b"{}") or "")
@@ -82,6 +102,35 @@ def test_verifier_refuses_replays_stale_calls_and_bad_signatures() -> None:
     assert v.num_nonces == 1
 
 
+def test_verifier_refuses_calls_signed_for_another_node_or_process() -> None:
+    clock = Clock()
+    v = Verifier(SECRET, identity=lambda: ME, clock=clock)
+    other_node = Target("n2", ME.generation)
+    earlier = Target("n1", ME.generation - 1)
+    assert v.verify("POST", "/p", call(b"{}", target=other_node), b"{}") == (
+        f"this call was signed for node n2 generation {ME.generation}; this is node n1 "
+        f"generation {ME.generation} (a replayed call, or the caller's view of this node "
+        "is out of date)"
+    )
+    reason = v.verify("POST", "/p", call(b"{}", target=earlier), b"{}") or ""
+    assert f"signed for node n1 generation {ME.generation - 1}; this is node n1" in reason
+    assert v.num_misdirected == 2 and v.num_unauthorized == 2
+    # The target is signed: rewriting the header to this node breaks the signature.
+    moved = call(b"{}", target=other_node) | {TARGET_HEADER: ME.header()}
+    assert "bad signature" in (v.verify("POST", "/p", moved, b"{}") or "")
+    # Missing or malformed, it is refused before anything else.
+    unbound = call(b"{}")
+    del unbound[TARGET_HEADER]
+    assert "X-Mooncaked-Target" in (v.check_headers(unbound) or "")
+    for bad in ("n1", "n1/", "/5", "n1/-5", "n1/0", "n1/x1"):
+        assert "malformed" in (v.check_headers(call(b"{}") | {TARGET_HEADER: bad}) or ""), bad
+    # Node ids may hold "/": the generation follows the last one.
+    slashed = Target("rack/7", 9)
+    assert Target.parse(slashed.header()) == slashed
+    assert v.num_nonces == 0
+    assert v.verify("POST", "/p", call(b"{}"), b"{}") is None
+
+
 def lookup_body(reader: str, n: int = 3) -> bytes:
     return orjson.dumps(
         {
@@ -110,7 +159,8 @@ async def test_a_captured_lookup_replayed_is_refused_and_takes_no_lease(
         await put(holder, HASHES[:3], rows(3, seed=2))
         url = holder.url + LOOKUP_PATH
         body = lookup_body("r1")
-        captured = signed_headers(KEY, "POST", LOOKUP_PATH, body)
+        target = Target("holder", holder.generation)
+        captured = signed_headers(KEY, "POST", LOOKUP_PATH, body, target=target)
         status, first = await post(url, body, captured)
         assert status == 200 and first["lease_id"] > 0 and len(first["offsets"]) == 3
         for _ in range(3):
@@ -122,7 +172,9 @@ async def test_a_captured_lookup_replayed_is_refused_and_takes_no_lease(
 
         # Signed a minute ago (or a minute ahead): refused, no lease.
         for skew in (-60.0, 60.0):
-            late = signed_headers(KEY, "POST", LOOKUP_PATH, body, now=time.time() + skew)
+            late = signed_headers(
+                KEY, "POST", LOOKUP_PATH, body, target=target, now=time.time() + skew
+            )
             status, answer = await post(url, body, late)
             assert status == 401 and "timestamp" in answer["error"]["message"]
         assert holder.desk.stats().granted == 1
@@ -132,9 +184,87 @@ async def test_a_captured_lookup_replayed_is_refused_and_takes_no_lease(
         status, answer = await post(
             holder.url + RELEASE_PATH,
             release,
-            signed_headers(KEY, "POST", RELEASE_PATH, release),
+            signed_headers(KEY, "POST", RELEASE_PATH, release, target=target),
         )
         assert status == 200 and answer == {"released": True}
+
+
+def port_of(side: Side) -> int:
+    return int(side.url.rsplit(":", 1)[1])
+
+
+async def test_a_captured_lookup_is_refused_by_another_node_and_by_a_restarted_one(
+    tmp_path: Path,
+) -> None:
+    async with AsyncExitStack() as stack:
+        other = await make(stack, "other", tmp_path, generation=5)
+        await put(other, HASHES[:3], rows(3, seed=3))
+        body = lookup_body("r1")
+        captured = signed_headers(KEY, "POST", LOOKUP_PATH, body, target=Target("holder", 7))
+        async with AsyncExitStack() as first_life:
+            holder = await make(first_life, "holder", tmp_path, generation=7)
+            await put(holder, HASHES[:3], rows(3, seed=2))
+            status, first = await post(holder.url + LOOKUP_PATH, body, captured)
+            assert status == 200 and first["lease_id"] > 0, first
+            # The same call to another member of the cluster, which never saw its nonce.
+            status, answer = await post(other.url + LOOKUP_PATH, body, captured)
+            assert status == 401, answer
+            assert answer["error"]["message"].startswith(
+                "this call was signed for node holder generation 7; this is node other generation 5"
+            )
+            port = port_of(holder)
+        # The holder restarts at the same address: a new generation, and a
+        # nonce memory that never saw the captured call.
+        again = await make(stack, "holder", tmp_path, generation=8, port=port)
+        assert again.url == holder.url
+        await put(again, HASHES[:3], rows(3, seed=2))
+        status, answer = await post(again.url + LOOKUP_PATH, body, captured)
+        assert status == 401, answer
+        assert answer["error"]["message"].startswith(
+            "this call was signed for node holder generation 7; this is node holder generation 8"
+        )
+        assert other.desk.stats().granted == 0 and again.desk.stats().granted == 0
+        # A call signed for the process there now goes through.
+        fresh = signed_headers(KEY, "POST", LOOKUP_PATH, body, target=Target("holder", 8))
+        status, answer = await post(again.url + LOOKUP_PATH, body, fresh)
+        assert status == 200 and answer["lease_id"] > 0 and len(answer["offsets"]) == 3
+
+
+async def test_a_reader_signs_for_the_peer_there_and_learns_of_its_restart(
+    tmp_path: Path,
+) -> None:
+    """A peer known by URL only: the client asks who it is, signs for that,
+    and after a refusal (the peer restarted) asks again."""
+    async with AsyncExitStack() as stack:
+        async with AsyncExitStack() as first_life:
+            holder = await make(first_life, "holder", tmp_path, generation=7)
+            await put(holder, HASHES[:3], rows(3, seed=2))
+            client = InternalClient(
+                secret=SECRET, node_id=lambda: "r1", block_bytes=BB, layout=LAYOUT.fingerprint()
+            )
+            await client.start()
+            stack.push_async_callback(client.close)
+            offer = await client.lookup(holder.url, HASHES[:3], 10.0, 5.0)
+            assert offer is not None and offer.node_id == "holder"
+            assert await client.release(offer, 5.0) is True
+            port = port_of(holder)
+        again = await make(stack, "holder", tmp_path, generation=8, port=port)
+        await put(again, HASHES[:3], rows(3, seed=2))
+        with pytest.raises(PeerError, match="signed for node holder generation 7"):
+            await client.lookup(again.url, HASHES[:3], 10.0, 5.0)
+        offer = await client.lookup(again.url, HASHES[:3], 10.0, 5.0)
+        assert offer is not None and len(offer.offsets) == 3
+        # A view that names the peer is believed over what it says itself.
+        viewed = InternalClient(
+            secret=SECRET,
+            node_id=lambda: "r2",
+            block_bytes=BB,
+            layout=LAYOUT.fingerprint(),
+            targets=lambda url: Target("holder", 7) if url == again.url else None,
+        )
+        async with viewed:
+            with pytest.raises(PeerError, match="this is node holder generation 8"):
+                await viewed.lookup(again.url, HASHES[:3], 10.0, 5.0)
 
 
 async def raw_request(url: str, head: str) -> bytes:
@@ -150,7 +280,9 @@ async def raw_request(url: str, head: str) -> bytes:
 
 
 async def test_unsigned_or_oversized_calls_are_refused_before_their_body() -> None:
-    api = InternalAPI(secret=SECRET, node_id=lambda: "holder", holding=lambda: None)
+    api = InternalAPI(
+        secret=SECRET, node_id=lambda: "holder", generation=ME.generation, holding=lambda: None
+    )
     app = web.Application()
     app.add_routes(api.routes())
     # aiohttp drains an unread body for lingering_time after answering; short
@@ -167,9 +299,11 @@ async def test_unsigned_or_oversized_calls_are_refused_before_their_body() -> No
         assert (await raw_request(url, unsigned)).startswith(b"HTTP/1.1 401")
         ts = f"{time.time():.3f}"
         nonce = "ab" * 16
-        signature = sign(KEY, "POST", LOOKUP_PATH, ts, nonce, b"")
+        bound = Target("holder", ME.generation).header()
+        signature = sign(KEY, "POST", LOOKUP_PATH, bound, ts, nonce, b"")
         oversized = (
             f"POST {LOOKUP_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {big}\r\n"
+            f"{TARGET_HEADER}: {bound}\r\n"
             f"{TIMESTAMP_HEADER}: {ts}\r\n{NONCE_HEADER}: {nonce}\r\n"
             f"{SIGNATURE_HEADER}: {signature}\r\n\r\n"
         )
@@ -197,3 +331,52 @@ async def test_one_reader_cannot_hold_every_lease(tmp_path: Path, per_reader: in
         with pytest.raises(ValueError, match="max_leases_per_reader"):
             LeaseDesk(holder.store, max_leases=4, max_leases_per_reader=0)
         desk.close()
+
+
+async def test_a_forwarded_request_is_signed_for_the_decode_node_in_the_view() -> None:
+    """The entry's generate call against the real decode-side endpoint: signed
+    for the generation its view holds; a node gone from the view is not called."""
+    api = DisaggAPI(
+        secret=SECRET,
+        node_id=lambda: "d2",
+        generation=ME.generation,
+        role="decode",
+        engine=lambda: None,
+        sender=lambda: None,
+        draining=lambda: False,
+    )
+    app = web.Application()
+    app.add_routes(api.routes())
+    view = ClusterView("d1", clock=lambda: 0.0)
+    router = Router(
+        node_id=lambda: "d1",
+        secret=SECRET,
+        engine=lambda: None,
+        view=lambda: view,
+        rng=random.Random(0),
+    )
+    async with TestServer(app) as server:
+        node = Candidate("d2", f"127.0.0.1:{server.port}", "decode")
+
+        def stream() -> _RemoteStream:
+            return _RemoteStream(router, node, [1, 2], SamplingParams(), None, 0, "r1")
+
+        try:
+            with pytest.raises(DecodeNodeLost, match="not in this node's cluster view"):
+                await stream().open()
+            assert api.num_unauthorized == 0
+            add(view, "d2", "decode")
+            view.members["d2"].generation = ME.generation - 1
+            with pytest.raises(RouteError) as refused:
+                await stream().open()
+            assert refused.value.status == 401
+            assert "signed for node d2 generation" in refused.value.message
+            assert api.verifier.num_misdirected == 1
+            # The view catches up with the restart: the call is taken (and
+            # answered 503 here, where no engine runs).
+            view.members["d2"].generation = ME.generation
+            with pytest.raises(DecodeNodeLost, match="answered 503"):
+                await stream().open()
+            assert api.num_unauthorized == 1
+        finally:
+            await router.close()
