@@ -493,7 +493,9 @@ class Node:
         secret = cfg.node.cluster_secret.encode()
         async with contextlib.AsyncExitStack() as stack:
             prefill_client = await stack.enter_async_context(
-                PrefillClient(secret=secret, timeout_s=cfg.disagg.grant_ttl_s)
+                PrefillClient(
+                    secret=secret, timeout_s=cfg.disagg.grant_ttl_s, watch=self.router.watch
+                )
             )
             layout = engine.runner.kv_layout
             receiver = KVReceiver(
@@ -506,7 +508,7 @@ class Node:
                 write_grants=TransferWriteGrants(transfer),
             )
             sender = KVSender(
-                TransferKVWriter(transfer),
+                TransferKVWriter(transfer, self.router.watch),
                 segment=KV_SEGMENT,
                 layout=layout,
                 loop=asyncio.get_running_loop(),
