@@ -503,7 +503,10 @@ class Node:
         async with contextlib.AsyncExitStack() as stack:
             prefill_client = await stack.enter_async_context(
                 PrefillClient(
-                    secret=secret, timeout_s=cfg.disagg.grant_ttl_s, targets=self.router.target_of
+                    secret=secret,
+                    timeout_s=cfg.disagg.grant_ttl_s,
+                    targets=self.router.target_of,
+                    watch=self.router.watch,
                 )
             )
             layout = engine.runner.kv_layout
@@ -517,7 +520,7 @@ class Node:
                 write_grants=TransferWriteGrants(transfer),
             )
             sender = KVSender(
-                TransferKVWriter(transfer),
+                TransferKVWriter(transfer, self.router.watch),
                 segment=KV_SEGMENT,
                 layout=layout,
                 loop=asyncio.get_running_loop(),

@@ -45,6 +45,7 @@ from mooncaked.cluster.placement import (
 )
 from mooncaked.cluster.slo import Slo, TokenClock
 from mooncaked.cluster.state import ClusterView
+from mooncaked.cluster.watch import MemberLost, MemberWatch
 from mooncaked.config import ConductorConfig, SloConfig
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.handoff import MAX_KV_READY_IN_S, PrefillSource, PrefillTarget
@@ -359,12 +360,17 @@ class _RemoteStream:
             **signed_headers(self._router.key, "POST", GENERATE_PATH, self._body, target=target),
         }
         try:
-            resp = await session.post(
-                self._node.url + GENERATE_PATH,
-                data=self._body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+            resp = await self._router.watch.race(
+                self._node.node_id,
+                session.post(
+                    self._node.url + GENERATE_PATH,
+                    data=self._body,
+                    headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                ),
             )
+        except MemberLost as exc:
+            raise DecodeNodeLost(str(exc)) from None
         except (aiohttp.ClientError, OSError) as exc:
             raise DecodeNodeLost(f"{self._node.node_id}: {exc!r}") from None
         self._resp = resp
@@ -392,7 +398,11 @@ class _RemoteStream:
         if resp is None or self._finished:
             raise StopAsyncIteration
         try:
-            line = await resp.content.readline()
+            # A frozen node sends nothing and closes nothing: gossip declaring
+            # it dead is what ends the wait, and the request resumes elsewhere.
+            line = await self._router.watch.race(self._node.node_id, resp.content.readline())
+        except MemberLost as exc:
+            raise DecodeNodeLost(str(exc)) from None
         except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError) as exc:
             raise DecodeNodeLost(f"{self._node.node_id}: {exc!r}") from None
         if not line:
@@ -449,6 +459,8 @@ class Router:
         self.engine = engine
         self._view = view
         self._clock = clock
+        # Cuts a forwarded request's stream when its decode node is lost.
+        self.watch = MemberWatch(view)
         slo_cfg = slo if slo is not None else SloConfig()
         # This entry's placement and admission policy, and what it learns
         # from the requests it places: the simulator runs the same object.

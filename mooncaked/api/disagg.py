@@ -36,6 +36,7 @@ import structlog
 from aiohttp import web
 
 from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
+from mooncaked.cluster.watch import MemberLost, MemberWatch
 from mooncaked.engine.core import (
     EngineClosedError,
     EngineCore,
@@ -292,8 +293,12 @@ class DisaggAPI:
 class TransferKVWriter:
     """The KV sender's ``KVWriter`` over the transfer engine."""
 
-    def __init__(self, transfer: TransferEngine) -> None:
+    def __init__(self, transfer: TransferEngine, watch: MemberWatch | None = None) -> None:
         self._transfer = transfer
+        # A frozen decode node would hold the step thread (which waits for
+        # the sampling step's writes) for the grant's whole time: gossip
+        # declaring it dead ends the wait instead.
+        self._watch = watch
 
     def add_peer(self, node_id: str, address: str) -> None:
         self._transfer.add_peer(node_id, address)
@@ -302,9 +307,18 @@ class TransferKVWriter:
         self, segment: str, writes: list[KVWrite], timeout_s: float
     ) -> tuple[bool, str]:
         ops = [TransferOp.write(segment, lo, node, seg, ro, n) for lo, node, seg, ro, n in writes]
+        nodes = {op.remote_node for op in ops}
         try:
             batch = await self._transfer.submit(ops, op_timeout_s=timeout_s)
-            if await batch.wait():
+            if self._watch is not None and len(nodes) == 1:
+                try:
+                    ok = await self._watch.race(nodes.pop(), batch.wait())
+                except MemberLost as exc:
+                    batch.fail_pending(f"cut over: {exc}")
+                    return False, f"cut over: {exc}"
+            else:
+                ok = await batch.wait()
+            if ok:
                 return True, ""
             failures = batch.failures()
             return False, failures[0][1] if failures else "transfer failed"
@@ -344,12 +358,16 @@ class PrefillClient:
         secret: bytes,
         timeout_s: float,
         targets: Callable[[str], Target | None],
+        watch: MemberWatch | None = None,
     ) -> None:
         """``targets(node_id)``: what a call to that node is signed for (its
         generation from the cluster view), None when it is not in the view."""
         self._key = derive_key(secret)
         self._targets = targets
         self._timeout_s = timeout_s
+        # Cuts a call to a prefill node that gossip declares dead, instead of
+        # waiting for the grant to run out.
+        self._watch = watch
         self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> PrefillClient:
@@ -391,7 +409,8 @@ class PrefillClient:
             **signed_headers(self._key, "POST", PREFILL_PATH, body, target=bound),
         }
         url = target.url.rstrip("/") + PREFILL_PATH
-        try:
+
+        async def call() -> bytes:
             async with session.post(
                 url,
                 data=body,
@@ -406,6 +425,15 @@ class PrefillClient:
                         f"{target.node_id} answered {resp.status}: "
                         f"{payload[:300].decode(errors='replace')}"
                     )
+                return payload
+
+        try:
+            if self._watch is None:
+                payload = await call()
+            else:
+                payload = await self._watch.race(target.node_id, call())
+        except MemberLost as exc:
+            raise PrefillError(f"cut over: {exc}") from None
         except (aiohttp.ClientError, OSError) as exc:
             raise PrefillError(f"{target.node_id}: {exc!r}") from exc
         except TimeoutError:

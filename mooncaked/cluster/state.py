@@ -41,11 +41,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import structlog
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES
 from mooncaked.cache.tiers import Tier
 from mooncaked.cluster.costs import NodeCosts
 from mooncaked.cluster.forecast import DecodeForecast
+
+log = structlog.get_logger(__name__)
 
 
 class BlockOp(enum.StrEnum):
@@ -570,6 +573,18 @@ class ClusterView:
         self.counters = counters if counters is not None else ClusterCounters()
         self.members: dict[str, Member] = {}
         self.blocks: dict[str, NodeBlocks] = {}
+        # Called with (node id, generation, up) when a member goes down (dead
+        # or left) or comes up (joins, returns, restarts): what cuts calls to
+        # a lost node over to the next (cluster/watch.py).
+        self.member_watchers: list[Callable[[str, int, bool], None]] = []
+
+    def member_event(self, node_id: str, generation: int, up: bool) -> None:
+        for watcher in list(self.member_watchers):
+            try:
+                watcher(node_id, generation, up)
+            except Exception:
+                # A watcher's bug must not break membership.
+                log.exception("member watcher failed", node=node_id)
 
     def get(self, node_id: str) -> Member | None:
         return self.members.get(node_id)

@@ -668,18 +668,24 @@ class KVSender(KVConnector):
         return await self._writer.write(self._segment, ops, timeout_s)
 
     def _send_layers(self, meta: _StepSends, layers: range) -> None:
-        ops = self._ops(layers, meta.sends)
-        if not ops:
-            return
-        fut = asyncio.run_coroutine_threadsafe(self._submit(ops, meta.timeout_s), self._loop)
-        meta.futures.append((meta.sends, fut))
+        # One batch per decode node: a node that fails (or is cut as lost)
+        # fails only the requests it was receiving.
+        by_node: dict[str, list[_Send]] = {}
+        for s in meta.sends:
+            by_node.setdefault(s.sink.grant.node_id, []).append(s)
         row = self._layout.row_bytes
         per_layer = 2 * len(layers) * row
-        for s in meta.sends:
-            s.sink.bytes_sent += per_layer * sum(n for *_, n in s.runs)
-        num_bytes = sum(op[4] for op in ops)
-        meta.num_bytes += num_bytes
-        self.stats.sent_bytes += num_bytes
+        for sends in by_node.values():
+            ops = self._ops(layers, sends)
+            if not ops:
+                continue
+            fut = asyncio.run_coroutine_threadsafe(self._submit(ops, meta.timeout_s), self._loop)
+            meta.futures.append((sends, fut))
+            for s in sends:
+                s.sink.bytes_sent += per_layer * sum(n for *_, n in s.runs)
+            num_bytes = sum(op[4] for op in ops)
+            meta.num_bytes += num_bytes
+            self.stats.sent_bytes += num_bytes
 
     def save_layer(self, layer: int, meta: Any) -> None:
         if not isinstance(meta, _StepSends):

@@ -27,7 +27,7 @@ MAX_TOKENS = 8
 WAIT_S = 90.0
 
 
-def toml(node_id: str, role: str, seeds: list[str]) -> str:
+def toml(node_id: str, role: str, seeds: list[str], grant_ttl_s: float = 4.0) -> str:
     return (
         TEST_TOML
         + f"""
@@ -50,7 +50,7 @@ suspect_timeout_s = 1.0
 
 [disagg]
 # Blocks granted to a prefill node that died stay held this long (+ 2 s).
-grant_ttl_s = 4.0
+grant_ttl_s = {grant_ttl_s}
 """
     )
 
@@ -61,13 +61,14 @@ def get(url: str) -> Any:
 
 
 class Cluster:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, grant_ttl_s: float = 4.0) -> None:
         self.tmp = tmp
+        self.grant_ttl_s = grant_ttl_s
         self.nodes: dict[str, DaemonProcess] = {}
         self.seed: list[str] = []
 
     def start(self, node_id: str, role: str) -> DaemonProcess:
-        d = spawn_daemon(self.tmp / node_id, toml(node_id, role, self.seed))
+        d = spawn_daemon(self.tmp / node_id, toml(node_id, role, self.seed, self.grant_ttl_s))
         self.nodes[node_id] = d
         if not self.seed:
             self.seed = [get(d.url + "/admin/cluster")["nodes"][0]["gossip_addr"]]
@@ -107,6 +108,8 @@ class Cluster:
     def stop(self) -> None:
         for d in self.nodes.values():
             if d.proc.poll() is None:
+                # A node a test froze must run again to drain and stop.
+                d.proc.send_signal(signal.SIGCONT)
                 d.stop()
 
 

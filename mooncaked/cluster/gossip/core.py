@@ -130,7 +130,7 @@ class GossipCore:
             addr=addr,
             queue=self._queue,
             send=self._send,
-            listener=self.replication,
+            listener=_MemberEvents(self.replication, self.view),
         )
         self._local = self._poll_local() or LocalState()
         self._state_version = 0
@@ -635,6 +635,28 @@ class GossipCore:
     def leave(self) -> None:
         """Announces a graceful departure to every live member at once."""
         self.membership.leave()
+
+
+class _MemberEvents:
+    """Member events to the block-index replica first (what placement reads),
+    then to the view's watchers (what cuts calls to a lost node)."""
+
+    __slots__ = ("_replica", "_view")
+
+    def __init__(self, replica: BlockReplication, view: ClusterView) -> None:
+        self._replica = replica
+        self._view = view
+
+    def member_up(self, node_id: str, generation: int) -> None:
+        self._replica.member_up(node_id, generation)
+        self._view.member_event(node_id, generation, True)
+
+    def member_down(self, node_id: str, generation: int) -> None:
+        self._replica.member_down(node_id, generation)
+        self._view.member_event(node_id, generation, False)
+
+    def member_forgotten(self, node_id: str) -> None:
+        self._replica.member_forgotten(node_id)
 
 
 @dataclass(slots=True)
