@@ -272,7 +272,7 @@ def drain(args: argparse.Namespace, env: Env) -> int:
         url = args.node
     else:
         _, url = resolve_node(env.client(args).get_json("/admin/cluster"), args.node)
-    target = Client(url, timeout=args.timeout)
+    target = Client(url, timeout=args.timeout, token=getattr(args, "admin_token", ""))
     answer = target.post_json("/admin/drain", {})
     node_id = answer.get("node_id", args.node)
     if args.json and args.wait is None:

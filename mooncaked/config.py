@@ -18,6 +18,7 @@ import socket
 import tomllib
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,6 +43,36 @@ def _check(cond: bool, key: str, message: str) -> None:
 
 
 Role = Literal["both", "prefill", "decode"]
+
+ORIGIN_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def split_origin(origin: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of a web origin such as ``http://host:8000``,
+    lower-cased, the port filled in from the scheme; ValueError if it is not one."""
+    parts = urllib.parse.urlsplit(origin.strip())
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if (
+        parts.scheme not in ORIGIN_DEFAULT_PORTS
+        or not parts.hostname
+        or port == -1
+        or parts.username is not None
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+    ):
+        raise ValueError(
+            f"{origin!r} is not an origin: write scheme://host[:port], e.g. "
+            "'https://ops.example.com' or 'http://10.0.0.5:8000'"
+        )
+    return (
+        parts.scheme,
+        parts.hostname,
+        port if port is not None else ORIGIN_DEFAULT_PORTS[parts.scheme],
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,9 +237,21 @@ class ServerConfig:
     idle_timeout_s: float = 75.0
     # Connections served at once; one more is answered 503 and closed unread.
     max_connections: int = 1024
+    # Connections one client address may hold at once (0: no limit), so one
+    # client cannot take every connection; behind a proxy every client is one
+    # address, so set 0 there.
+    max_connections_per_client: int = 512
+    # Connections accepted beyond max_connections that serve only /health,
+    # /ready and requests bearing the admin token: a full server still
+    # answers its probes and its operator.
+    reserved_connections: int = 16
+    # Origins (scheme://host[:port]) a browser page may send state changes
+    # from, besides this node's own; also accepted as the Host of /admin and /ui.
+    allowed_origins: tuple[str, ...] = ()
     # Keys /v1 accepts as "Authorization: Bearer <key>"; empty: /v1 is open.
     api_keys: tuple[str, ...] = ()
-    # Token /admin needs as "Authorization: Bearer <token>"; empty: /admin is open.
+    # Token /admin needs as "Authorization: Bearer <token>"; empty: /admin
+    # answers only clients on loopback.
     admin_token: str = ""
     # /metrics needs an API key or the admin token too.
     metrics_require_auth: bool = False
@@ -219,6 +262,21 @@ class ServerConfig:
         _check(self.body_timeout_s > 0, "body_timeout_s", "must be > 0")
         _check(self.idle_timeout_s > 0, "idle_timeout_s", "must be > 0")
         _check(self.max_connections > 0, "max_connections", "must be > 0")
+        _check(
+            self.max_connections_per_client >= 0,
+            "max_connections_per_client",
+            f"must be >= 0 (0: no limit), got {self.max_connections_per_client}",
+        )
+        _check(
+            self.reserved_connections >= 0,
+            "reserved_connections",
+            f"must be >= 0, got {self.reserved_connections}",
+        )
+        for origin in self.allowed_origins:
+            try:
+                split_origin(origin)
+            except ValueError as exc:
+                raise ConfigValueError("allowed_origins", str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)

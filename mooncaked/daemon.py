@@ -66,6 +66,7 @@ from aiohttp import web
 
 from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.auth import auth_middleware
+from mooncaked.api.browser import browser_guard_middleware
 from mooncaked.api.conductor_api import ConductorAPI, ConductorCollector
 from mooncaked.api.disagg import DisaggAPI, PrefillClient, TransferKVWriter, TransferWriteGrants
 from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus, StepHistograms
@@ -74,7 +75,12 @@ from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
 from mooncaked.api.recent import RecentRequests
-from mooncaked.api.server import CappedTCPSite, server_kwargs, with_expect_handler
+from mooncaked.api.server import (
+    CappedTCPSite,
+    reserve_middleware,
+    server_kwargs,
+    with_expect_handler,
+)
 from mooncaked.api.ui import ui_routes
 from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher
@@ -410,9 +416,16 @@ class Node:
 
     @contextlib.asynccontextmanager
     async def _http(self) -> AsyncIterator[None]:
+        server = self._config.server
         app = web.Application(
-            # Outermost first: every answer is counted, a 401 included.
-            middlewares=[api_middleware(self.metrics), auth_middleware(self._config.server)],
+            # Outermost first: every answer is counted, a 401 included; a
+            # connection in the reserve is turned away before anything else.
+            middlewares=[
+                api_middleware(self.metrics),
+                reserve_middleware(lambda: self.http_site, server.admin_token),
+                browser_guard_middleware(server, node_hosts=(self._config.cluster.gossip_host,)),
+                auth_middleware(server),
+            ],
             client_max_size=_MAX_BODY_BYTES,
         )
         app[BODY_TIMEOUT_S] = self._config.server.body_timeout_s
@@ -436,6 +449,8 @@ class Node:
                 cfg.host,
                 cfg.port,
                 max_connections=cfg.max_connections,
+                max_connections_per_client=cfg.max_connections_per_client,
+                reserved_connections=cfg.reserved_connections,
                 reuse_address=True,
             )
             await site.start()

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
-from mooncaked.api.limits import MAX_CHARS_PER_TOKEN, BadBody, read_json_object
+from mooncaked.api.limits import (
+    MAX_CHARS_PER_TOKEN,
+    BadBody,
+    BadQuery,
+    query_flag,
+    read_json_object,
+)
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import json_response
 from mooncaked.config import Config
@@ -396,7 +402,11 @@ class CacheAdmin:
         store = self._node.store
         if out is None or store is None:
             return _unavailable("the KV cache")
-        if request.query.get("check") in ("1", "true"):
+        try:
+            check = query_flag(request.query, "check")
+        except BadQuery as exc:
+            return json_response(exc.body(), status=400)
+        if check:
             # The tiers' self-check: a walk over every slot, so only on demand.
             try:
                 store.check_integrity()

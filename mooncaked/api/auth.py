@@ -4,12 +4,14 @@
   ``server.api_keys`` (plus ``MOONCAKED_API_KEY`` / ``--api-key``) when any
   is set; otherwise a 401 in OpenAI's error shape.
 - ``/admin/*`` needs ``Bearer <server.admin_token>`` (or
-  ``MOONCAKED_ADMIN_TOKEN``) when one is set.
+  ``MOONCAKED_ADMIN_TOKEN``) when one is set; with none it answers only
+  clients on loopback (``browser.py``, which also refuses what a web page
+  can be made to send).
 - ``/metrics`` takes either, and only when ``server.metrics_require_auth``.
 - ``/health``, ``/ready``, ``/ui`` and ``/internal/*`` (which signs its own
   calls) stay open.
 
-With nothing set every route is open, as for a node on loopback.
+With nothing set every route is open to loopback, /v1 to any host.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ def resolve_auth(config: Config, env: Mapping[str, str]) -> Config:
     return with_overrides(config, server={"api_keys": list(keys), "admin_token": token})
 
 
-def _bearer(request: web.Request) -> str | None:
+def bearer_token(request: web.Request) -> str | None:
     value = request.headers.get("Authorization", "")
     scheme, _, token = value.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def _matches(token: str | None, allowed: tuple[str, ...]) -> bool:
+def token_matches(token: str | None, allowed: tuple[str, ...]) -> bool:
     if token is None:
         return False
     raw = token.encode("utf-8", "surrogateescape")
@@ -83,12 +85,12 @@ def auth_middleware(server: ServerConfig) -> Any:
         need = required(request.path)
         if need is not None:
             allowed, what = need
-            token = _bearer(request)
+            token = bearer_token(request)
             if token is None:
                 raise _unauthorized(
                     f"{request.path} needs {what}: send 'Authorization: Bearer <key>'"
                 )
-            if not _matches(token, allowed):
+            if not token_matches(token, allowed):
                 raise _unauthorized(f"the key sent is not {what} of this node")
         return await handler(request)
 

@@ -11,6 +11,7 @@ recursion limit and surface as a 500.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -111,3 +112,54 @@ def brief(v: Any, limit: int = 80) -> str:
         return f"{type_name(v)} of {len(v)} items"
     text = repr(v)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class BadQuery(ValueError):
+    """A query parameter the route does not accept; ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """The 400's body, in OpenAI's error shape."""
+        return {
+            "error": {
+                "message": str(self),
+                "type": "invalid_request_error",
+                "param": self.param,
+                "code": "invalid_value",
+            }
+        }
+
+
+def query_int(query: Mapping[str, str], name: str, *, low: int, high: int) -> int | None:
+    """``query[name]`` as an int in ``[low, high]``, None when absent; BadQuery otherwise.
+
+    Only ASCII digits (and a leading minus) count: ``int()`` alone would take
+    "1_000", " 5", "+5" or other scripts' digits, and a value past ``high``
+    would reach code that cannot take it (``islice`` stops at sys.maxsize).
+    """
+    raw = query.get(name)
+    if raw is None:
+        return None
+    text = raw[1:] if raw.startswith("-") else raw
+    value = int(raw) if text.isascii() and text.isdigit() and len(text) <= 20 else None
+    if value is None or not low <= value <= high:
+        raise BadQuery(
+            name, f"'{name}' must be an integer from {low} to {high}, got {brief(raw, 40)}"
+        )
+    return value
+
+
+def query_flag(query: Mapping[str, str], name: str) -> bool:
+    """``query[name]`` as a flag: absent, "0" or "false" is False, "", "1" or "true" True."""
+    raw = query.get(name)
+    if raw is None:
+        return False
+    value = raw.lower()
+    if value in ("", "1", "true"):
+        return True
+    if value in ("0", "false"):
+        return False
+    raise BadQuery(name, f"'{name}' must be 1, true, 0 or false, got {brief(raw, 40)}")

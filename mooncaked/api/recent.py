@@ -8,7 +8,8 @@ Each record names the node that ran each phase. A request served on one
 node ran both phases here, so a record that leaves them unset gets this
 node's id; a disaggregated path fills in its prefill and decode nodes.
 
-``GET /admin/requests/recent?limit=N`` answers the newest first::
+``GET /admin/requests/recent?limit=N`` (0 to 1,000,000; default all) answers
+the newest first::
 
     {"node_id": ..., "capacity": 128, "num_recorded": 7, "num_dropped": 0,
      "requests": [{"request_id": ..., "finished_at": unix seconds, ...}, ...]}
@@ -27,7 +28,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from mooncaked.api.limits import BadQuery, query_int
+
 DEFAULT_CAPACITY = 128
+# Largest ?limit= taken; any limit past the ring's capacity returns it all.
+MAX_LIMIT = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,23 +128,10 @@ class RecentRequests:
         return [web.get("/admin/requests/recent", self._recent)]
 
     async def _recent(self, request: web.Request) -> web.Response:
-        raw = request.query.get("limit")
-        limit: int | None = None
-        if raw is not None:
-            try:
-                limit = int(raw)
-            except ValueError:
-                limit = -1
-            if limit < 0:
-                return _json(
-                    {
-                        "error": {
-                            "message": f"'limit' must be an integer >= 0, got {raw!r}",
-                            "type": "invalid_request_error",
-                        }
-                    },
-                    status=400,
-                )
+        try:
+            limit = query_int(request.query, "limit", low=0, high=MAX_LIMIT)
+        except BadQuery as exc:
+            return _json(exc.body(), status=400)
         return _json(self.to_json(limit))
 
 

@@ -210,3 +210,21 @@ async def test_trickling_headers_are_cut_off(node_factory: Callable[..., Awaitab
     finally:
         trickling.cancel()
         writer.close()
+
+
+async def test_admin_query_values_out_of_range_are_400(node: Node) -> None:
+    async with aiohttp.ClientSession() as s:
+        for path, param in (
+            ("/admin/requests/recent?limit=9223372036854775808", "limit"),
+            ("/admin/requests/recent?limit=-1", "limit"),
+            ("/admin/requests/recent?limit=NaN", "limit"),
+            ("/admin/cache/stats?check=maybe", "check"),
+        ):
+            async with s.get(node.url + path) as r:
+                assert r.status == 400, path
+                err = (await r.json())["error"]
+            assert err["param"] == param and err["type"] == "invalid_request_error", path
+        async with s.get(node.url + "/admin/cache/stats?check=1") as r:
+            assert r.status == 200
+            assert (await r.json())["integrity"] == "ok"
+    await assert_healthy(node)

@@ -112,3 +112,42 @@ async def test_route_answers_json_and_rejects_a_bad_limit() -> None:
                 assert repr(bad) in err["error"]["message"]
     finally:
         await runner.cleanup()
+
+
+async def test_route_refuses_limits_out_of_range_with_400() -> None:
+    r = ring(8)
+    r.add(finished(0))
+    app = web.Application()
+    app.add_routes(r.routes())
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{site.port}") as s:
+            bad_limits = (
+                "9223372036854775808",  # past sys.maxsize: islice raised, a 500
+                str(10**400),
+                "1000001",
+                "NaN",
+                "inf",
+                "1e3",
+                "1_0",
+                "+5",
+                " 5",
+                "\u0663",  # a digit of another script, which int() takes
+                "",
+            )
+            for bad in bad_limits:
+                async with s.get("/admin/requests/recent", params={"limit": bad}) as resp:
+                    assert resp.status == 400, bad
+                    err = (await resp.json())["error"]
+                assert "0 to 1000000" in err["message"], bad
+                assert err["param"] == "limit" and err["type"] == "invalid_request_error"
+                assert set(err) == {"message", "type", "param", "code"}
+            for good, n in (("1000000", 1), ("0", 0), ("1", 1)):
+                async with s.get("/admin/requests/recent", params={"limit": good}) as resp:
+                    assert resp.status == 200, good
+                    assert len((await resp.json())["requests"]) == n
+    finally:
+        await runner.cleanup()
