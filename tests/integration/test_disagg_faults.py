@@ -185,11 +185,14 @@ def test_kill_9_of_a_prefill_node_during_a_burst(cluster: Cluster, tmp_path: Pat
         cluster.assert_clean(nid)
 
 
-def test_kill_9_of_a_decode_node_mid_stream_resumes_elsewhere(
-    cluster: Cluster, tmp_path: Path
-) -> None:
+def decode_node_fault_mid_stream(
+    cluster: Cluster, tmp_path: Path, sig: signal.Signals, max_tokens: int, wait_s: float
+) -> str:
+    """Streams one request through a 1P+2D cluster and sends ``sig`` to its
+    decode node after 20 events; checks the client got the single-node text
+    in one stream and the others are clean. Returns the victim's id."""
     prompt = burst(1, seed=9)[0]
-    body = {"prompt": prompt, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     solo = spawn_daemon(tmp_path / "solo", TEST_TOML)
     try:
         want = urllib.request.urlopen(
@@ -198,7 +201,7 @@ def test_kill_9_of_a_decode_node_mid_stream_resumes_elsewhere(
                 data=json.dumps(body).encode(),
                 headers={"Content-Type": "application/json"},
             ),
-            timeout=WAIT_S,
+            timeout=wait_s,
         )
         want_text = json.loads(want.read())["choices"][0]["text"]
     finally:
@@ -213,13 +216,13 @@ def test_kill_9_of_a_decode_node_mid_stream_resumes_elsewhere(
             r = await s.post(
                 p.url + "/v1/completions",
                 json={**body, "stream": True},
-                timeout=aiohttp.ClientTimeout(total=WAIT_S),
+                timeout=aiohttp.ClientTimeout(total=wait_s),
             )
             assert r.status == 200
             victim = r.headers["x-mooncaked-decode-node"]
             text = ""
             events: list[Any] = []
-            killed = False
+            hit = False
             async for raw in r.content:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -228,9 +231,9 @@ def test_kill_9_of_a_decode_node_mid_stream_resumes_elsewhere(
                 events.append(e)
                 assert "error" not in e, e
                 text += e["choices"][0]["text"]
-                if not killed and len(events) >= 20:
-                    cluster.nodes[victim].proc.send_signal(signal.SIGKILL)
-                    killed = True
+                if not hit and len(events) >= 20:
+                    cluster.nodes[victim].proc.send_signal(sig)
+                    hit = True
             return text, victim, events
 
     text, victim, events = asyncio.run(run())
@@ -239,3 +242,10 @@ def test_kill_9_of_a_decode_node_mid_stream_resumes_elsewhere(
     survivor = "d2" if victim == "d1" else "d1"
     cluster.assert_clean("p1")
     cluster.assert_clean(survivor)
+    return victim
+
+
+def test_kill_9_of_a_decode_node_mid_stream_resumes_elsewhere(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    decode_node_fault_mid_stream(cluster, tmp_path, signal.SIGKILL, 160, WAIT_S)
