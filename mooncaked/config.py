@@ -342,8 +342,14 @@ class StoreConfig:
     peer_max_fetches: int = 8
     # DRAM leases granted to peers at once; beyond this lookups find nothing.
     peer_max_leases: int = 256
-    # Of those, leases one reader may hold at once, so no peer takes them all.
+    # Of those, leases one member of the cluster view may hold at once, so no
+    # peer takes them all.
     peer_max_leases_per_reader: int = 32
+    # Leases all readers outside the cluster view (nodes that list this one
+    # in their store.peers without gossip) may hold together: any caller can
+    # name itself anything, so unverifiable names share one cap. 0: lease
+    # to cluster members only.
+    peer_max_leases_outside: int = 32
 
     def __post_init__(self) -> None:
         _check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
@@ -364,6 +370,7 @@ class StoreConfig:
         _check(self.peer_max_fetches > 0, "peer_max_fetches", "must be > 0")
         _check(self.peer_max_leases > 0, "peer_max_leases", "must be > 0")
         _check(self.peer_max_leases_per_reader > 0, "peer_max_leases_per_reader", "must be > 0")
+        _check(self.peer_max_leases_outside >= 0, "peer_max_leases_outside", "must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,7 @@ from mooncaked.api.server import (
 )
 from mooncaked.api.ui import ui_routes
 from mooncaked.cache.dram import BlockLayout
-from mooncaked.cache.peer import LeaseDesk, PeerFetcher
+from mooncaked.cache.peer import LeaseDesk, PeerFetcher, ReaderKind
 from mooncaked.cache.service import KVCache
 from mooncaked.cache.store import TieredStore
 from mooncaked.cluster.gossip.service import ClusterService
@@ -637,6 +637,7 @@ class Node:
                     device_prefix=lambda hashes: len(engine.pool.longest_cached_prefix(hashes)),
                     dram_backing=backing,
                     on_failure=self.fail,
+                    classify_reader=self._classify_reader,
                 )
             )
             self._cache = cache
@@ -678,6 +679,20 @@ class Node:
     def _cluster_view(self) -> ClusterView | None:
         member = self._member
         return member.view if member is not None else None
+
+    def _classify_reader(self, reader: str) -> ReaderKind:
+        """How this node's lease desk counts the reader a signed lookup names.
+
+        Any holder of the secret can sign any name, so a name gets a lease cap
+        of its own only when the view knows it as an up member; every other
+        name (a node reading through ``store.peers`` without gossip, a member
+        gossip has not brought yet, a made-up one) shares the outsiders' cap.
+        """
+        if reader == self.node_id:
+            return ReaderKind.REFUSED
+        view = self._cluster_view()
+        member = view.get(reader) if view is not None else None
+        return ReaderKind.MEMBER if member is not None and member.is_up else ReaderKind.OUTSIDER
 
     def _target_at(self, url: str) -> Target | None:
         """What a call to the node at ``url`` is signed for, if the view knows it."""

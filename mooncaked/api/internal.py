@@ -9,7 +9,8 @@ Endpoints (every request signed, see below; anything else gets 401):
   ``hashes`` this node has (SSD blocks promoted to DRAM first), leased for
   ``ttl_s`` (at most ``store.lease_timeout_s``) under ``lease_id``, each
   block's byte offset in the DRAM segment ``segment``. ``lease_id`` 0 and no
-  offsets when it has none. 409 when the reader's block layout differs.
+  offsets when it has none. 409 when the reader's block layout differs; 403
+  when this node leases nothing to that reader (see below).
 - ``POST /internal/cache/release`` ``{"lease_id": n}`` -> ``{"released": bool}``;
   false means the lease had lapsed and what the reader read must be discarded.
 - ``GET /internal/identity`` (unsigned) -> ``{"node_id", "generation"}``: what
@@ -21,9 +22,13 @@ secret, over the method, the path, the target node and its generation, a
 timestamp, a nonce and the body (``mooncaked.rpc``), so only cluster members
 can lease slots, a body signed for one path is refused on another, and a
 captured call replayed (here, on another node, or here after a restart) is
-refused (401) before it takes a lease. A reader holds at most
-``store.peer_max_leases_per_reader`` leases at once, so one peer cannot take
-every slot of ``peer_max_leases``.
+refused (401) before it takes a lease. The secret is shared, so the
+``reader`` a lookup names is the caller's word: an up member of this node's
+cluster view holds at most ``store.peer_max_leases_per_reader`` leases, and
+every other name (a node that lists this one in ``store.peers`` without
+gossip, or one made up) counts against one cap shared by all of them,
+``store.peer_max_leases_outside``; a reader never leased to (this node's own
+id; any non-member when that cap is 0) gets 403.
 
 ``InternalClient`` (the ``PeerClient`` of ``mooncaked.cache.peer``) makes
 these calls; ``TransferBlockReader`` (its ``BlockReader``) reads the leased
@@ -44,7 +49,7 @@ from aiohttp import web
 
 from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
 from mooncaked.cache.hashing import BlockHash, parse_hex_hashes
-from mooncaked.cache.peer import LeaseDesk, Offer, PeerError
+from mooncaked.cache.peer import LeaseDesk, Offer, PeerError, ReaderRefused
 from mooncaked.rpc import Target, Verifier, derive_key, signed_headers
 from mooncaked.transfer import OpStatus, TransferEngine, TransferOp
 
@@ -145,7 +150,10 @@ class InternalAPI:
                 f"block layout differs: this node stores {holding.block_bytes}-byte blocks "
                 f"of layout {holding.layout.hex()}",
             )
-        grant = await holding.desk.grant(hashes, reader, float(ttl))
+        try:
+            grant = await holding.desk.grant(hashes, reader, float(ttl))
+        except ReaderRefused as exc:
+            return rpc_error(403, str(exc), code="reader_refused")
         body: dict[str, Any] = {
             "node_id": self._node_id(),
             "lease_id": grant.lease_id if grant else 0,

@@ -154,6 +154,17 @@ def _of(section: str, attr: str) -> Callable[[Any], float | None]:
     return read
 
 
+def _lease_refusals(leases: Any) -> dict[str, float] | None:
+    if leases is None:
+        return None
+    return {
+        "full": leases.refused,
+        "reader_cap": leases.refused_reader,
+        "outside_cap": leases.refused_outside,
+        "reader_refused": leases.refused_unknown,
+    }
+
+
 def _directions(served: bool) -> Callable[[Any], dict[str, float] | None]:
     prefix = "served_" if served else ""
 
@@ -238,6 +249,15 @@ CACHE_METRICS: tuple[Spec, ...] = (
         counter=True,
     ),
     Spec("mooncaked_peer_leases_active", "DRAM leases peers hold.", _of("leases", "active")),
+    Spec(
+        "mooncaked_peer_leases_refused",
+        "Peers' lease lookups turned away, by reason: every lease out (full), the "
+        "member's cap (reader_cap), the cap shared by readers outside the cluster "
+        "view (outside_cap), or a reader never leased to, answered 403 (reader_refused).",
+        lambda snap: _lease_refusals(snap["leases"]),
+        counter=True,
+        label="reason",
+    ),
     Spec(
         "mooncaked_transfer_bytes",
         "Bytes this node moved by transfer ops it started, by direction.",

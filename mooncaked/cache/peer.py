@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ __all__ = [
     "PeerClient",
     "PeerError",
     "PeerFetcher",
+    "ReaderKind",
+    "ReaderRefused",
     "StaticPeers",
 ]
 
@@ -64,6 +67,28 @@ class PeerError(Exception):
 
 
 # -- holder side ---------------------------------------------------------------
+
+
+class ReaderKind(enum.Enum):
+    """How the holder treats the reader a lookup names.
+
+    The name is the caller's word: every holder of the cluster secret can sign
+    any name. A cap per name alone would let one caller take every lease under
+    names made up for the purpose, so only names the holder can check get a
+    cap of their own.
+    """
+
+    # An up member of this node's cluster view: its own per-reader cap.
+    MEMBER = "member"
+    # Anyone else (a node that lists this one in ``store.peers`` without
+    # gossip, or one the view has not heard of yet): one cap shared by all.
+    OUTSIDER = "outsider"
+    # Never leased to (a name that cannot be an honest reader's).
+    REFUSED = "refused"
+
+
+class ReaderRefused(ValueError):
+    """This node leases nothing to the reader named (answered 403)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +115,11 @@ class LeaseStats:
     refused: int = 0
     # Lookups turned away because their reader held peer_max_leases_per_reader.
     refused_reader: int = 0
+    # Lookups by readers outside the cluster view turned away because those
+    # readers together held peer_max_leases_outside.
+    refused_outside: int = 0
+    # Lookups refused outright (403): a reader this node never leases to.
+    refused_unknown: int = 0
     released: int = 0
     # Leases whose time ran out before their release (the reader was told).
     lapsed: int = 0
@@ -106,55 +136,96 @@ class LeaseDesk:
         *,
         max_leases: int,
         max_leases_per_reader: int | None = None,
+        max_leases_outside: int | None = None,
+        classify: Callable[[str], ReaderKind] | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        """``max_leases_per_reader`` (default ``max_leases``) keeps one reader from
-        holding every lease and starving the others."""
+        """``max_leases_per_reader`` (default ``max_leases``) keeps one member
+        from holding every lease and starving the others; ``max_leases_outside``
+        (default ``max_leases_per_reader``; 0 refuses them) bounds what every
+        reader outside the cluster holds together. ``classify`` tells members
+        from outsiders; without it every reader is an outsider."""
         if max_leases <= 0:
             raise ValueError(f"max_leases must be > 0, got {max_leases}")
         per_reader = max_leases if max_leases_per_reader is None else max_leases_per_reader
         if per_reader <= 0:
             raise ValueError(f"max_leases_per_reader must be > 0, got {per_reader}")
+        outside = per_reader if max_leases_outside is None else max_leases_outside
+        if outside < 0:
+            raise ValueError(f"max_leases_outside must be >= 0, got {outside}")
         self._store = store
         self._max_leases = max_leases
         self._max_per_reader = per_reader
+        self._max_outside = outside
+        self._classify = classify if classify is not None else _everyone_outside
         self._clock = clock
         self._leases: dict[int, Lease] = {}
+        # Lease id -> the member it counts against; None: the outsiders' share.
+        self._bucket_of: dict[int, str | None] = {}
         self._stats = LeaseStats()
 
     async def grant(self, hashes: Sequence[BlockHash], reader: str, ttl_s: float) -> Grant | None:
         """Lease the longest prefix of ``hashes`` this node has; None when it has
-        none or too many leases are out."""
+        none or too many leases are out. Raises ReaderRefused for a reader this
+        node never leases to."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        self._end_lapsed()
-        if len(self._leases) >= self._max_leases:
-            self._stats.refused += 1
+        kind = self._classify(reader)
+        if kind is ReaderKind.REFUSED or (kind is ReaderKind.OUTSIDER and not self._max_outside):
+            self._stats.refused_unknown += 1
+            log.warning("peer.reader_refused", reader=reader, kind=kind.value)
+            why = (
+                "it names this node itself"
+                if kind is ReaderKind.REFUSED
+                else "it is not an up member of this node's cluster view, and "
+                "store.peer_max_leases_outside is 0"
+            )
+            raise ReaderRefused(f"this node leases no blocks to reader {reader!r}: {why}")
+        bucket = reader if kind is ReaderKind.MEMBER else None
+        if self._over_cap(reader, bucket):
             return None
         owner = f"peer:{reader}"
-        if sum(1 for lease in self._leases.values() if lease.owner == owner) >= (
-            self._max_per_reader
-        ):
-            self._stats.refused_reader += 1
-            log.warning("peer.reader_lease_cap", reader=reader, limit=self._max_per_reader)
-            return None
         # Peers read DRAM slots only: blocks on the SSD come up first.
         await self._store.promote(hashes, owner=owner)
+        # Checked again: other lookups may have been granted while this one
+        # waited, and concurrent calls must not add up past a cap.
+        if self._over_cap(reader, bucket):
+            return None
         ttl = min(ttl_s, self._store.config.lease_timeout_s)
         lease = self._store.dram.lease(hashes, owner, ttl)
         if lease is None:
             self._stats.empty += 1
             return None
         self._leases[lease.lease_id] = lease
+        self._bucket_of[lease.lease_id] = bucket
         self._stats.granted += 1
         self._stats.blocks_granted += lease.num_blocks
         dram = self._store.dram
         return Grant(lease.lease_id, tuple(dram.slot_offset(s) for s in lease.slot_ids), ttl)
 
+    def _over_cap(self, reader: str, bucket: str | None) -> bool:
+        """Whether a lease to ``reader`` (counted against ``bucket``) would pass
+        a cap; counts the refusal."""
+        self._end_lapsed()
+        if len(self._leases) >= self._max_leases:
+            self._stats.refused += 1
+            return True
+        held = sum(1 for b in self._bucket_of.values() if b == bucket)
+        if bucket is None and held >= self._max_outside:
+            self._stats.refused_outside += 1
+            log.warning("peer.outside_lease_cap", reader=reader, limit=self._max_outside)
+            return True
+        if bucket is not None and held >= self._max_per_reader:
+            self._stats.refused_reader += 1
+            log.warning("peer.reader_lease_cap", reader=reader, limit=self._max_per_reader)
+            return True
+        return False
+
     def release(self, lease_id: int) -> bool:
         """End a lease; False when it had lapsed (or never existed): the reader must
         then discard what it read."""
         lease = self._leases.pop(lease_id, None)
+        self._bucket_of.pop(lease_id, None)
         if lease is None:
             return False
         # Past its deadline the slots may already have gone to other blocks,
@@ -171,6 +242,7 @@ class LeaseDesk:
         """End every lease (readers' releases will say lapsed); how many ended."""
         leases = list(self._leases.values())
         self._leases.clear()
+        self._bucket_of.clear()
         for lease in leases:
             self._store.dram.release(lease)
         return len(leases)
@@ -180,6 +252,7 @@ class LeaseDesk:
         lapsed = [lease for lease in self._leases.values() if lease.deadline < now]
         for lease in lapsed:
             del self._leases[lease.lease_id]
+            self._bucket_of.pop(lease.lease_id, None)
             self._store.dram.release(lease)
             self._stats.lapsed += 1
             log.warning(
@@ -197,6 +270,10 @@ class LeaseDesk:
         out = dataclasses.replace(self._stats)
         out.active = len(self._leases)
         return out
+
+
+def _everyone_outside(reader: str) -> ReaderKind:
+    return ReaderKind.OUTSIDER
 
 
 # -- reader side ---------------------------------------------------------------

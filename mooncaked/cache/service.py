@@ -22,7 +22,14 @@ import structlog
 
 from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.hashing import BlockHash
-from mooncaked.cache.peer import BlockReader, HolderLocator, LeaseDesk, PeerClient, PeerFetcher
+from mooncaked.cache.peer import (
+    BlockReader,
+    HolderLocator,
+    LeaseDesk,
+    PeerClient,
+    PeerFetcher,
+    ReaderKind,
+)
 from mooncaked.cache.store import TieredStore
 from mooncaked.config import StoreConfig
 
@@ -41,13 +48,18 @@ class KVCache:
         device_prefix: Callable[[list[BlockHash]], int],
         dram_backing: Any = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        classify_reader: Callable[[str], ReaderKind] | None = None,
     ) -> None:
+        """``classify_reader`` tells cluster members from other readers of this
+        node's DRAM leases (see ``LeaseDesk``)."""
         self.config = config
         self.store = TieredStore(layout, config, dram_backing=dram_backing, on_failure=on_failure)
         self.desk = LeaseDesk(
             self.store,
             max_leases=config.peer_max_leases,
             max_leases_per_reader=config.peer_max_leases_per_reader,
+            max_leases_outside=config.peer_max_leases_outside,
+            classify=classify_reader,
         )
         self.fetcher = PeerFetcher(
             self.store,

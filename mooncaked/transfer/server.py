@@ -185,12 +185,21 @@ class TransferServer:
             self._conns.discard(conn)
             conn.close()
 
-    def _offers_mapping(self, seg: Segment, peer: str) -> bool:
-        """Hand ``peer`` a mapping (shm fd, RDMA key) of ``seg``?
+    def _offers_shm(self, seg: Segment) -> bool:
+        """Hand peers a shared-memory mapping (the segment's fd) of ``seg``?
 
-        A GRANTED segment's mapping is writable, and a mapping cannot tell one
-        block from another: only a peer holding a live grant gets one.
+        Never for a GRANTED segment: the fd maps the whole segment writable in
+        the peer's process for as long as it keeps it, and nothing here can
+        take it back, so it would outlive the grant that let the peer write.
+        Peers write those segments over tcp, each op checked against the live
+        grants.
         """
+        return seg.access is not Access.GRANTED
+
+    def _offers_rdma(self, seg: Segment, peer: str) -> bool:
+        """Hand ``peer`` the RDMA key of ``seg``? A GRANTED segment's key only to
+        a peer holding a live grant (the key is good until the region is
+        deregistered: like an fd, it outlives the grant)."""
         return seg.access is not Access.GRANTED or self._grants.has_live(seg.name, peer)
 
     def _serve_lookup(self, conn: socket.socket, peer: str, size: int) -> None:
@@ -206,7 +215,6 @@ class TransferServer:
             if seg is None:
                 entries.append(None)
                 continue
-            mapped = self._offers_mapping(seg, peer)
             entries.append(
                 {
                     "name": seg.name,
@@ -214,9 +222,11 @@ class TransferServer:
                     "length": seg.length,
                     "location": seg.location,
                     "access": seg.access.value,
-                    "shm": mapped and seg.is_shared and self._shm_fds is not None,
+                    "shm": self._offers_shm(seg) and seg.is_shared and self._shm_fds is not None,
                     "rdma": (
-                        self._rdma_region(seg) if mapped and self._rdma_region is not None else None
+                        self._rdma_region(seg)
+                        if self._rdma_region is not None and self._offers_rdma(seg, peer)
+                        else None
                     ),
                 }
             )
@@ -228,7 +238,7 @@ class TransferServer:
         body = orjson.loads(bytes(p.recv_exact(conn, size)))
         seg_id = body.get("id") if isinstance(body, dict) else None
         seg = self._table.by_id(seg_id) if isinstance(seg_id, int) else None
-        if seg is not None and not self._offers_mapping(seg, peer):
+        if seg is not None and not self._offers_shm(seg):
             self._forbidden(peer, seg, "shm open", 0, seg.length)
             conn.sendall(SHM_REPLY.pack(p.Status.FORBIDDEN, 0, 0, 0))
             return

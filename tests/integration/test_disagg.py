@@ -120,12 +120,21 @@ async def test_greedy_output_is_identical_across_topologies_and_transports(
         decodes = {n.node_id for n in cluster.nodes if n.config.node.role == "decode"}
         assert {h["x-mooncaked-prefill-node"] for *_, h in got} <= prefills
         assert {h["x-mooncaked-decode-node"] for *_, h in got} <= decodes
-        # The KV went over the transport asked for.
+        # Every byte written into a decode node's KV cache went through its
+        # transfer endpoint, checked against the grant, even with shm on: the
+        # KV cache is never mapped into a peer, where the mapping would
+        # outlive the grant. (Cached prefixes read out of a peer's DRAM tier
+        # may still come over shm.)
         used = set()
+        written = served = 0
         for n in cluster.nodes:
             assert n.transfer is not None
-            used |= {t for t, b in n.transfer.metrics().bytes_by_transport.items() if b}
-        assert used == {transports[0]}, used
+            m = n.transfer.metrics()
+            used |= {t for t, b in m.bytes_by_transport.items() if b}
+            written += m.bytes_written
+            served += m.served_bytes_written
+        assert written > 0 and served == written, (written, served)
+        assert "tcp" in used and used <= set(transports), used
         # Every write landed inside a grant to its prefill node, and every
         # grant was closed when its prefill call ended.
         for n in cluster.nodes:

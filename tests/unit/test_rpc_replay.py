@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from mooncaked.api.internal import (
     InternalAPI,
     InternalClient,
 )
-from mooncaked.cache.peer import LeaseDesk, PeerError
+from mooncaked.cache.peer import LeaseDesk, PeerError, ReaderKind, ReaderRefused
 from mooncaked.cluster.placement import Candidate
 from mooncaked.cluster.state import ClusterView
 from mooncaked.request import SamplingParams
@@ -313,24 +314,83 @@ async def test_unsigned_or_oversized_calls_are_refused_before_their_body() -> No
         await runner.cleanup()
 
 
+def members(*names: str) -> Callable[[str], ReaderKind]:
+    def classify(reader: str) -> ReaderKind:
+        if reader == "holder":
+            return ReaderKind.REFUSED
+        return ReaderKind.MEMBER if reader in names else ReaderKind.OUTSIDER
+
+    return classify
+
+
 @pytest.mark.parametrize("per_reader", [1, 2])
-async def test_one_reader_cannot_hold_every_lease(tmp_path: Path, per_reader: int) -> None:
+async def test_one_member_cannot_hold_every_lease(tmp_path: Path, per_reader: int) -> None:
     async with AsyncExitStack() as stack:
         holder = await make(stack, "holder", tmp_path)
         await put(holder, HASHES[:3], rows(3, seed=4))
-        desk = LeaseDesk(holder.store, max_leases=4, max_leases_per_reader=per_reader)
+        desk = LeaseDesk(
+            holder.store,
+            max_leases=4,
+            max_leases_per_reader=per_reader,
+            classify=members("greedy", "modest"),
+        )
         mine = [await desk.grant(HASHES[:3], "greedy", 10.0) for _ in range(per_reader)]
         assert all(g is not None for g in mine)
         assert await desk.grant(HASHES[:3], "greedy", 10.0) is None
         assert desk.stats().refused_reader == 1
-        # Another reader still gets one.
+        # Another member still gets one.
         other = await desk.grant(HASHES[:3], "modest", 10.0)
         assert other is not None
         desk.release(mine[0].lease_id)  # type: ignore[union-attr]
         assert await desk.grant(HASHES[:3], "greedy", 10.0) is not None
         with pytest.raises(ValueError, match="max_leases_per_reader"):
             LeaseDesk(holder.store, max_leases=4, max_leases_per_reader=0)
+        with pytest.raises(ValueError, match="max_leases_outside"):
+            LeaseDesk(holder.store, max_leases=4, max_leases_outside=-1)
         desk.close()
+
+
+async def test_made_up_reader_names_share_one_cap(tmp_path: Path) -> None:
+    """Any holder of the secret can name itself anything: names outside the
+    cluster view share the outsiders' cap, a member keeps its own."""
+    async with AsyncExitStack() as stack:
+        holder = await make(stack, "holder", tmp_path)
+        await put(holder, HASHES[:3], rows(3, seed=5))
+        desk = LeaseDesk(
+            holder.store,
+            max_leases=16,
+            max_leases_per_reader=2,
+            max_leases_outside=3,
+            classify=members("decode-1"),
+        )
+        invented = [await desk.grant(HASHES[:3], f"ghost-{i}", 10.0) for i in range(10)]
+        assert [g is not None for g in invented] == [True] * 3 + [False] * 7
+        st = desk.stats()
+        assert (st.granted, st.active, st.refused_outside, st.refused_reader) == (3, 3, 7, 0)
+        # The member is untouched by the outsiders' flood.
+        assert await desk.grant(HASHES[:3], "decode-1", 10.0) is not None
+        assert await desk.grant(HASHES[:3], "decode-1", 10.0) is not None
+        assert await desk.grant(HASHES[:3], "decode-1", 10.0) is None
+        assert desk.stats().refused_reader == 1
+        # A lease given back frees room in its own share only.
+        assert desk.release(invented[0].lease_id)  # type: ignore[union-attr]
+        assert await desk.grant(HASHES[:3], "ghost-99", 10.0) is not None
+        assert await desk.grant(HASHES[:3], "ghost-100", 10.0) is None
+        # This node's own id is never an honest reader.
+        with pytest.raises(ReaderRefused, match="names this node itself"):
+            await desk.grant(HASHES[:3], "holder", 10.0)
+        assert desk.stats().refused_unknown == 1
+        desk.close()
+
+        # Members only: every other name is refused outright.
+        closed = LeaseDesk(
+            holder.store, max_leases=16, max_leases_outside=0, classify=members("decode-1")
+        )
+        with pytest.raises(ReaderRefused, match="not an up member"):
+            await closed.grant(HASHES[:3], "ghost-0", 10.0)
+        assert closed.stats().refused_unknown == 1 and closed.num_active == 0
+        assert await closed.grant(HASHES[:3], "decode-1", 10.0) is not None
+        closed.close()
 
 
 async def test_a_forwarded_request_is_signed_for_the_decode_node_in_the_view() -> None:

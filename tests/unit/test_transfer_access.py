@@ -202,27 +202,62 @@ async def test_granted_blocks_take_writes_from_the_granted_peer_until_the_deadli
             victim.grant_write(name, "p", block_bytes=1, blocks_per_plane=1, block_ids=[0], ttl_s=1)
 
 
-async def test_granted_segment_is_mapped_over_shm_only_under_a_live_grant(
+async def test_no_write_outlives_its_grant_by_any_path_on_the_same_host(
     victim: TransferEngine,
 ) -> None:
+    """A peer on this host, holding the secret and once a live grant: after the
+    grant ends (revoked or expired) nothing it does lands in the segment."""
     kv = victim.allocate("kv", PLANES * BLOCKS * BLOCK, Access.GRANTED)
+    # A read-only segment beside it: the peer does get a shared-memory session.
+    victim.allocate("dram", 4096)
+    o = plane_offset(0, 2)
     async with TransferEngine(TransferConfig(), "prefill", SECRET) as prefill:
         prefill.allocate("src", BLOCK).view[:] = b"\x09" * BLOCK  # type: ignore[index]
         prefill.add_peer("victim", victim.address)
-        op = TransferOp.write("src", 0, "victim", "kv", plane_offset(0, 2), BLOCK)
+        op = TransferOp.write("src", 0, "victim", "kv", o, BLOCK)
         batch = await prefill.submit([op])
-        assert not await batch.wait()  # no grant: no mapping, and tcp refuses
-        victim.grant_write(
-            "kv", "prefill", block_bytes=BLOCK, blocks_per_plane=BLOCKS, block_ids=[2], ttl_s=30
-        )
-        prefill.disconnect("victim")
-        await prefill.remove_peer("victim")
-        prefill.add_peer("victim", victim.address)
-        batch = await prefill.submit([op])
-        assert await batch.wait(), batch.failures()
-        assert batch.transport(0) == "shm"
-        o = plane_offset(0, 2)
-        assert bytes(kv.view[o : o + BLOCK]) == b"\x09" * BLOCK  # type: ignore[index]
+        assert not await batch.wait()  # no grant: refused
+        for ttl_s, end in ((30.0, "revoke"), (0.3, "expire")):
+            grant = victim.grant_write(
+                "kv",
+                "prefill",
+                block_bytes=BLOCK,
+                blocks_per_plane=BLOCKS,
+                block_ids=[2],
+                ttl_s=ttl_s,
+            )
+            # Under the grant the write lands, over tcp: checked op by op.
+            batch = await prefill.submit([op])
+            assert await batch.wait(), batch.failures()
+            transport = batch.transport(0)
+            assert bytes(kv.view[o : o + BLOCK]) == b"\x09" * BLOCK  # type: ignore[index]
+            # Asked for straight on the shared-memory channel, while the grant
+            # is live, the mapping is refused: nothing to keep past the grant.
+            link = prefill._peers["victim"]
+            assert link.shm is not None
+            remote = link.link.cached("kv")
+            assert remote is not None
+            link.shm.unwatch()
+            mapping = await asyncio.to_thread(link.shm.open, remote)
+            link.shm.watch(asyncio.get_running_loop())
+            if end == "revoke":
+                victim.revoke(grant)
+            else:
+                await asyncio.sleep(0.4)
+            # Every path the peer has: its mapping (had it got one), and tcp.
+            if mapping is not None:
+                mapping.buffer.view[o : o + BLOCK] = b"\x66" * BLOCK
+            prefill.allocate("evil", BLOCK).view[:] = b"\x77" * BLOCK  # type: ignore[index]
+            batch = await prefill.submit([TransferOp.write("evil", 0, "victim", "kv", o, BLOCK)])
+            assert not await batch.wait()
+            assert "no access right or live grant" in batch.failures()[0][1]
+            prefill.unregister("evil")
+            assert bytes(kv.view[o : o + BLOCK]) == b"\x09" * BLOCK, end  # type: ignore[index]
+            assert mapping is None and not remote.shm and transport == "tcp"
+            kv.view[o : o + BLOCK] = bytes(BLOCK)  # type: ignore[index]
+        assert victim.num_grants == 0
+        # The first write, and per grant the shm open and the late write.
+        assert victim.metrics().served_forbidden == 5
 
 
 async def test_shared_memory_is_the_daemon_users_only_and_read_only_to_peers(
