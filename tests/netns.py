@@ -122,6 +122,8 @@ class Host:
     name: str
     netns: str
     addr: str
+    # The veth end on the bridge, in the root namespace.
+    veth: str
 
 
 @dataclass(slots=True)
@@ -150,7 +152,7 @@ class Fabric:
         n = len(self.hosts) + 2
         netns = f"mc{self.suffix}-{name}"
         outer, inner = f"mcv{self.suffix}{n}", f"mcp{self.suffix}{n}"
-        host = Host(name, netns, str(self.subnet.network_address + n))
+        host = Host(name, netns, str(self.subnet.network_address + n), outer)
         _run_ip("netns", "add", netns)
         # Recorded at once, so teardown removes a namespace set up halfway.
         self.hosts[name] = host
@@ -203,7 +205,13 @@ class Fabric:
                     os.kill(int(pid), signal.SIGKILL)
                 except (ProcessLookupError, ValueError):
                     pass
-            # Deleting the namespace deletes its veth end, and so the pair.
+            # The pair goes with either end, but with the namespace's only once
+            # the kernel gets round to freeing it: deleted here, it is gone now.
+            done = subprocess.run(
+                ["ip", "link", "del", host.veth], capture_output=True, text=True, check=False
+            )
+            if done.returncode != 0 and "Cannot find device" not in done.stderr:
+                problems.append(f"veth {host.veth}: {done.stderr.strip()}")
             done = subprocess.run(
                 ["ip", "netns", "del", host.netns], capture_output=True, text=True, check=False
             )
