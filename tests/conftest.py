@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -147,14 +147,19 @@ def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
     return buf
 
 
-def spawn_daemon(workdir: Path, toml: str = TEST_TOML, *extra_args: str) -> DaemonProcess:
+def spawn_daemon(
+    workdir: Path, toml: str = TEST_TOML, *extra_args: str, wrap: Sequence[str] = ()
+) -> DaemonProcess:
+    """``python -m mooncaked`` on ``toml``, once it answers /ready. ``wrap``: a
+    command the daemon runs under, such as ``ip netns exec NS``; it must exec
+    the daemon in place, so that signals sent to the process reach it."""
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = workdir / "mooncaked.toml"
     cfg.write_text(toml)
     stderr_path = workdir / "mooncaked.stderr"
     with stderr_path.open("wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mooncaked", "--config", str(cfg), *extra_args],
+            [*wrap, sys.executable, "-m", "mooncaked", "--config", str(cfg), *extra_args],
             stdout=subprocess.PIPE,
             stderr=err,
             env=_env(),

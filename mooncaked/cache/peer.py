@@ -267,6 +267,10 @@ class LeaseDesk:
         return len(self._leases)
 
     def stats(self) -> LeaseStats:
+        # Lapsed leases end here too, not only at the next grant: a reader
+        # cut off before its release would otherwise count as active, and
+        # hold its DRAM slots, for as long as no other reader asks.
+        self._end_lapsed()
         out = dataclasses.replace(self._stats)
         out.active = len(self._leases)
         return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from mooncaked.api.internal import (
     InternalClient,
     TransferBlockReader,
 )
+from mooncaked.cache.dram import Clock
 from mooncaked.cache.hashing import block_hashes
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher, StaticPeers
 from mooncaked.cache.store import BlockLayout, Tier, TieredStore
@@ -68,6 +70,7 @@ async def make(
     timeout_s: float = 5.0,
     generation: int = 1,
     port: int = 0,
+    clock: Clock = time.monotonic,
 ) -> Side:
     """One node's cache side; everything it starts is closed with ``stack``."""
     cfg = StoreConfig(
@@ -81,10 +84,10 @@ async def make(
     await transfer.start()
     stack.push_async_callback(transfer.close)
     segment = transfer.allocate(SEGMENT, TieredStore.dram_slots_for(cfg, LAYOUT) * BB)
-    store = TieredStore(LAYOUT, cfg, pin_memory=False, dram_backing=segment.view)
+    store = TieredStore(LAYOUT, cfg, clock=clock, pin_memory=False, dram_backing=segment.view)
     await store.start()
     stack.push_async_callback(store.close)
-    desk = LeaseDesk(store, max_leases=2)
+    desk = LeaseDesk(store, max_leases=2, clock=clock)
     holding = Holding(
         desk, BB, LAYOUT.fingerprint(), transfer.descriptor(SEGMENT).to_dict(), transfer.address
     )
@@ -199,6 +202,28 @@ async def test_a_lapsed_lease_discards_what_was_read(stack: AsyncExitStack, tmp_
     assert reader.store.dram.num_cached == 0 and reader.store.dram.num_pending == 0
     assert holder.desk.stats().lapsed == 1
     reader.store.dram.check_integrity()
+
+
+async def test_a_lease_whose_release_never_comes_ends_when_stats_are_read(
+    stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    # The reader was cut off (a partition) between its lookup and its release,
+    # and no other reader asks: the lease still ends at its deadline.
+    now = [100.0]
+    holder = await make(stack, "holder", tmp_path, lease_timeout_s=5.0, clock=lambda: now[0])
+    await put(holder, HASHES[:3], rows(3, seed=7))
+    desk = holder.desk
+    grant = await desk.grant(HASHES[:3], "gone", 10.0)
+    assert grant is not None
+    assert (desk.stats().active, holder.store.dram.num_leases) == (1, 1)
+    now[0] += 5.0
+    assert desk.stats().active == 1  # at its deadline, not past it
+    now[0] += 0.001
+    st = desk.stats()
+    assert (st.active, st.lapsed, st.released) == (0, 1, 0)
+    assert holder.store.dram.num_leases == 0
+    assert desk.release(grant.lease_id) is False
+    holder.store.dram.check_integrity()
 
 
 async def test_bad_secret_dead_peer_and_empty_peer_mean_compute(
