@@ -1004,6 +1004,11 @@ class _Timer:
         )
 
 
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
 def api_middleware(metrics: ApiMetrics) -> Any:
     """Renders ApiError and unexpected exceptions as JSON; counts every answer."""
 
@@ -1029,7 +1034,14 @@ def api_middleware(metrics: ApiMetrics) -> Any:
             # The client went away (nginx's 499 "client closed request"), or shutdown.
             status = 499
             raise
-        except Exception:
+        except Exception as exc:
+            if isinstance(exc, ConnectionResetError) and _client_gone(request):
+                # The caller hung up mid-request (a peer killed or cut off
+                # while sending a body or reading the answer): nobody to
+                # answer, and nothing wrong on this side.
+                status = 499
+                log.info("client connection lost", endpoint=endpoint, remote=request.remote)
+                return web.Response(status=499)
             log.exception("request failed", endpoint=endpoint)
             err = ApiError(
                 500, "internal error in mooncaked; see the daemon's log", type="server_error"

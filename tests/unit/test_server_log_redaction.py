@@ -92,3 +92,46 @@ async def test_a_malformed_authorization_header_never_reaches_a_log(
     for fragment in (TOKEN, TOKEN[3:19], TOKEN[-12:]):
         leaks = [line for line in lines if fragment in line]
         assert not leaks, leaks
+
+
+async def read_body(request: web.Request) -> web.Response:
+    await request.read()
+    return web.Response(text="read")
+
+
+async def test_a_caller_hanging_up_mid_body_is_a_499_not_a_server_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A peer killed or cut off while sending a signed call's body: the read
+    # fails with ConnectionResetError, which says nothing about this server.
+    metrics = ApiMetrics()
+    app = web.Application(middlewares=[api_middleware(metrics)])
+    app.router.add_post("/internal/cache/release", read_body)
+    runner = web.AppRunner(app, access_log=None, **server_kwargs(5.0))
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /internal/cache/release HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: 1000\r\n\r\n" + b"{" * 10
+        )
+        await writer.drain()
+        writer.close()
+        counter = metrics.http_requests
+        for _ in range(200):
+            samples = {
+                s.labels["status"]: s.value
+                for m in counter.collect()
+                for s in m.samples
+                if s.name.endswith("_total")
+            }
+            if samples:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await runner.cleanup()
+    assert samples == {"499": 1.0}, samples
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
