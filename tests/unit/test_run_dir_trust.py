@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from mooncakectl.rundir import (
     identity,
     not_our_daemon,
     open_run_dir,
+    process_info,
     read_state,
     write_private,
 )
@@ -89,6 +91,12 @@ def test_a_recorded_daemon_is_recognised(tmp_path: Path) -> None:
         ]
     )
     try:
+        # Popen returns once the child left the parent's memory (vfork), a
+        # moment before the kernel fills in its new command line.
+        deadline = time.monotonic() + 10.0
+        while not (info := process_info(proc.pid)) or not info.argv:
+            assert time.monotonic() < deadline, "the child's command line never appeared"
+            time.sleep(0.01)
         record = {"pid": proc.pid, **identity(proc.pid, str(config))}
         assert not_our_daemon(record) is None
         assert "not the mooncaked" in str(not_our_daemon({**record, "config": "/other.toml"}))
