@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from mooncaked.handoff import NO_HANDOFF, Handoff
+
 
 class RequestState(enum.Enum):
     WAITING = "waiting"
@@ -88,20 +90,9 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
-    # Disaggregation (plain data the KV connectors read, None otherwise): on a
-    # decode node, where the prompt's KV comes from (the prefill nodes to ask);
-    # on a prefill node, where its KV goes (the decode node's grant).
-    kv_source: object | None = None
-    kv_sink: object | None = None
-    # When the placement expects a handoff's KV in (time.monotonic(); 0:
-    # unknown): the decode node's load forecast counts it from then on.
-    kv_ready_at: float = 0.0
-    # Sampled tokens this request continues from (a resumed stream): seeded
-    # sampling picks up at this output index.
-    output_offset: int = 0
-    # Whether the KV connector may pull this prompt's prefix from peers (the
-    # Conductor says no when recomputing it is faster).
-    peer_fetch: bool = True
+    # Disaggregated serving: where the prompt's KV comes from or goes to,
+    # and where a resumed stream's output continues from.
+    handoff: Handoff = NO_HANDOFF
     # The node whose forward pass computed the prompt, once known.
     prefill_node: str | None = None
     # Chained hashes of every full block of the request's tokens so far: the

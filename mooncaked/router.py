@@ -48,7 +48,13 @@ from mooncaked.cluster.state import ClusterView
 from mooncaked.cluster.watch import MemberLost, MemberWatch
 from mooncaked.config import ConductorConfig, SloConfig
 from mooncaked.engine.core import EngineCore
-from mooncaked.engine.handoff import MAX_KV_READY_IN_S, PrefillSource, PrefillTarget
+from mooncaked.handoff import (
+    MAX_KV_READY_IN_S,
+    Handoff,
+    PrefillSource,
+    PrefillTarget,
+    kv_ready_at,
+)
 from mooncaked.request import (
     RequestOutput,
     SamplingParams,
@@ -265,10 +271,14 @@ class Submission:
                 sampling,
                 f"{self.request_id}~{self._attempts}" if resumed else self.request_id,
                 prompt_hashes=None if resumed else req.hashes,
-                kv_source=source,
-                output_offset=resumed,
-                peer_fetch=placement.fetch,
-                kv_ready_in_s=_kv_ready_in_s(placement) if targets else 0.0,
+                handoff=Handoff(
+                    source=source,
+                    peer_fetch=placement.fetch,
+                    kv_ready_at=kv_ready_at(
+                        _kv_ready_in_s(placement) if targets else 0.0, time.monotonic()
+                    ),
+                    output_offset=resumed,
+                ),
             )
             self._stream = stream
             self._closer = stream.aclose

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,18 +46,22 @@ from mooncaked.engine.core import (
     QueueFullError,
 )
 from mooncaked.engine.handoff import (
-    MAX_KV_READY_IN_S,
-    KVGrant,
     KVSender,
     KVWrite,
     PrefillBusy,
     PrefillError,
     PrefillReply,
-    PrefillSource,
-    PrefillTarget,
-    parse_max_wait_s,
 )
 from mooncaked.engine.plan import SampledToken
+from mooncaked.handoff import (
+    MAX_KV_READY_IN_S,
+    Handoff,
+    KVGrant,
+    PrefillSource,
+    PrefillTarget,
+    kv_ready_at,
+    parse_max_wait_s,
+)
 from mooncaked.request import (
     Request,
     logprob_from_list,
@@ -179,9 +184,11 @@ class DisaggAPI:
                     prompt,
                     sampling,
                     rid,
-                    kv_source=PrefillSource(targets, float(hop_s)) if targets else None,
-                    output_offset=offset,
-                    kv_ready_in_s=ready_in if targets else 0.0,
+                    handoff=Handoff(
+                        source=PrefillSource(targets, float(hop_s)) if targets else None,
+                        kv_ready_at=kv_ready_at(ready_in if targets else 0.0, time.monotonic()),
+                        output_offset=offset,
+                    ),
                 )
             except QueueFullError as exc:
                 raise Rejected(
@@ -244,7 +251,7 @@ class DisaggAPI:
             local_id = f"{rid}@prefill"
             try:
                 stream = engine.add_request(
-                    prompt, first, local_id, kv_sink=grant, peer_fetch=peer_fetch
+                    prompt, first, local_id, handoff=Handoff(sink=grant, peer_fetch=peer_fetch)
                 )
             except QueueFullError as exc:
                 raise Rejected(rpc_error(503, str(exc))) from None

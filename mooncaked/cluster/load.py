@@ -95,7 +95,7 @@ class CostMeter:
 
     def _on_finish(self, req: Request) -> None:
         if not self._profiling and req.finish_reason is not None:
-            self.lengths.add(req.output_offset + len(req.output_token_ids))
+            self.lengths.add(req.handoff.output_offset + len(req.output_token_ids))
             # In a steady state requests join the batch as fast as they leave it.
             self.departures.add(self._clock(), req.num_prompt_tokens)
 

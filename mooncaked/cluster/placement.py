@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cluster.fit import Calibration
 from mooncaked.cluster.slo import Slo, target_each
-from mooncaked.engine.late_binding import PrefillOffer
+from mooncaked.handoff import PrefillOffer
 
 
 class Policy(enum.StrEnum):

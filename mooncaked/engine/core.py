@@ -40,6 +40,7 @@ from mooncaked.engine.plan import LoadJob, SampledToken, StepPlan
 from mooncaked.engine.runner import KVAllocator, ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
 from mooncaked.engine.threads import ThreadTiming, pick_threads
+from mooncaked.handoff import NO_HANDOFF, Handoff
 from mooncaked.process import (
     compute_threads,
     enter_compute_thread,
@@ -318,21 +319,15 @@ class EngineCore:
         request_id: str | None = None,
         *,
         prompt_hashes: Sequence[BlockHash] | None = None,
-        kv_source: object | None = None,
-        kv_sink: object | None = None,
-        output_offset: int = 0,
-        peer_fetch: bool = True,
-        kv_ready_in_s: float = 0.0,
+        handoff: Handoff = NO_HANDOFF,
     ) -> RequestStream:
         """Queue a request; ``prompt_hashes`` are its full blocks' hashes if the
         caller computed them already (the entry node does, to place it).
 
-        ``kv_source`` / ``kv_sink``: where its prompt's KV comes from or goes
-        to (disaggregation; read by the KV connector); ``output_offset``: the
-        tokens a resumed stream had sampled before (seeded sampling goes on
-        from there); ``peer_fetch``: whether its prefix may come from peers;
-        ``kv_ready_in_s``: when the placement expects the KV from ``kv_source``
-        to be in, seconds from now (0: unknown), for the load forecast."""
+        ``handoff``: where its prompt's KV comes from or goes to
+        (disaggregation; read by the KV connectors), whether its prefix may
+        come from peers, and where a resumed stream's output continues from.
+        Its ``kv_ready_at`` is on ``time.monotonic()``."""
         if self.failure is not None:
             raise EngineFailedError(f"the engine failed: {self.failure!r}")
         if self._closing or self._loop_task is None:
@@ -343,11 +338,7 @@ class EngineCore:
             rid,
             list(prompt_token_ids),
             sampling,
-            kv_source=kv_source,
-            kv_sink=kv_sink,
-            output_offset=output_offset,
-            peer_fetch=peer_fetch,
-            kv_ready_at=time.monotonic() + kv_ready_in_s if kv_ready_in_s > 0.0 else 0.0,
+            handoff=handoff,
         )
         num_full = len(prompt_token_ids) // self.block_size
         if prompt_hashes is not None and len(prompt_hashes) >= num_full:
@@ -549,7 +540,7 @@ class EngineCore:
             if req is None:
                 continue
             if req.state is RequestState.LOADING:
-                phase = "transferring" if req.kv_source is not None else "loading"
+                phase = "transferring" if req.handoff.source is not None else "loading"
             elif req.state is RequestState.RUNNING:
                 phase = "decoding" if req.output_token_ids else "prefilling"
             else:
@@ -559,7 +550,7 @@ class EngineCore:
                     "id": rid,
                     "phase": phase,
                     "prompt_tokens": req.num_prompt_tokens,
-                    "output_tokens": req.output_offset + req.num_output_tokens,
+                    "output_tokens": req.handoff.output_offset + req.num_output_tokens,
                     "prefill_node": req.prefill_node,
                     "age_s": round(now - req.arrival_time, 3),
                 }

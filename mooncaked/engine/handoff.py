@@ -42,38 +42,28 @@ from typing import Any, Protocol
 import structlog
 
 from mooncaked.engine.connector import KVConnector, LoadResult
-from mooncaked.engine.late_binding import PrefillOffer, PrefillWalk
+from mooncaked.engine.late_binding import PrefillWalk
 from mooncaked.engine.plan import LoadJob, SampledToken, StepPlan
-from mooncaked.engine.runner import KVLayout
+from mooncaked.handoff import KVGrant, KVLayout, PrefillTarget
 from mooncaked.request import Request
 
 log = structlog.get_logger(__name__)
 
 __all__ = [
-    "MAX_KV_READY_IN_S",
     "HandoffStats",
-    "KVGrant",
     "KVReceiver",
     "KVSender",
     "PrefillBusy",
     "PrefillError",
     "PrefillReply",
-    "PrefillSource",
-    "PrefillTarget",
     "StepObserver",
     "StepSend",
     "WriteGrants",
-    "parse_max_wait_s",
 ]
 
 # A prefill node's late writes land by the grant's deadline; this much more
 # covers the time the grant spent in flight to it.
 _GRANT_GRACE_S = 2.0
-# Most blocks one grant may name (a 1M-token prompt in 16-token blocks).
-MAX_GRANT_BLOCKS = 1 << 16
-# Furthest out a placement's "KV in by" forecast for a handoff may be: the
-# decode node refuses more (api/disagg.py), the entry clamps to it (router.py).
-MAX_KV_READY_IN_S = 3600.0
 
 
 class PrefillError(Exception):
@@ -83,133 +73,6 @@ class PrefillError(Exception):
 class PrefillBusy(PrefillError):
     """The prefill node's own queue is longer than the entry allowed it (late
     binding): it passed the request on without computing anything."""
-
-
-@dataclass(frozen=True, slots=True)
-class KVGrant:
-    """Blocks of a decode node's KV cache one prefill node may write, for one request.
-
-    ``block_ids[i]`` holds the request's logical block ``first_block + i``;
-    every byte offset follows from ``layout`` (``KVLayout.offset``).
-    """
-
-    request_id: str
-    node_id: str
-    transfer_address: str
-    segment: str
-    layout: KVLayout
-    first_block: int
-    block_ids: tuple[int, ...]
-    ttl_s: float
-
-    def to_dict(self) -> dict[str, Any]:
-        lay = self.layout
-        return {
-            "request_id": self.request_id,
-            "node_id": self.node_id,
-            "transfer_address": self.transfer_address,
-            "segment": self.segment,
-            "layout": [lay.num_layers, lay.num_blocks, lay.block_size, lay.row_bytes],
-            "first_block": self.first_block,
-            "block_ids": list(self.block_ids),
-            "ttl_s": self.ttl_s,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Any) -> KVGrant:
-        """Parse and check a grant from JSON; ValueError naming what is wrong."""
-        if not isinstance(d, dict):
-            raise ValueError("'grant' must be an object")
-
-        def num(key: str, value: Any, lo: int, hi: int) -> int:
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ValueError(f"grant {key!r} must be an integer in {lo}..{hi}")
-            return value
-
-        def text(key: str) -> str:
-            v = d.get(key)
-            if not isinstance(v, str) or not v or len(v) > 256:
-                raise ValueError(f"grant {key!r} must be a non-empty string")
-            return v
-
-        raw = d.get("layout")
-        if not isinstance(raw, list) or len(raw) != 4:
-            raise ValueError("grant 'layout' must be [layers, blocks, block_size, row_bytes]")
-        layout = KVLayout(
-            num_layers=num("layers", raw[0], 1, 1 << 12),
-            num_blocks=num("blocks", raw[1], 1, 1 << 30),
-            block_size=num("block_size", raw[2], 1, 1 << 16),
-            row_bytes=num("row_bytes", raw[3], 1, 1 << 24),
-        )
-        ids = d.get("block_ids")
-        if not isinstance(ids, list) or not 0 < len(ids) <= MAX_GRANT_BLOCKS:
-            raise ValueError(f"grant 'block_ids' must list 1..{MAX_GRANT_BLOCKS} blocks")
-        block_ids = tuple(num("block_ids", b, 0, layout.num_blocks - 1) for b in ids)
-        ttl = d.get("ttl_s")
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 3600:
-            raise ValueError("grant 'ttl_s' must be a number in (0, 3600]")
-        return cls(
-            request_id=text("request_id"),
-            node_id=text("node_id"),
-            transfer_address=text("transfer_address"),
-            segment=text("segment"),
-            layout=layout,
-            first_block=num("first_block", d.get("first_block"), 0, 1 << 30),
-            block_ids=block_ids,
-            ttl_s=float(ttl),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillTarget:
-    node_id: str
-    # The prefill node's API, e.g. "http://10.0.0.5:8000".
-    url: str
-    # Whether it may pull a longer prefix from peers (else it recomputes).
-    fetch: bool = True
-    # Late binding: what the entry forecast of it (None: it takes the request).
-    offer: PrefillOffer | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"node_id": self.node_id, "url": self.url, "fetch": self.fetch}
-        if self.offer is not None:
-            out["offer"] = self.offer.to_list()
-        return out
-
-    @classmethod
-    def from_dict(cls, raw: Any) -> PrefillTarget:
-        """Raises ValueError (or KeyError, TypeError) on a malformed target."""
-        if not isinstance(raw, dict):
-            raise ValueError(f"a prefill target must be an object, got {raw!r}")
-        offer = raw.get("offer")
-        return cls(
-            str(raw["node_id"]),
-            str(raw["url"]),
-            raw.get("fetch", True) is not False,
-            None if offer is None else PrefillOffer.from_list(offer),
-        )
-
-
-def parse_max_wait_s(raw: Any) -> float:
-    """A wire ``max_wait_s``: seconds >= 0, or None (no limit: inf)."""
-    if raw is None:
-        return math.inf
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0.0 <= raw < math.inf:
-        raise ValueError(f"'max_wait_s' must be a number of seconds >= 0, got {raw!r}")
-    return float(raw)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillSource:
-    """A decode-side request's ``kv_source``: the prefill nodes to ask, in
-    order, and (late binding) the round trip one more hop costs."""
-
-    targets: tuple[PrefillTarget, ...]
-    hop_s: float = 0.0
-
-    def walk(self) -> PrefillWalk:
-        offers = tuple(t.offer for t in self.targets if t.offer is not None)
-        return PrefillWalk(offers, len(self.targets), self.hop_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,7 +195,7 @@ class KVReceiver(KVConnector):
         self.stats = HandoffStats()
 
     def lookup(self, req: Request, num_computed_tokens: int) -> int | None:
-        if not isinstance(req.kv_source, PrefillSource) or req.request_id in self._tried:
+        if req.handoff.source is None or req.request_id in self._tried:
             return 0
         if req.num_output_tokens:
             return 0  # a preempted request recomputes here
@@ -340,8 +203,8 @@ class KVReceiver(KVConnector):
 
     async def load(self, req: Request, job: LoadJob) -> LoadResult:
         self._tried.add(req.request_id)
-        source = req.kv_source
-        if not isinstance(source, PrefillSource):
+        source = req.handoff.source
+        if source is None:
             return LoadResult(0)
         grant = KVGrant(
             request_id=req.request_id,
@@ -355,7 +218,7 @@ class KVReceiver(KVConnector):
         )
         # Held for as long as a prefill node may write them.
         hold = self._hold(job.block_ids)
-        walk = source.walk()
+        walk = PrefillWalk.of(source)
         while (step := walk.next()) is not None:
             i, max_wait = step
             target = source.targets[i]
@@ -557,8 +420,8 @@ class KVSender(KVConnector):
         self.stats = HandoffStats()
 
     def request_added(self, req: Request) -> None:
-        grant = req.kv_sink
-        if not isinstance(grant, KVGrant):
+        grant = req.handoff.sink
+        if grant is None:
             return
         sink = _Sink(
             grant,

@@ -9,49 +9,14 @@ simulated cluster in the simulator) offers the request to each in turn
 passes it on before computing anything.
 
 Pure and free of torch: the Conductor (``cluster.placement``) builds the
-offers, the engine's handoff walks them.
+offers (``mooncaked.handoff.PrefillOffer``), the engine's handoff walks them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
-
-@dataclass(frozen=True, slots=True)
-class PrefillOffer:
-    """What the entry forecast of one prefill candidate, model seconds: its
-    TTFT, and the parts of it that do not depend on its queue (a fetch of
-    a longer prefix, which overlaps the queue, and the compute after it)."""
-
-    ttft_s: float
-    move_s: float
-    rest_s: float
-    # A wait past ``ttft_s`` (as a share of it) that is no news.
-    slack: float = 0.0
-
-    def to_list(self) -> list[float]:
-        return [round(self.ttft_s, 6), round(self.move_s, 6), round(self.rest_s, 6), self.slack]
-
-    @classmethod
-    def from_list(cls, raw: Any) -> PrefillOffer:
-        """Raises ValueError on anything but four finite numbers >= 0."""
-        if not isinstance(raw, list) or len(raw) != 4:
-            raise ValueError(f"an offer is [ttft_s, move_s, rest_s, slack], got {raw!r}")
-        for v in raw:
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
-                raise ValueError(f"an offer's figures must be numbers >= 0, got {raw!r}")
-        return cls(float(raw[0]), float(raw[1]), float(raw[2]), float(raw[3]))
-
-    def ttft_at(self, queue_s: float) -> float:
-        """Its TTFT with this much queued ahead."""
-        return max(queue_s, self.move_s) + self.rest_s
-
-    def max_wait_s(self, beat_s: float) -> float:
-        """The longest queue at which it takes the request: its TTFT within
-        its forecast and slack, or not past ``beat_s`` (what else is left)."""
-        return max(self.ttft_s * (1.0 + self.slack), beat_s) - self.rest_s
+from mooncaked.handoff import PrefillOffer, PrefillSource
 
 
 class PrefillWalk:
@@ -76,6 +41,12 @@ class PrefillWalk:
         self._num = num
         self._rtt_s = rtt_s
         self._next = 0
+
+    @classmethod
+    def of(cls, source: PrefillSource) -> PrefillWalk:
+        """The walk over a decode-side request's prefill candidates."""
+        offers = tuple(t.offer for t in source.targets if t.offer is not None)
+        return cls(offers, len(source.targets), source.hop_s)
 
     def next(self) -> tuple[int, float] | None:
         """The candidate to ask next and the longest queue it may take the

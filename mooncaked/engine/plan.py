@@ -50,7 +50,7 @@ def chunk_of(
         block_ids=list(block_ids),
         sample=sample,
         sampling=req.sampling,
-        num_output_tokens=req.output_offset + len(req.output_token_ids),
+        num_output_tokens=req.handoff.output_offset + len(req.output_token_ids),
     )
 
 

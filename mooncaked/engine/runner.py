@@ -14,7 +14,6 @@ after each layer's forward, ``wait_for_save`` before the results return.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import structlog
 import torch
@@ -31,42 +30,13 @@ from mooncaked.engine.loader import LoadedModel
 from mooncaked.engine.model import ModelArch
 from mooncaked.engine.plan import SampledToken, StepPlan
 from mooncaked.engine.sampler import Sampler
+from mooncaked.handoff import KVLayout
 
 log = structlog.get_logger(__name__)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # (nbytes, device) -> zeroed uint8 tensor of that many bytes on that device.
 KVAllocator = Callable[[int, torch.device], torch.Tensor]
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Where the KV of (layer, K|V, block, row) sits in a runner's KV buffer.
-
-    Plain numbers, so a peer that writes into this cache can compute every
-    byte offset from a grant without seeing the tensors.
-    """
-
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    # Bytes of one token's K (or V) in one layer: kv_heads * head_dim * itemsize.
-    row_bytes: int
-
-    @property
-    def block_bytes(self) -> int:
-        """One block of one layer's K (or V)."""
-        return self.block_size * self.row_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_layers * 2 * self.num_blocks * self.block_bytes
-
-    def offset(self, layer: int, kv: int, block: int, row: int = 0) -> int:
-        """Byte offset of ``row`` of ``block`` in layer ``layer``'s K (kv=0) or V (kv=1)."""
-        return (
-            (layer * 2 + kv) * self.num_blocks + block
-        ) * self.block_bytes + row * self.row_bytes
 
 
 def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:

@@ -382,12 +382,13 @@ class Scheduler:
         decode: list[tuple[int, int, int, float]] = []
 
         def decoding(req: Request, waits: bool = False) -> tuple[int, int, int, float]:
-            out = req.output_offset + len(req.output_token_ids)
+            out = req.handoff.output_offset + len(req.output_token_ids)
+            ready_at = req.handoff.kv_ready_at
             return (
                 req.num_tokens,
                 out,
                 max(1, req.sampling.max_tokens - len(req.output_token_ids)),
-                max(0.0, req.kv_ready_at - now) if waits and req.kv_ready_at > 0.0 else 0.0,
+                max(0.0, ready_at - now) if waits and ready_at > 0.0 else 0.0,
             )
 
         for req in self.running:
@@ -399,7 +400,7 @@ class Scheduler:
         for req in self.loading.values():
             decode.append(decoding(req))
         for req in self.waiting:
-            if req.kv_source is not None and not req.num_computed_tokens:
+            if req.handoff.source is not None and not req.num_computed_tokens:
                 decode.append(decoding(req, waits=True))
             else:
                 prefill.append((req.num_tokens - req.num_computed_tokens, req.num_computed_tokens))

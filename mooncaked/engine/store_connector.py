@@ -81,7 +81,7 @@ class TieredStoreConnector(KVConnector):
 
     def _prefetch_hashes(self, req: Request) -> list[BlockHash]:
         """The blocks worth asking peers for: full prompt blocks past the device hits."""
-        if not req.peer_fetch:
+        if not req.handoff.peer_fetch:
             return []
         # The last block is recomputed anyway (one token must be sampled).
         hashes = req.block_hashes[: (len(req.prompt_token_ids) - 1) // self.ctx.block_size]

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from mooncaked.api.disagg import kv_ready_in_s
-from mooncaked.engine.handoff import MAX_KV_READY_IN_S
+from mooncaked.handoff import MAX_KV_READY_IN_S
 
 
 def test_kv_ready_in_s_is_a_bounded_number_of_seconds() -> None:

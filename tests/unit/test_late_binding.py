@@ -21,18 +21,22 @@ from mooncaked.cluster.slo import Slo
 from mooncaked.cluster.state import ClusterView, NodeLoad
 from mooncaked.engine.connector import ConnectorContext
 from mooncaked.engine.handoff import (
-    KVGrant,
     KVReceiver,
     PrefillBusy,
     PrefillError,
     PrefillReply,
+)
+from mooncaked.engine.kv_pool import BlockPool
+from mooncaked.engine.late_binding import PrefillWalk
+from mooncaked.engine.plan import LoadJob, SampledToken
+from mooncaked.handoff import (
+    Handoff,
+    KVGrant,
+    KVLayout,
+    PrefillOffer,
     PrefillSource,
     PrefillTarget,
 )
-from mooncaked.engine.kv_pool import BlockPool
-from mooncaked.engine.late_binding import PrefillOffer, PrefillWalk
-from mooncaked.engine.plan import LoadJob, SampledToken
-from mooncaked.engine.runner import KVLayout
 from mooncaked.request import Request, SamplingParams, sampling_to_dict
 from mooncaked.rpc import Target, derive_key, signed_headers
 from tests.unit.test_conductor_costs import add
@@ -165,7 +169,9 @@ async def test_the_decode_node_asks_the_next_when_a_prefill_node_passes_it_on() 
         ),
         hop_s=0.01,
     )
-    req = Request("r1", list(range(40)), SamplingParams(max_tokens=4), kv_source=source)
+    req = Request(
+        "r1", list(range(40)), SamplingParams(max_tokens=4), handoff=Handoff(source=source)
+    )
     result = await receiver.load(req, LoadJob("r1", 0, blocks, 39))
     assert result.prefill_node == "p2" and result.sampled == SampledToken(7, None)
     # p1 may take it while its queue is under 1.51 - 1.0 s; p2, the last, always.

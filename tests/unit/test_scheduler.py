@@ -10,6 +10,7 @@ from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.output import token_stop_reason
 from mooncaked.engine.plan import SampledToken, StepPlan
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
+from mooncaked.handoff import Handoff, PrefillSource
 from mooncaked.request import FinishReason, Request, RequestState, SamplingParams
 
 BS = 4
@@ -286,10 +287,9 @@ def test_work_says_when_each_handoff_is_expected_to_start_decoding() -> None:
     s = make()
     s.add_request(req("local", 8))
     for rid, base, ready_at in (("soon", 100, 10.5), ("late", 200, 9.0), ("unknown", 300, 0.0)):
-        handoff = req(rid, 8, base=base)
-        handoff.kv_source = object()
-        handoff.kv_ready_at = ready_at
-        s.add_request(handoff)
+        r = req(rid, 8, base=base)
+        r.handoff = Handoff(source=PrefillSource(()), kv_ready_at=ready_at)
+        s.add_request(r)
     prefill, decode = s.work(now=10.0)
     assert prefill == [(8, 0)]
     # Half a second to go; overdue counts from now; no forecast, none known.
