@@ -96,7 +96,8 @@ from mooncaked.cluster.status import ClusterSnapshot
 from mooncaked.config import Config, ConfigError
 from mooncaked.engine.connector import KVConnector, MultiConnector
 from mooncaked.engine.core import EngineCore, EngineStats
-from mooncaked.engine.handoff import KVReceiver, KVSender
+from mooncaked.engine.kv_receiver import KVReceiver
+from mooncaked.engine.kv_sender import KVSender
 from mooncaked.engine.store_connector import TieredStoreConnector
 from mooncaked.notify import Notifier
 from mooncaked.router import Router

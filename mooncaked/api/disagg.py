@@ -46,12 +46,12 @@ from mooncaked.engine.core import (
     QueueFullError,
 )
 from mooncaked.engine.handoff import (
-    KVSender,
     KVWrite,
     PrefillBusy,
     PrefillError,
     PrefillReply,
 )
+from mooncaked.engine.kv_sender import KVSender
 from mooncaked.engine.plan import SampledToken
 from mooncaked.handoff import (
     MAX_KV_READY_IN_S,

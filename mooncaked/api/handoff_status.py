@@ -19,7 +19,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 
 from mooncaked.api.metrics import Spec
-from mooncaked.engine.handoff import HandoffStats, KVReceiver, KVSender, StepSend
+from mooncaked.engine.handoff import HandoffStats, StepSend
+from mooncaked.engine.kv_receiver import KVReceiver
+from mooncaked.engine.kv_sender import KVSender
 from mooncaked.transfer import TransferEngine
 from mooncaked.transfer.batch import TransferMetrics
 

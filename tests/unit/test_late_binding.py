@@ -20,13 +20,9 @@ from mooncaked.cluster.placement import ConductorParams, Placement, PlacementReq
 from mooncaked.cluster.slo import Slo
 from mooncaked.cluster.state import ClusterView, NodeLoad
 from mooncaked.engine.connector import ConnectorContext
-from mooncaked.engine.handoff import (
-    KVReceiver,
-    PrefillBusy,
-    PrefillError,
-    PrefillReply,
-)
+from mooncaked.engine.handoff import PrefillBusy, PrefillError, PrefillReply
 from mooncaked.engine.kv_pool import BlockPool
+from mooncaked.engine.kv_receiver import KVReceiver
 from mooncaked.engine.late_binding import PrefillWalk
 from mooncaked.engine.plan import LoadJob, SampledToken
 from mooncaked.handoff import (
