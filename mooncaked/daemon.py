@@ -559,9 +559,8 @@ class Node:
                     )
                 )
             connectors.append(sender)
-            engine.set_connector(MultiConnector(connectors))
             self._receiver, self._sender = receiver, sender
-            async with engine.serving(on_fatal=self.fail):
+            async with engine.serving(on_fatal=self.fail, connector=MultiConnector(connectors)):
                 costs = CostMeter(engine)
                 costs.attach()
                 if self._cache is not None:

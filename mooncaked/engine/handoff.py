@@ -103,7 +103,7 @@ class StepSend:
     ok: bool
 
 
-# Called in the engine's step thread once per step that sent KV.
+# Called on the event loop once per step that waited for its KV writes.
 StepObserver = Callable[[StepSend], None]
 
 

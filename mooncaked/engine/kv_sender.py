@@ -1,11 +1,20 @@
 """The prefill node's side of prefill/decode disaggregation, as a KV connector.
 
-A request that carries a ``KVGrant`` is computed as usual (reusing this
-node's caches), and after each layer's forward the K and V rows that layer
-wrote for the granted blocks go out as one batch of WRITEs through the
-transfer engine, while the next layers compute. ``wait_for_save`` waits for
-the step's batches before its results return, so when the first token is
-out, the KV is in place on the decode node.
+A request that carries a ``KVGrant`` (``Handoff.sink``) is computed as usual
+(reusing this node's caches), and after each layer's forward the K and V
+rows that layer wrote for the granted blocks go out as one batch of WRITEs
+per decode node through the transfer engine, while the next layers compute.
+``wait_for_save`` waits for the step's batches before its results return,
+so when the first token is out, the KV is in place on the decode node.
+
+Who owns what: the event loop owns each request's handoff state (a
+``_Sink``: what was sent, what failed, the batches still in flight); before a
+step, ``build_meta`` turns it into frozen plain data (``SendMeta``). The
+step thread submits the writes and waits for them, keeping what it learns in
+its own ``_StepWrites``, and returns a ``SendReport`` (bytes per request,
+failures per request, the batches not waited for, the step's send
+timings); ``after_step`` applies it on the loop. The request's final output
+carries the outcome (``kv_sent``), which is what the prefill call answers.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,13 +31,67 @@ from mooncaked.engine.connector import KVConnector
 from mooncaked.engine.handoff import HandoffStats, KVWrite, KVWriter, StepObserver, StepSend
 from mooncaked.engine.plan import StepPlan
 from mooncaked.handoff import KVGrant, KVLayout
-from mooncaked.request import Request
+from mooncaked.request import KVSent, Request
 
-__all__ = ["KVSender"]
+__all__ = ["KVSender", "SendMeta", "SendReport"]
+
+# Rows of one request sent in one step: (src block, dst block, first row,
+# rows), contiguous on both sides.
+Run = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Send:
+    """One request's writes in one step."""
+
+    request_id: str
+    grant: KVGrant
+    runs: tuple[Run, ...]
+    # The chunk samples the first token: its request's KV must be complete
+    # when the step returns.
+    final: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    """Writes submitted to one decode node: the requests whose rows it carries."""
+
+    node_id: str
+    request_ids: tuple[str, ...]
+    future: Future[tuple[bool, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class SendMeta:
+    """The worker side's plan for one step (built on the loop, read in the step thread)."""
+
+    sends: tuple[_Send, ...]
+    timeout_s: float
+    # Earlier chunks' batches that this step's sampling chunks wait for.
+    pending: tuple[_Batch, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SendReport:
+    """What one step's sends came to (step thread -> event loop)."""
+
+    # Bytes submitted for each request this step.
+    bytes_sent: tuple[tuple[str, int], ...]
+    # Requests whose KV could not all be written, and why.
+    failed: tuple[tuple[str, str], ...]
+    # Batches not waited for (a step without a sampling chunk): each
+    # request's sampling step waits for those that carry its rows.
+    in_flight: tuple[_Batch, ...]
+    num_bytes: int
+    num_failed_batches: int
+    # The step's send timings, when it waited for its writes.
+    step: StepSend | None = None
 
 
 @dataclass(slots=True)
 class _Sink:
+    """One granted request's handoff, as the event loop keeps it."""
+
     grant: KVGrant
     deadline: float
     failed: str | None = None
@@ -37,32 +100,21 @@ class _Sink:
     # node's to receive): a chunk that starts later, after a prefix this node
     # had cached, sends that prefix's rows too.
     sent_upto: int = 0
-    # Writes of earlier chunks not waited for yet: the step that samples the
+    # Batches of earlier chunks not waited for yet: the step that samples the
     # first token waits for them.
-    pending: list[tuple[list[_Send], Future[tuple[bool, str]]]] = field(default_factory=list)
+    pending: list[_Batch] = field(default_factory=list)
 
 
 @dataclass(slots=True)
-class _Send:
-    """One request's writes in one step: runs of rows, each (src block, dst block,
-    first row, rows), contiguous on both sides."""
+class _StepWrites:
+    """What the step thread submitted for one step, until it reports."""
 
-    sink: _Sink
-    runs: list[tuple[int, int, int, int]]
-    # The chunk samples the first token: its request's KV must be complete
-    # when the step returns.
-    final: bool = False
-
-
-@dataclass(slots=True)
-class _StepSends:
-    sends: list[_Send]
-    timeout_s: float
-    # Set in the step thread: per layer, the future of its submitted batch.
-    futures: list[tuple[list[_Send], Future[tuple[bool, str]]]] = field(default_factory=list)
+    meta: SendMeta
+    batches: list[_Batch] = field(default_factory=list)
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    num_bytes: int = 0
     t_first: float = 0.0
     t_last_layer: float = 0.0
-    num_bytes: int = 0
 
 
 class KVSender(KVConnector):
@@ -90,10 +142,13 @@ class KVSender(KVConnector):
         self._loop = loop
         self.layerwise = layerwise
         self._clock = clock
+        # Event loop only.
         self._sinks: dict[str, _Sink] = {}
-        # Outcomes of finished requests, until the prefill handler takes them.
-        self._outcomes: dict[str, _Sink] = {}
         self.stats = HandoffStats()
+        # Step thread only: the step being sent.
+        self._writes: _StepWrites | None = None
+
+    # -- scheduler side (event loop) -------------------------------------------
 
     def request_added(self, req: Request) -> None:
         grant = req.handoff.sink
@@ -118,23 +173,19 @@ class KVSender(KVConnector):
                 sink.failed = f"bad transfer address: {exc}"
         self._sinks[req.request_id] = sink
 
+    def kv_sent(self, req: Request) -> KVSent | None:
+        sink = self._sinks.get(req.request_id)
+        return None if sink is None else KVSent(sink.bytes_sent, sink.failed)
+
     def request_finished(self, req: Request) -> None:
-        sink = self._sinks.pop(req.request_id, None)
-        if sink is not None:
-            self._outcomes[req.request_id] = sink
+        self._sinks.pop(req.request_id, None)
 
-    def take_outcome(self, request_id: str) -> tuple[str | None, int] | None:
-        """(why the handoff failed or None, bytes sent) of a finished request."""
-        sink = self._outcomes.pop(request_id, None)
-        if sink is None:
-            return None
-        return sink.failed, sink.bytes_sent
-
-    def build_meta(self, plan: StepPlan) -> Any:
+    def build_meta(self, plan: StepPlan) -> SendMeta | None:
         if not self._sinks:
             return None
         now = self._clock()
         sends: list[_Send] = []
+        pending: list[_Batch] = []
         timeout = math.inf
         for chunk in plan.chunks:
             sink = self._sinks.get(chunk.request_id)
@@ -149,19 +200,50 @@ class KVSender(KVConnector):
                 sink.failed = "the grant does not cover the prompt"
                 continue
             sink.sent_upto = max(sink.sent_upto, chunk.end_pos)
-            if runs:
-                sends.append(_Send(sink, runs, final=chunk.sample))
-                timeout = min(timeout, sink.deadline - now)
+            if not runs:
+                continue
+            sends.append(_Send(chunk.request_id, sink.grant, tuple(runs), final=chunk.sample))
+            timeout = min(timeout, sink.deadline - now)
+            if chunk.sample:
+                # This step waits for them; the loop forgets them.
+                pending += sink.pending
+                sink.pending = []
         if not sends:
             return None
-        return _StepSends(sends, timeout)
+        return SendMeta(tuple(sends), timeout, tuple(pending))
 
-    def _runs(
-        self, grant: KVGrant, block_ids: list[int], start: int, end: int
-    ) -> list[tuple[int, int, int, int]] | None:
-        """Rows [start, end) of the granted blocks as runs contiguous on both sides."""
-        bs = self._layout.block_size
-        runs: list[tuple[int, int, int, int]] = []
+    def after_step(self, report: Any) -> None:
+        if not isinstance(report, SendReport):
+            return
+        self.stats.sent_bytes += report.num_bytes
+        self.stats.send_failures += report.num_failed_batches
+        for rid, n in report.bytes_sent:
+            if (sink := self._sinks.get(rid)) is not None:
+                sink.bytes_sent += n
+        for rid, why in report.failed:
+            if (sink := self._sinks.get(rid)) is not None and sink.failed is None:
+                sink.failed = why
+        for batch in report.in_flight:
+            for rid in batch.request_ids:
+                if (sink := self._sinks.get(rid)) is not None:
+                    sink.pending.append(batch)
+        step = report.step
+        if step is None:
+            return
+        self.stats.num_steps_sent += 1
+        self.stats.exposed_seconds += step.exposed_seconds
+        self.stats.send_seconds += step.send_seconds
+        if self._on_step is not None:
+            self._on_step(step)
+
+    @staticmethod
+    def _runs(grant: KVGrant, block_ids: Sequence[int], start: int, end: int) -> list[Run] | None:
+        """Rows [start, end) of a request whose block table is ``block_ids``, as
+        runs into the granted blocks contiguous on both sides; None when the
+        grant does not reach ``end``. Blocks before the grant's first are the
+        decode node's already and send nothing."""
+        bs = grant.layout.block_size
+        runs: list[Run] = []
         for i in range(start // bs, (end - 1) // bs + 1):
             if i < grant.first_block:
                 continue  # the decode node has this block already
@@ -183,12 +265,109 @@ class KVSender(KVConnector):
             runs.append((src, dst, r0, r1 - r0))
         return runs
 
+    # -- worker side (step thread) ---------------------------------------------
+
+    def save_layer(self, layer: int, meta: Any) -> None:
+        if not isinstance(meta, SendMeta):
+            return
+        writes = self._step_writes(meta)
+        now = self._clock()
+        if writes.t_first == 0.0:
+            writes.t_first = now
+        writes.t_last_layer = now
+        if self.layerwise:
+            self._send_layers(writes, range(layer, layer + 1))
+
+    def wait_for_save(self, meta: Any) -> SendReport | None:
+        if not isinstance(meta, SendMeta):
+            return None
+        writes = self._step_writes(meta)
+        self._writes = None
+        if not self.layerwise:
+            writes.t_last_layer = self._clock()
+            self._send_layers(writes, range(self._layout.num_layers))
+        if not any(s.final for s in meta.sends):
+            # A middle chunk: later chunks write other rows and these blocks
+            # stay allocated, so its writes go on under the next step's
+            # compute; the step that samples waits for them.
+            return self._report(writes, {}, 0, in_flight=tuple(writes.batches))
+        failed: dict[str, str] = {}
+        num_failed = 0
+        seen: set[int] = set()
+        for batch in (*writes.batches, *meta.pending):
+            if id(batch.future) in seen:
+                continue
+            seen.add(id(batch.future))
+            try:
+                # The batch's own deadline ends it; the margin only guards a lost loop.
+                ok, reason = batch.future.result(timeout=meta.timeout_s + 5.0)
+            except Exception as exc:
+                ok, reason = False, repr(exc)
+            if not ok:
+                num_failed += 1
+                for rid in batch.request_ids:
+                    failed.setdefault(rid, f"a KV write to {batch.node_id} failed: {reason}")
+        done = self._clock()
+        step = StepSend(
+            writes.num_bytes,
+            send_seconds=done - (writes.t_first or writes.t_last_layer),
+            exposed_seconds=done - writes.t_last_layer,
+            ok=num_failed == 0,
+        )
+        return self._report(writes, failed, num_failed, step=step)
+
+    def _step_writes(self, meta: SendMeta) -> _StepWrites:
+        writes = self._writes
+        if writes is None or writes.meta is not meta:
+            writes = self._writes = _StepWrites(meta)
+        return writes
+
+    @staticmethod
+    def _report(
+        writes: _StepWrites,
+        failed: dict[str, str],
+        num_failed: int,
+        *,
+        in_flight: tuple[_Batch, ...] = (),
+        step: StepSend | None = None,
+    ) -> SendReport:
+        return SendReport(
+            bytes_sent=tuple(writes.bytes_sent.items()),
+            failed=tuple(failed.items()),
+            in_flight=in_flight,
+            num_bytes=writes.num_bytes,
+            num_failed_batches=num_failed,
+            step=step,
+        )
+
+    def _send_layers(self, writes: _StepWrites, layers: range) -> None:
+        # One batch per decode node: a node that fails (or is cut as lost)
+        # fails only the requests it was receiving.
+        by_node: dict[str, list[_Send]] = {}
+        for s in writes.meta.sends:
+            by_node.setdefault(s.grant.node_id, []).append(s)
+        per_row = 2 * len(layers) * self._layout.row_bytes
+        for node_id, sends in by_node.items():
+            ops = self._ops(layers, sends)
+            if not ops:
+                continue
+            fut = asyncio.run_coroutine_threadsafe(
+                self._submit(ops, writes.meta.timeout_s), self._loop
+            )
+            writes.batches.append(_Batch(node_id, tuple(s.request_id for s in sends), fut))
+            for s in sends:
+                rows = sum(n for *_, n in s.runs)
+                writes.bytes_sent[s.request_id] = (
+                    writes.bytes_sent.get(s.request_id, 0) + per_row * rows
+                )
+            writes.num_bytes += sum(op[4] for op in ops)
+
     def _ops(self, layers: range, sends: list[_Send]) -> list[KVWrite]:
         mine = self._layout
         row = mine.row_bytes
         ops: list[KVWrite] = []
         for s in sends:
-            g = s.sink.grant
+            g = s.grant
             for layer in layers:
                 for kv in (0, 1):
                     for src, dst, r0, n in s.runs:
@@ -206,80 +385,5 @@ class KVSender(KVConnector):
     async def _submit(self, ops: list[KVWrite], timeout_s: float) -> tuple[bool, str]:
         return await self._writer.write(self._segment, ops, timeout_s)
 
-    def _send_layers(self, meta: _StepSends, layers: range) -> None:
-        # One batch per decode node: a node that fails (or is cut as lost)
-        # fails only the requests it was receiving.
-        by_node: dict[str, list[_Send]] = {}
-        for s in meta.sends:
-            by_node.setdefault(s.sink.grant.node_id, []).append(s)
-        row = self._layout.row_bytes
-        per_layer = 2 * len(layers) * row
-        for sends in by_node.values():
-            ops = self._ops(layers, sends)
-            if not ops:
-                continue
-            fut = asyncio.run_coroutine_threadsafe(self._submit(ops, meta.timeout_s), self._loop)
-            meta.futures.append((sends, fut))
-            for s in sends:
-                s.sink.bytes_sent += per_layer * sum(n for *_, n in s.runs)
-            num_bytes = sum(op[4] for op in ops)
-            meta.num_bytes += num_bytes
-            self.stats.sent_bytes += num_bytes
-
-    def save_layer(self, layer: int, meta: Any) -> None:
-        if not isinstance(meta, _StepSends):
-            return
-        now = self._clock()
-        if meta.t_first == 0.0:
-            meta.t_first = now
-        meta.t_last_layer = now
-        if self.layerwise:
-            self._send_layers(meta, range(layer, layer + 1))
-
-    def wait_for_save(self, meta: Any) -> None:
-        if not isinstance(meta, _StepSends):
-            return
-        if not self.layerwise:
-            meta.t_last_layer = self._clock()
-            self._send_layers(meta, range(self._layout.num_layers))
-        finals = [s for s in meta.sends if s.final]
-        if not finals:
-            # A middle chunk: later chunks write other rows and these blocks
-            # stay allocated, so its writes go on under the next step's
-            # compute; the step that samples waits for them.
-            for s in meta.sends:
-                s.sink.pending.extend(meta.futures)
-            return
-        waits = list(meta.futures)
-        for s in finals:
-            waits += s.sink.pending
-            s.sink.pending = []
-        all_ok = True
-        seen: set[int] = set()
-        for sends, fut in waits:
-            if id(fut) in seen:
-                continue
-            seen.add(id(fut))
-            try:
-                # The batch's own deadline ends it; the margin only guards a lost loop.
-                ok, reason = fut.result(timeout=meta.timeout_s + 5.0)
-            except Exception as exc:
-                ok, reason = False, repr(exc)
-            all_ok = all_ok and ok
-            if not ok:
-                self.stats.send_failures += 1
-                for s in sends:
-                    if s.sink.failed is None:
-                        s.sink.failed = f"a KV write to {s.sink.grant.node_id} failed: {reason}"
-        done = self._clock()
-        exposed = done - meta.t_last_layer
-        window = done - (meta.t_first or meta.t_last_layer)
-        self.stats.num_steps_sent += 1
-        self.stats.exposed_seconds += exposed
-        self.stats.send_seconds += window
-        if self._on_step is not None:
-            self._on_step(StepSend(meta.num_bytes, window, exposed, all_ok))
-
     async def close(self) -> None:
         self._sinks.clear()
-        self._outcomes.clear()

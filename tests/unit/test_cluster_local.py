@@ -90,6 +90,7 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
         clock=clock,
         costs=costs,
     )
+    await engine.start()
     try:
         idle = meter()
         assert (idle.role, idle.model_id, idle.api_addr) == (
@@ -99,6 +100,7 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
         )
         assert idle.load == NodeLoad() and not idle.draining
         assert idle.costs.chunk_tokens == 64 and idle.costs.kv_bytes_per_token > 0
+        # Straight into the scheduler: no step runs it (the loop is not woken).
         req = Request("r", list(range(100)), SamplingParams())
         engine.scheduler.add_request(req)
         engine.publish_load()

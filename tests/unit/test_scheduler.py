@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mooncaked.config import SchedulerConfig
-from mooncaked.engine.connector import KVConnector, LoadResult
+from mooncaked.engine.connector import KVConnector, KVHit, LoadResult
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.output import token_stop_reason
 from mooncaked.engine.plan import SampledToken, StepPlan
@@ -203,13 +203,13 @@ class FixedConnector(KVConnector):
         self.known = True
         self.asked: list[tuple[str, int]] = []
 
-    def lookup(self, req: Request, num_computed_tokens: int) -> int | None:
+    def lookup(self, req: Request, num_computed_tokens: int) -> KVHit | None:
         self.asked.append((req.request_id, num_computed_tokens))
         if not self.known:
             return None
         max_blocks = (req.num_tokens - 1) // BS - num_computed_tokens // BS
         n = max_blocks if self.blocks is None else min(self.blocks, max_blocks)
-        return n * BS
+        return KVHit(n * BS)
 
 
 def test_host_cached_prefix_is_loaded_then_only_the_tail_computed() -> None:
@@ -245,8 +245,8 @@ def test_partial_load_computes_from_the_first_missing_block() -> None:
 def test_a_load_that_sampled_joins_the_decode_batch() -> None:
     # A remote prefill delivers every prompt token's KV and the first token.
     class Remote(KVConnector):
-        def lookup(self, req: Request, num_computed_tokens: int) -> int | None:
-            return req.num_tokens - num_computed_tokens
+        def lookup(self, req: Request, num_computed_tokens: int) -> KVHit | None:
+            return KVHit(req.num_tokens - num_computed_tokens)
 
     s = make(connector=Remote())
     r = req("r", 10, max_tokens=3)
