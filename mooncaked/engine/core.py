@@ -12,8 +12,11 @@ device: host tiers, peers, a remote prefill). The connector is given when
 the engine starts, because what it serves from (the host tiers) is built
 over the engine's own KV cache; the scheduler is built with it then.
 
-Timed holds on blocks (a writer outside may still write them) are the
-pool's; the loop releases them as its clock passes their deadlines.
+Once per scheduling pass the engine publishes an ``EngineSnapshot`` (its
+load, the scheduler's work, its model's facts): what gossip and the cost
+model read, instead of the scheduler or the runner. Timed holds on blocks
+(a writer outside may still write them) are the pool's; the loop releases
+them as its clock passes their deadlines.
 
 The step loop is owned: if it dies (a broken invariant, a detokenizer error),
 every request in flight ends with an explicit error, new requests are refused
@@ -45,6 +48,7 @@ from mooncaked.engine.output import OutputProcessor, RequestStream
 from mooncaked.engine.plan import LoadJob, StepOutput, StepPlan
 from mooncaked.engine.runner import KVAllocator, ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
+from mooncaked.engine.snapshot import EngineLoad, EngineSnapshot, ModelFacts
 from mooncaked.engine.threads import ThreadTiming, pick_threads
 from mooncaked.handoff import NO_HANDOFF, Handoff
 from mooncaked.process import (
@@ -61,6 +65,7 @@ __all__ = [
     "EngineCore",
     "EngineFailedError",
     "EngineLoad",
+    "EngineSnapshot",
     "EngineStats",
     "PromptTooLongError",
     "QueueFullError",
@@ -104,20 +109,6 @@ class EngineStats:
     num_integrity_failures: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """The engine's load, published once per scheduling pass (gossip reads it)."""
-
-    # Prompt tokens (and preempted tokens) still to compute.
-    queued_prefill_tokens: int = 0
-    # Requests decoding (one token left to compute after a sample).
-    running_decode_batch: int = 0
-    kv_usage: float = 0.0
-    num_steps: int = 0
-    num_waiting: int = 0
-    num_running: int = 0
-
-
 class EngineCore:
     def __init__(
         self,
@@ -151,7 +142,8 @@ class EngineCore:
             max_model_len=self.max_model_len,
             kv_sent=self._kv_sent,
         )
-        self.load = EngineLoad()
+        self.model_facts = self._model_facts()
+        self.snapshot = EngineSnapshot(self.model_facts)
         # Called with every step's plan and its seconds (cost models learn
         # from them), and with every finished request. A step's seconds are
         # the time from its start to the next step's start while the engine
@@ -220,6 +212,22 @@ class EngineCore:
         # beyond what is in use now goes to KV blocks.
         free, total = torch.cuda.mem_get_info(device)
         return int(total * kv.gpu_memory_fraction) - (total - free)
+
+    def _model_facts(self) -> ModelFacts:
+        arch, sched = self.loaded.arch, self.config.scheduler
+        return ModelFacts(
+            model_id=self.model_id,
+            vocab_size=arch.vocab_size,
+            max_model_len=self.max_model_len,
+            num_layers=arch.num_layers,
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            device=str(self.loaded.device),
+            block_size=self.block_size,
+            num_blocks=self.pool.num_blocks,
+            kv_bytes_per_token=self.runner.block_bytes // self.block_size,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+        )
 
     @property
     def scheduler(self) -> Scheduler:
@@ -443,7 +451,7 @@ class EngineCore:
             self._loads[job.request_id] = (job, task)
         if not plan.is_empty:
             plan.connector_meta = self.connector.build_meta(plan)
-        self.publish_load()
+        self.publish_snapshot()
         return plan
 
     async def _idle(self) -> None:
@@ -531,17 +539,28 @@ class EngineCore:
                 self._emit([req])
             self._wakeup.set()
 
-    def publish_load(self) -> None:
-        """Refresh ``self.load`` (once per scheduling pass; gossip reads it)."""
+    @property
+    def load(self) -> EngineLoad:
+        """The load of the last snapshot."""
+        return self.snapshot.load
+
+    def publish_snapshot(self) -> None:
+        """Refresh ``self.snapshot`` (once per scheduling pass; gossip reads it)."""
         s = self.scheduler
         queued, decode = s.load()
-        self.load = EngineLoad(
-            queued_prefill_tokens=queued,
-            running_decode_batch=decode,
-            kv_usage=self.pool.usage,
-            num_steps=self.num_steps,
-            num_waiting=len(s.waiting),
-            num_running=len(s.running),
+        prefill_work, decode_work = s.work()
+        self.snapshot = EngineSnapshot(
+            model=self.model_facts,
+            load=EngineLoad(
+                queued_prefill_tokens=queued,
+                running_decode_batch=decode,
+                kv_usage=self.pool.usage,
+                num_steps=self.num_steps,
+                num_waiting=len(s.waiting),
+                num_running=len(s.running),
+            ),
+            prefill=tuple(prefill_work),
+            decode=tuple(decode_work),
         )
 
     def _apply_aborts(self) -> None:

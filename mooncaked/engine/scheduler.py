@@ -39,6 +39,13 @@ from mooncaked.request import FinishReason, Request, RequestState
 
 log = structlog.get_logger(__name__)
 
+# A request's prefill work: (tokens left to compute, tokens computed).
+PrefillEntry = tuple[int, int]
+# A request that decodes, or will once its KV is in: (context tokens, output
+# tokens, most output tokens still allowed, when its placement expected the
+# KV in on the engine's monotonic clock: 0 once decoding or when unknown).
+DecodeEntry = tuple[int, int, int, float]
+
 
 class QueueFullError(Exception):
     """The waiting queue is at its bound: the caller should retry later (HTTP 429)."""
@@ -395,29 +402,21 @@ class Scheduler:
                 queued += left
         return queued, decode
 
-    def work(
-        self, now: float = 0.0
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, float]]]:
+    def work(self) -> tuple[list[PrefillEntry], list[DecodeEntry]]:
         """Plain data a cost forecast needs, split as ``load`` splits it.
 
-        Prompts still to compute, each as (tokens left, tokens computed), in
-        queue order; and requests that decode, or will once the KV they wait
-        for is in (a decode node's handoffs), each as (context tokens, output
-        tokens, most output tokens still allowed, seconds from ``now`` until
-        its placement expected the KV in: 0 once decoding or when unknown).
+        Prompts still to compute, in queue order; and requests that decode,
+        or will once the KV they wait for is in (a decode node's handoffs).
+        A waiting handoff's entry carries when its placement expected the KV
+        in (``Handoff.kv_ready_at``); every other entry 0.
         """
-        prefill: list[tuple[int, int]] = []
-        decode: list[tuple[int, int, int, float]] = []
+        prefill: list[PrefillEntry] = []
+        decode: list[DecodeEntry] = []
 
-        def decoding(req: Request, waits: bool = False) -> tuple[int, int, int, float]:
+        def decoding(req: Request, ready_at: float = 0.0) -> DecodeEntry:
             out = req.handoff.output_offset + len(req.output_token_ids)
-            ready_at = req.handoff.kv_ready_at
-            return (
-                req.num_tokens,
-                out,
-                max(1, req.sampling.max_tokens - len(req.output_token_ids)),
-                max(0.0, ready_at - now) if waits and ready_at > 0.0 else 0.0,
-            )
+            more = max(1, req.sampling.max_tokens - len(req.output_token_ids))
+            return (req.num_tokens, out, more, ready_at)
 
         for req in self.running:
             left = req.num_tokens - req.num_computed_tokens
@@ -429,7 +428,7 @@ class Scheduler:
             decode.append(decoding(req))
         for req in self.waiting:
             if req.handoff.source is not None and not req.num_computed_tokens:
-                decode.append(decoding(req, waits=True))
+                decode.append(decoding(req, req.handoff.kv_ready_at))
             else:
                 prefill.append((req.num_tokens - req.num_computed_tokens, req.num_computed_tokens))
         return prefill, decode
