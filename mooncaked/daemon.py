@@ -96,7 +96,8 @@ from mooncaked.cluster.status import ClusterSnapshot
 from mooncaked.config import Config, ConfigError
 from mooncaked.engine.connector import KVConnector, MultiConnector
 from mooncaked.engine.core import EngineCore, EngineStats
-from mooncaked.engine.handoff import KVReceiver, KVSender
+from mooncaked.engine.kv_receiver import KVReceiver
+from mooncaked.engine.kv_sender import KVSender
 from mooncaked.engine.store_connector import TieredStoreConnector
 from mooncaked.notify import Notifier
 from mooncaked.router import Router
@@ -558,9 +559,8 @@ class Node:
                     )
                 )
             connectors.append(sender)
-            engine.set_connector(MultiConnector(connectors))
             self._receiver, self._sender = receiver, sender
-            async with engine.serving(on_fatal=self.fail):
+            async with engine.serving(on_fatal=self.fail, connector=MultiConnector(connectors)):
                 costs = CostMeter(engine)
                 costs.attach()
                 if self._cache is not None:

@@ -131,6 +131,15 @@ class Request:
         return self.state is RequestState.FINISHED
 
 
+@dataclass(frozen=True, slots=True)
+class KVSent:
+    """A prefill node's handoff of one request's prompt KV: the bytes it wrote
+    into the decode node's blocks, and why not all landed (None: they did)."""
+
+    num_bytes: int
+    failed: str | None = None
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one engine step produced for one request, streamed to its caller."""
@@ -149,6 +158,9 @@ class RequestOutput:
     error: str | None = None
     # The node that computed the prompt (on the first output that knows it).
     prefill_node: str | None = None
+    # On the last output of a request that sent its prompt's KV to a decode
+    # node (a prefill node's side of a handoff): what became of it.
+    kv_sent: KVSent | None = None
 
 
 # -- plain JSON forms, for node-to-node calls ------------------------------------

@@ -46,12 +46,12 @@ from mooncaked.engine.core import (
     QueueFullError,
 )
 from mooncaked.engine.handoff import (
-    KVSender,
     KVWrite,
     PrefillBusy,
     PrefillError,
     PrefillReply,
 )
+from mooncaked.engine.kv_sender import KVSender
 from mooncaked.engine.plan import SampledToken
 from mooncaked.handoff import (
     MAX_KV_READY_IN_S,
@@ -267,11 +267,11 @@ class DisaggAPI:
                 last = out
         finally:
             await stream.aclose()
-        outcome = sender.take_outcome(local_id)
         if last is None or last.error is not None or not last.new_token_ids:
             why = last.error if last is not None and last.error else "the prefill was aborted"
             return rpc_error(502, why)
-        failed, nbytes = outcome if outcome is not None else ("no handoff state", 0)
+        sent = last.kv_sent
+        failed, nbytes = (sent.failed, sent.num_bytes) if sent else ("no handoff state", 0)
         if failed is not None:
             return rpc_error(502, failed)
         token = last.new_token_ids[-1]

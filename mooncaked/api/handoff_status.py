@@ -19,7 +19,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Histogram
 
 from mooncaked.api.metrics import Spec
-from mooncaked.engine.handoff import HandoffStats, KVReceiver, KVSender, StepSend
+from mooncaked.engine.handoff import HandoffStats, StepSend
+from mooncaked.engine.kv_receiver import KVReceiver
+from mooncaked.engine.kv_sender import KVSender
 from mooncaked.transfer import TransferEngine
 from mooncaked.transfer.batch import TransferMetrics
 
@@ -96,9 +98,7 @@ class HandoffStatus:
         if receiver is None or sender is None:
             return None
         transfer = self._transfer()
-        # Copies: the sender's counters move in the engine's step thread. Each
-        # field is one int or float, so a copy is never torn, at worst a step
-        # behind in some fields.
+        # Copies: the counters go on moving while the snapshot is read.
         return HandoffSnapshot(
             layerwise=sender.layerwise,
             received=dataclasses.replace(receiver.stats),
@@ -164,7 +164,7 @@ HANDOFF_METRICS: tuple[Spec, ...] = (
 
 class StepHistograms:
     """Per-step KV transfer distributions; ``observe`` is the sender's step observer
-    (called in the engine's step thread; prometheus_client histograms lock)."""
+    (called on the event loop as each step's report is applied)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.bytes = Histogram(

@@ -1,10 +1,11 @@
 """What this node tells gossip about itself: role, model, API address, load, costs.
 
 ``LoadMeter`` is the ``local_state`` callback of the gossip service: role,
-model, API address, draining, the load the engine publishes once per
-scheduling pass (``EngineCore.load``), the node's fitted cost model and its
-forecast of the decode batch. Gossip polls it every round (five times a
-second by default), so it reads snapshots and the scheduler's queues only.
+model, API address, draining, the load and work the engine publishes once
+per scheduling pass (``EngineCore.snapshot``), the node's fitted cost model
+and its forecast of the decode batch. Gossip polls it every round (five
+times a second by default), so it reads that snapshot only; nothing here
+reaches into the engine's scheduler, runner or model.
 
 ``CostMeter`` learns the costs: every engine step is a sample of the step
 model (``fit.StepFitter``), every peer read a sample of a link's
@@ -39,6 +40,7 @@ from mooncaked.request import Request, SamplingParams
 
 if TYPE_CHECKING:
     from mooncaked.engine.core import EngineCore
+    from mooncaked.engine.snapshot import EngineSnapshot
 
 log = structlog.get_logger(__name__)
 
@@ -58,14 +60,17 @@ def step_features(plan: StepPlan) -> StepFeatures:
     return StepFeatures(tokens, pairs, seqs, ctx)
 
 
-def engine_work(engine: EngineCore, now: float) -> NodeWork:
-    """The engine's scheduler queues as plain data (``work.NodeWork``)."""
-    prefill, decode = engine.scheduler.work(now)
+def engine_work(snapshot: EngineSnapshot, now: float) -> NodeWork:
+    """An engine's published work as the forecasts' plain data (``work.NodeWork``),
+    a handoff's expected start counted from ``now``."""
     return NodeWork(
-        prefill=[PrefillWork(n, c) for n, c in prefill],
-        decode=[DecodeWork(*d) for d in decode],
-        running_decode_batch=engine.load.running_decode_batch,
-        kv_usage=engine.load.kv_usage,
+        prefill=[PrefillWork(n, c) for n, c in snapshot.prefill],
+        decode=[
+            DecodeWork(ctx, out, more, max(0.0, ready_at - now) if ready_at > 0.0 else 0.0)
+            for ctx, out, more, ready_at in snapshot.decode
+        ],
+        running_decode_batch=snapshot.load.running_decode_batch,
+        kv_usage=snapshot.load.kv_usage,
     )
 
 
@@ -81,7 +86,7 @@ class CostMeter:
         self.lengths = OutputLengths()
         self._profiling = False
         self.profiled = False
-        self._kv_bytes_per_token = engine.runner.block_bytes // engine.block_size
+        self._kv_bytes_per_token = engine.snapshot.model.kv_bytes_per_token
         self._costs = NodeCosts()
         self.departures = DepartureRate()
         self._costs_at: tuple[int, StepCost] | None = None
@@ -102,7 +107,7 @@ class CostMeter:
     def queue_s(self) -> float:
         """How long a prompt queued now waits here, priced by this node's
         model as gossip publishes it (what a late-binding offer is judged by)."""
-        return queue_s(self.costs(), engine_work(self._engine, self._clock()))
+        return queue_s(self.costs(), engine_work(self._engine.snapshot, self._clock()))
 
     def on_read(self, peer: str, nbytes: int, seconds: float) -> None:
         self.links.add(peer, nbytes, seconds)
@@ -113,15 +118,15 @@ class CostMeter:
         stamp = (self.fitter.num_samples, self.fitter.cost)
         if stamp != self._costs_at:
             self._costs_at = stamp
-            cfg = self._engine.config.scheduler
+            model = self._engine.snapshot.model
             step = self.fitter.cost
             # Rounded to 4 significant digits: a refit that changes nothing
             # of substance is no news for gossip.
             self._costs = NodeCosts(
                 step=type(step)(*(float(f"{c:.4g}") for c in step.coefficients())),
                 kv_bytes_per_token=self._kv_bytes_per_token,
-                chunk_tokens=cfg.max_num_batched_tokens,
-                max_batch=cfg.max_num_seqs,
+                chunk_tokens=model.max_num_batched_tokens,
+                max_batch=model.max_num_seqs,
                 links=self.links.links(),
             )
         elif self._costs.links != self.links.links():
@@ -139,15 +144,16 @@ class CostMeter:
         their steps are kept for good in the fit. Errors end the profile early
         (the online samples take over), never the node."""
         engine = self._engine
+        model = engine.snapshot.model
         rng = random.Random(seed)
-        vocab = max(2, engine.loaded.arch.vocab_size)
-        longest = max(16, min(1024, engine.max_model_len // 2))
+        vocab = max(2, model.vocab_size)
+        longest = max(16, min(1024, model.max_model_len // 2))
         lengths = [n for n in (16, 64, 256, 1024) if n <= longest] or [longest]
         self._profiling = True
         try:
             for n in lengths:
                 await self._run(engine, [rng.randrange(1, vocab) for _ in range(n)], 2, "len", n)
-            batch = min(16, engine.config.scheduler.max_num_seqs)
+            batch = min(16, model.max_num_seqs)
             await asyncio.gather(
                 *(
                     self._run(engine, [rng.randrange(1, vocab) for _ in range(32)], 16, "dec", i)
@@ -212,7 +218,8 @@ class LoadMeter:
         if engine is None:
             return LocalState(role=self._role, api_addr=self._api_addr, draining=self._draining())
         now = self._clock()
-        work = engine_work(engine, now)
+        snapshot = engine.snapshot
+        work = engine_work(snapshot, now)
         meter = self.costs
         if meter is not None:
             load, forecast = gossiped_load(
@@ -226,7 +233,7 @@ class LoadMeter:
             )
         return LocalState(
             role=self._role,
-            model_id=engine.model_id,
+            model_id=snapshot.model.model_id,
             api_addr=self._api_addr,
             draining=self._draining(),
             load=load,

@@ -8,7 +8,15 @@ freed (and handed to another request) while the forward pass still writes it.
 Three collaborators do the rest: the ``Scheduler`` (what runs this step), the
 ``OutputProcessor`` (text, stop strings, when a request is finished, the
 per-request streams) and the ``KVConnector`` (KV from and to outside the
-device: host tiers, peers, a remote prefill; ``set_connector`` before start).
+device: host tiers, peers, a remote prefill). The connector is given when
+the engine starts, because what it serves from (the host tiers) is built
+over the engine's own KV cache; the scheduler is built with it then.
+
+Once per scheduling pass the engine publishes an ``EngineSnapshot`` (its
+load, the scheduler's work, its model's facts): what gossip and the cost
+model read, instead of the scheduler or the runner. Timed holds on blocks
+(a writer outside may still write them) are the pool's; the loop releases
+them as its clock passes their deadlines.
 
 The step loop is owned: if it dies (a broken invariant, a detokenizer error),
 every request in flight ends with an explicit error, new requests are refused
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -36,9 +45,10 @@ from mooncaked.engine.connector import ConnectorContext, KVConnector, LoadResult
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.loader import LoadedModel, load_model
 from mooncaked.engine.output import OutputProcessor, RequestStream
-from mooncaked.engine.plan import LoadJob, SampledToken, StepPlan
+from mooncaked.engine.plan import LoadJob, StepOutput, StepPlan
 from mooncaked.engine.runner import KVAllocator, ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
+from mooncaked.engine.snapshot import EngineLoad, EngineSnapshot, ModelFacts
 from mooncaked.engine.threads import ThreadTiming, pick_threads
 from mooncaked.handoff import NO_HANDOFF, Handoff
 from mooncaked.process import (
@@ -47,7 +57,7 @@ from mooncaked.process import (
     set_step_threads,
     thread_candidates,
 )
-from mooncaked.request import FinishReason, Request, RequestState, SamplingParams
+from mooncaked.request import FinishReason, KVSent, Request, RequestState, SamplingParams
 from mooncaked.tasks import TaskSet
 
 __all__ = [
@@ -55,6 +65,7 @@ __all__ = [
     "EngineCore",
     "EngineFailedError",
     "EngineLoad",
+    "EngineSnapshot",
     "EngineStats",
     "PromptTooLongError",
     "QueueFullError",
@@ -98,20 +109,6 @@ class EngineStats:
     num_integrity_failures: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    """The engine's load, published once per scheduling pass (gossip reads it)."""
-
-    # Prompt tokens (and preempted tokens) still to compute.
-    queued_prefill_tokens: int = 0
-    # Requests decoding (one token left to compute after a sample).
-    running_decode_batch: int = 0
-    kv_usage: float = 0.0
-    num_steps: int = 0
-    num_waiting: int = 0
-    num_running: int = 0
-
-
 class EngineCore:
     def __init__(
         self,
@@ -119,8 +116,10 @@ class EngineCore:
         loaded: LoadedModel | None = None,
         *,
         kv_allocator: KVAllocator | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``kv_allocator``: where the KV cache lives (see ``ModelRunner``)."""
+        """``kv_allocator``: where the KV cache lives (see ``ModelRunner``).
+        ``clock``: monotonic seconds, what the pool's timed holds are on."""
         self.config = config
         self.loaded = (
             loaded
@@ -131,38 +130,20 @@ class EngineCore:
         self.model_name = self.loaded.served_name
         self.model_id = self.loaded.model_id
         self.max_model_len = self.loaded.max_model_len
-        kv = config.kv
-        self.block_size = kv.block_size
-        num_blocks = kv.num_blocks or num_blocks_for_bytes(
-            self.loaded.arch, kv.block_size, self.loaded.dtype, self._kv_budget_bytes()
-        )
-        if num_blocks <= 0:
-            raise ValueError("the KV memory budget is too small for one KV block (see [kv])")
-        self.pool = BlockPool(num_blocks, enable_prefix_caching=kv.enable_prefix_caching)
-        self.runner = ModelRunner(
-            self.loaded,
-            num_blocks,
-            kv.block_size,
-            backend=config.model.attention_backend,
-            kv_allocator=kv_allocator,
-            cuda_graphs=config.model.cuda_graphs,
-            max_graph_batch=config.scheduler.max_num_seqs,
-            decodes=config.node.role != "prefill",
-        )
+        self.block_size = config.kv.block_size
+        self._clock = clock
+        self.pool, self.runner = self._build_kv(kv_allocator)
+        # Both built by start(): the connector is given then.
         self.connector: KVConnector = KVConnector()
-        self.scheduler = Scheduler(
-            config.scheduler,
-            self.pool,
-            block_size=kv.block_size,
-            max_model_len=self.max_model_len,
-            model_id=self.model_id,
-        )
+        self._scheduler: Scheduler | None = None
         self.outputs = OutputProcessor(
             self.tokenizer,
             eos_token_ids=self.tokenizer.eos_token_ids,
             max_model_len=self.max_model_len,
+            kv_sent=self._kv_sent,
         )
-        self.load = EngineLoad()
+        self.model_facts = self._model_facts()
+        self.snapshot = EngineSnapshot(self.model_facts)
         # Called with every step's plan and its seconds (cost models learn
         # from them), and with every finished request. A step's seconds are
         # the time from its start to the next step's start while the engine
@@ -183,8 +164,8 @@ class EngineCore:
         self._tasks = TaskSet("engine", on_failure=self._loop_failed)
         self._loop_task: asyncio.Task[None] | None = None
         self._load_tasks = TaskSet("engine-loads")
-        # Loads in flight, by request: an abort cancels one that may be cancelled.
-        self._loads: dict[str, asyncio.Task[None]] = {}
+        # Loads in flight, by request: an abort cancels one its job says may be.
+        self._loads: dict[str, tuple[LoadJob, asyncio.Task[None]]] = {}
         self._on_fatal: FatalHandler | None = None
         # The step thread's team: measured at start() when cpu_threads = 0.
         self.cpu_threads: int | None = compute_threads()
@@ -201,6 +182,27 @@ class EngineCore:
         self.num_checks = 0
         self.num_integrity_failures = 0
 
+    def _build_kv(self, kv_allocator: KVAllocator | None) -> tuple[BlockPool, ModelRunner]:
+        """The block pool and the runner over a KV cache of as many blocks."""
+        config, kv = self.config, self.config.kv
+        num_blocks = kv.num_blocks or num_blocks_for_bytes(
+            self.loaded.arch, kv.block_size, self.loaded.dtype, self._kv_budget_bytes()
+        )
+        if num_blocks <= 0:
+            raise ValueError("the KV memory budget is too small for one KV block (see [kv])")
+        pool = BlockPool(num_blocks, enable_prefix_caching=kv.enable_prefix_caching)
+        runner = ModelRunner(
+            self.loaded,
+            num_blocks,
+            kv.block_size,
+            backend=config.model.attention_backend,
+            kv_allocator=kv_allocator,
+            cuda_graphs=config.model.cuda_graphs,
+            max_graph_batch=config.scheduler.max_num_seqs,
+            decodes=config.node.role != "prefill",
+        )
+        return pool, runner
+
     def _kv_budget_bytes(self) -> int:
         kv = self.config.kv
         device = self.loaded.device
@@ -211,22 +213,28 @@ class EngineCore:
         free, total = torch.cuda.mem_get_info(device)
         return int(total * kv.gpu_memory_fraction) - (total - free)
 
-    # -- wiring ------------------------------------------------------------
-
-    def set_connector(self, connector: KVConnector) -> None:
-        """Use ``connector`` for KV outside the device; before ``start()``."""
-        if self._loop_task is not None:
-            raise RuntimeError("set_connector must be called before start()")
-        connector.bind(
-            ConnectorContext(
-                pool=self.pool,
-                kv_caches=self.runner.kv_caches,
-                block_size=self.block_size,
-                wakeup=self._wakeup.set,
-            )
+    def _model_facts(self) -> ModelFacts:
+        arch, sched = self.loaded.arch, self.config.scheduler
+        return ModelFacts(
+            model_id=self.model_id,
+            vocab_size=arch.vocab_size,
+            max_model_len=self.max_model_len,
+            num_layers=arch.num_layers,
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            device=str(self.loaded.device),
+            block_size=self.block_size,
+            num_blocks=self.pool.num_blocks,
+            kv_bytes_per_token=self.runner.block_bytes // self.block_size,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
         )
-        self.connector = connector
-        self.scheduler.connector = connector
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler; built by ``start()``."""
+        if self._scheduler is None:
+            raise EngineClosedError("the engine has not started")
+        return self._scheduler
 
     def reset_prefix_cache(self) -> int:
         """Forget every device block not in use; how many were dropped."""
@@ -234,30 +242,35 @@ class EngineCore:
 
     # -- lifecycle -----------------------------------------------------------
 
-    async def start(self, on_fatal: FatalHandler | None = None) -> None:
-        """Start the step loop; ``on_fatal`` hears of its death (the daemon exits)."""
-        if self._loop_task is not None:
+    async def start(
+        self, on_fatal: FatalHandler | None = None, *, connector: KVConnector | None = None
+    ) -> None:
+        """Start the step loop; ``on_fatal`` hears of its death (the daemon
+        exits). ``connector``: the KV from and to outside the device (none
+        by default); the engine binds it to its pool and KV cache."""
+        if self._loop_task is not None or self._scheduler is not None:
             raise RuntimeError("engine already started")
         self._on_fatal = on_fatal
-        candidates = thread_candidates()
-        if len(candidates) > 1 and self.loaded.device.type == "cpu":
-            # Before the first step, in the step thread: its team is the one measured.
-            (
-                self.cpu_threads,
-                self.thread_timings,
-            ) = await asyncio.get_running_loop().run_in_executor(
-                self._executor,
-                pick_threads,
-                self.loaded.model,
-                self.loaded.dtype,
-                candidates,
-                set_step_threads,
+        if connector is not None:
+            connector.bind(
+                ConnectorContext(
+                    pool=self.pool,
+                    kv_caches=self.runner.kv_caches,
+                    block_size=self.block_size,
+                    wakeup=self._wakeup.set,
+                    clock=self._clock,
+                )
             )
-            log.info(
-                "cpu threads measured",
-                picked=self.cpu_threads,
-                ms_per_token={t.threads: round(t.score * 1e3, 3) for t in self.thread_timings},
-            )
+            self.connector = connector
+        self._scheduler = Scheduler(
+            self.config.scheduler,
+            self.pool,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            model_id=self.model_id,
+            connector=self.connector,
+        )
+        await self._pick_threads()
         self._loop_task = self._tasks.spawn(self._run_loop(), name="engine-step-loop")
         log.info(
             "engine started",
@@ -271,10 +284,34 @@ class EngineCore:
             else self.runner.graphs_off_reason,
         )
 
+    async def _pick_threads(self) -> None:
+        candidates = thread_candidates()
+        if len(candidates) <= 1 or self.loaded.device.type != "cpu":
+            return
+        # Before the first step, in the step thread: its team is the one measured.
+        (
+            self.cpu_threads,
+            self.thread_timings,
+        ) = await asyncio.get_running_loop().run_in_executor(
+            self._executor,
+            pick_threads,
+            self.loaded.model,
+            self.loaded.dtype,
+            candidates,
+            set_step_threads,
+        )
+        log.info(
+            "cpu threads measured",
+            picked=self.cpu_threads,
+            ms_per_token={t.threads: round(t.score * 1e3, 3) for t in self.thread_timings},
+        )
+
     @contextlib.asynccontextmanager
-    async def serving(self, on_fatal: FatalHandler | None = None) -> AsyncIterator[EngineCore]:
+    async def serving(
+        self, on_fatal: FatalHandler | None = None, *, connector: KVConnector | None = None
+    ) -> AsyncIterator[EngineCore]:
         """The engine as a node's subsystem: started on entry, closed on exit."""
-        await self.start(on_fatal)
+        await self.start(on_fatal, connector=connector)
         try:
             yield self
         finally:
@@ -294,8 +331,10 @@ class EngineCore:
         await self._load_tasks.wait()
         await self.connector.close()
         # Requests never scheduled by a loop that is gone still get their end.
-        if self.failure is None:
+        if self.failure is None and self._scheduler is not None:
             self._apply_aborts()
+        # Nothing reuses the blocks any more: no writer outside can matter.
+        self.pool.release_expired(math.inf)
         self._executor.shutdown(wait=True)
 
     def _loop_failed(self, exc: BaseException) -> None:
@@ -305,6 +344,9 @@ class EngineCore:
         log.error("engine step loop died; requests in flight failed", num_requests=n)
         if self._on_fatal is not None:
             self._on_fatal(exc)
+
+    def _kv_sent(self, req: Request) -> KVSent | None:
+        return self.connector.kv_sent(req)
 
     # -- requests --------------------------------------------------------
 
@@ -392,23 +434,24 @@ class EngineCore:
             if plan.is_empty:
                 await self._idle()
                 continue
-            results = await self._run(plan)
-            if results is not None:
-                self._postprocess(plan, results)
+            out = await self._run(plan)
+            if out is not None:
+                self._postprocess(plan, out)
 
     def _schedule(self) -> StepPlan | None:
         """The next step's plan, loads started; None once the engine closes."""
         self._apply_aborts()
         if self._closing:
             return None
+        # Blocks whose writers outside can no longer write them: free again.
+        self.pool.release_expired(self._clock())
         plan = self.scheduler.schedule()
         for job in plan.loads:
-            self._loads[job.request_id] = self._load_tasks.spawn(
-                self._load(job), name=f"load-{job.request_id}"
-            )
+            task = self._load_tasks.spawn(self._load(job), name=f"load-{job.request_id}")
+            self._loads[job.request_id] = (job, task)
         if not plan.is_empty:
             plan.connector_meta = self.connector.build_meta(plan)
-        self.publish_load()
+        self.publish_snapshot()
         return plan
 
     async def _idle(self) -> None:
@@ -418,30 +461,37 @@ class EngineCore:
             self._checked_at_step = self.num_steps
             self._self_check()
         self._wakeup.clear()
-        await self._wakeup.wait()
+        deadline = self.pool.next_deadline()
+        if deadline is None:
+            await self._wakeup.wait()
+            return
+        # A timed hold ends meanwhile: its blocks may admit a waiting request.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), max(0.0, deadline - self._clock()))
 
-    async def _run(self, plan: StepPlan) -> list[SampledToken | None] | None:
+    async def _run(self, plan: StepPlan) -> StepOutput | None:
         loop = asyncio.get_running_loop()
         self._report_step(time.perf_counter())
         started = time.perf_counter()
         self._last_step = (plan, started, started)
         try:
-            return await loop.run_in_executor(
-                self._executor, self.runner.execute, plan, self.connector
-            )
+            return await loop.run_in_executor(self._executor, self.runner.run, plan, self.connector)
         except Exception as exc:
             # A failed forward pass fails the requests in it, not the daemon.
             log.exception("forward pass failed", num_chunks=len(plan.chunks))
             self._fail([c.request_id for c in plan.chunks], f"engine error: {exc}")
             return None
 
-    def _postprocess(self, plan: StepPlan, results: list[SampledToken | None]) -> None:
+    def _postprocess(self, plan: StepPlan, out: StepOutput) -> None:
         self.num_steps += 1
         last = self._last_step
         if last is not None and last[0] is plan:
             self._last_step = (plan, last[1], time.perf_counter())
-        self._emit(self.scheduler.update(plan, results))
-        self.connector.after_step()
+        reqs = self.scheduler.update(plan, out.tokens)
+        # Before the outputs go: a request's last one carries what its
+        # connector report says became of the KV it sent.
+        self.connector.after_step(out.kv_report)
+        self._emit(reqs)
 
     def _report_step(self, next_start: float | None) -> None:
         """Tell the step listeners of the last step: its period up to
@@ -489,17 +539,28 @@ class EngineCore:
                 self._emit([req])
             self._wakeup.set()
 
-    def publish_load(self) -> None:
-        """Refresh ``self.load`` (once per scheduling pass; gossip reads it)."""
+    @property
+    def load(self) -> EngineLoad:
+        """The load of the last snapshot."""
+        return self.snapshot.load
+
+    def publish_snapshot(self) -> None:
+        """Refresh ``self.snapshot`` (once per scheduling pass; gossip reads it)."""
         s = self.scheduler
         queued, decode = s.load()
-        self.load = EngineLoad(
-            queued_prefill_tokens=queued,
-            running_decode_batch=decode,
-            kv_usage=self.pool.usage,
-            num_steps=self.num_steps,
-            num_waiting=len(s.waiting),
-            num_running=len(s.running),
+        prefill_work, decode_work = s.work()
+        self.snapshot = EngineSnapshot(
+            model=self.model_facts,
+            load=EngineLoad(
+                queued_prefill_tokens=queued,
+                running_decode_batch=decode,
+                kv_usage=self.pool.usage,
+                num_steps=self.num_steps,
+                num_waiting=len(s.waiting),
+                num_running=len(s.running),
+            ),
+            prefill=tuple(prefill_work),
+            decode=tuple(decode_work),
         )
 
     def _apply_aborts(self) -> None:
@@ -510,11 +571,12 @@ class EngineCore:
                 continue
             if req.state is RequestState.LOADING:
                 # Its blocks are being written: abort once the load ends,
-                # cutting the load short where that is safe.
+                # cutting the load short where its job says that is safe.
                 self._pending_aborts.add(rid)
-                task = self._loads.get(rid)
-                if task is not None and self.connector.load_cancellable(req):
-                    task.cancel()
+                job, task = self._loads.get(rid, (None, None))
+                if job is not None and task is not None and job.cancellable:
+                    if not task.cancelling():
+                        task.cancel()
                 continue
             self.scheduler.finish(req, FinishReason.ABORT)
             self.outputs.finish(rid, FinishReason.ABORT)
@@ -559,6 +621,7 @@ class EngineCore:
         return out
 
     def stats(self) -> EngineStats:
+        """Counters for /metrics; EngineClosedError before ``start()``."""
         s = self.scheduler
         queried = s.prefix_queried_tokens
         return EngineStats(
@@ -589,4 +652,7 @@ class EngineCore:
             log.exception("KV block pool failed its self-check")
 
     def check_integrity(self) -> None:
-        self.pool.check_integrity([*self.scheduler.block_tables(), *self.connector.held_blocks()])
+        """The pool's self-check against every live block table (its own holds
+        it counts itself); RuntimeError when it fails."""
+        tables = self._scheduler.block_tables() if self._scheduler is not None else []
+        self.pool.check_integrity(tables)

@@ -11,10 +11,17 @@ The pool knows block ids and hashes, never tensors. Invariants:
   cached block keeps its hash on the free queue and can be revived by a prefix
   hit until ``allocate`` hands it out again.
 - ``cached_blocks`` maps a block hash to the one block that holds it.
+- A *hold* is a reference the pool keeps on blocks for someone outside the
+  block tables: a copy out of them in flight (released by key when it ends),
+  or a writer outside the node that may still write them (released once the
+  engine's clock passes its deadline, ``release_expired``). The pool owns
+  every hold, so its self-check counts them without being told.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -45,6 +52,12 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, int] = {}
         self.listeners: list[BlockEventListener] = []
         self.num_evictions = 0
+        # Holds by key: the blocks each keeps a reference on.
+        self._holds: dict[int, tuple[int, ...]] = {}
+        # (deadline, key) of the timed holds, soonest first; a released
+        # hold's entry stays until it comes up (lazy deletion).
+        self._deadlines: list[tuple[float, int]] = []
+        self._hold_keys = itertools.count()
 
     # -- queries ---------------------------------------------------------
 
@@ -154,13 +167,60 @@ class BlockPool:
         for listener in self.listeners:
             listener(h, False)
 
+    # -- holds -----------------------------------------------------------
+
+    def hold(self, block_ids: Sequence[int], until: float | None = None) -> int:
+        """Keep a reference on each block; the key ``release`` takes.
+
+        ``until``: a deadline on the engine's clock, after which
+        ``release_expired`` lets the hold go; None holds until released.
+        Blocks on the free queue (a cached block nobody uses) leave it.
+        """
+        key = next(self._hold_keys)
+        ids = tuple(block_ids)
+        self.touch(ids)
+        self._holds[key] = ids
+        if until is not None:
+            heapq.heappush(self._deadlines, (until, key))
+        return key
+
+    def release(self, key: int) -> None:
+        """Drop a hold's references now; a key released already is ignored."""
+        ids = self._holds.pop(key, None)
+        if ids:
+            self.free(ids)
+
+    def release_expired(self, now: float) -> int:
+        """Release every timed hold whose deadline is ``now`` or earlier; how many."""
+        n = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, key = heapq.heappop(self._deadlines)
+            if key in self._holds:
+                self.release(key)
+                n += 1
+        return n
+
+    def next_deadline(self) -> float | None:
+        """When the soonest timed hold expires; None while there is none."""
+        while self._deadlines and self._deadlines[0][1] not in self._holds:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    @property
+    def num_holds(self) -> int:
+        return len(self._holds)
+
+    def held_blocks(self) -> list[int]:
+        """Every block a hold keeps, once per hold (a block held twice twice)."""
+        return [b for ids in self._holds.values() for b in ids]
+
     # -- self-check ------------------------------------------------------
 
     def check_integrity(self, holders: Iterable[Sequence[int]] | None = None) -> None:
         """Raise RuntimeError unless free + used == total and the index is coherent.
 
         ``holders``: every live block table; when given, each block's ref count
-        must equal the number of tables that hold it.
+        must equal the number of tables that hold it plus the pool's own holds.
         """
         free_ids = set(self._free)
         if len(free_ids) != len(self._free):
@@ -183,7 +243,7 @@ class BlockPool:
             raise RuntimeError("a block carries a hash missing from the prefix index")
         if holders is not None:
             expected = [0] * self.num_blocks
-            for table in holders:
+            for table in (*holders, *self._holds.values()):
                 for block_id in table:
                     expected[block_id] += 1
             for b in self.blocks:

@@ -8,7 +8,8 @@ takes the finished requests out of the scheduler.
 
 Per request it keeps an incremental detokenizer, the text held back because
 it may be the start of a stop string, and the queue its ``RequestStream``
-reads.
+reads. A request's last output also carries what became of the KV it sent
+to a decode node, if it sent any (``kv_sent``, asked of the KV connector).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 from mooncaked.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from mooncaked.request import FinishReason, Request, RequestOutput, TokenLogprob
+from mooncaked.request import FinishReason, KVSent, Request, RequestOutput, TokenLogprob
 
 __all__ = ["OutputProcessor", "RequestStream", "find_stop", "token_stop_reason"]
 
@@ -88,11 +89,18 @@ def find_stop(text: str, stops: Sequence[str]) -> int | None:
 
 class OutputProcessor:
     def __init__(
-        self, tokenizer: Tokenizer, *, eos_token_ids: Iterable[int], max_model_len: int
+        self,
+        tokenizer: Tokenizer,
+        *,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+        kv_sent: Callable[[Request], KVSent | None] | None = None,
     ) -> None:
+        """``kv_sent``: what became of the KV a request sent, for its last output."""
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self._kv_sent = kv_sent
         self._trackers: dict[str, _Tracker] = {}
         # Set while no request is unfinished: drain and tests wait on it.
         self.idle = asyncio.Event()
@@ -181,6 +189,7 @@ class OutputProcessor:
     ) -> None:
         req = tracker.request
         finished = reason is not None
+        kv_sent = self._kv_sent(req) if finished and self._kv_sent is not None else None
         tracker.queue.put_nowait(
             RequestOutput(
                 request_id=req.request_id,
@@ -194,6 +203,7 @@ class OutputProcessor:
                 num_output_tokens=req.num_output_tokens,
                 error=error,
                 prefill_node=req.prefill_node,
+                kv_sent=kv_sent,
             )
         )
         if finished:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncaked.cache.hashing import BlockHash
 from mooncaked.request import Request, SamplingParams, TokenLogprob
 
 
@@ -54,19 +53,22 @@ def chunk_of(
     )
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class LoadJob:
     """Bring a request's tokens from outside the device into its blocks (event loop side).
 
     ``block_ids[i]`` is the request's logical block ``first_block + i``; the
     connector fills tokens ``first_block * block_size`` up to ``num_tokens`` more.
+    ``source`` and ``cancellable`` are the lookup's answer (``KVHit``): which
+    connector serves the load, and whether an abort may cut it short.
     """
 
     request_id: str
     first_block: int
     block_ids: list[int]
     num_tokens: int
-    hashes: list[BlockHash] = field(default_factory=list)
+    source: int = 0
+    cancellable: bool = False
 
 
 @dataclass(slots=True)
@@ -93,3 +95,14 @@ class StepPlan:
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What the runner hands back for one step."""
+
+    # One entry per chunk, in plan order: a token where ``chunk.sample``.
+    tokens: list[SampledToken | None]
+    # The KV connector worker side's report of the step (plain data; None:
+    # it had nothing to do), applied on the event loop after the step.
+    kv_report: Any = None

@@ -7,8 +7,9 @@ sample, and samples each with its request's settings. It runs synchronously
 under ``torch.inference_mode``; the engine calls it from a worker thread. The
 plan is plain data; the runner never sees a live request.
 
-With a KV connector, its worker side runs inside the step: ``save_layer``
-after each layer's forward, ``wait_for_save`` before the results return.
+With a KV connector (``run``), its worker side runs inside the step:
+``save_layer`` after each layer's forward, ``wait_for_save`` before the
+results return; what it reports of the step comes back with the tokens.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mooncaked.engine.connector import KVConnector
 from mooncaked.engine.graphs import CUDA_GRAPH_MODES, DecodeGraphs, graph_unavailable_reason
 from mooncaked.engine.loader import LoadedModel
 from mooncaked.engine.model import ModelArch
-from mooncaked.engine.plan import SampledToken, StepPlan
+from mooncaked.engine.plan import SampledToken, StepOutput, StepPlan
 from mooncaked.engine.sampler import Sampler
 from mooncaked.handoff import KVLayout
 
@@ -165,26 +166,32 @@ class ModelRunner:
     def block_bytes(self) -> int:
         return kv_bytes_per_block(self.arch, self.block_size, self.dtype)
 
-    def execute(
-        self, plan: StepPlan, connector: KVConnector | None = None
-    ) -> list[SampledToken | None]:
+    def execute(self, plan: StepPlan) -> list[SampledToken | None]:
         """One entry per chunk, in plan order: a token where ``chunk.sample``."""
-        if plan.is_empty:
-            return []
-        meta = plan.connector_meta if connector is not None else None
-        layer_done = None
-        if connector is not None and meta is not None:
+        return self.run(plan).tokens
 
-            def layer_done(layer: int) -> None:
-                connector.save_layer(layer, meta)
+    def run(self, plan: StepPlan, connector: KVConnector | None = None) -> StepOutput:
+        """The step's tokens, and the connector's report of it."""
+        if plan.is_empty:
+            return StepOutput([])
+        meta = plan.connector_meta if connector is not None else None
+        if connector is None or meta is None:
+            with torch.inference_mode():
+                hidden, sample_rows = self._forward(plan)
+                return StepOutput(self._sample(plan, hidden, sample_rows))
+
+        def layer_done(layer: int) -> None:
+            connector.save_layer(layer, meta)
 
         with torch.inference_mode():
             try:
                 hidden, sample_rows = self._forward(plan, layer_done)
-                return self._sample(plan, hidden, sample_rows)
+                tokens = self._sample(plan, hidden, sample_rows)
             finally:
-                if connector is not None and meta is not None:
-                    connector.wait_for_save(meta)
+                # Even when the forward failed: its sends must be out of the
+                # device blocks before they are handed to anyone else.
+                report = connector.wait_for_save(meta)
+        return StepOutput(tokens, report)
 
     def _sample(
         self, plan: StepPlan, hidden: torch.Tensor, sample_rows: list[int]

@@ -14,7 +14,9 @@ device prefix hit are looked up outside the device too; a request with hits
 there gets its blocks and moves to LOADING (a LoadJob in the plan) instead of
 computing them, then joins the running set when the load is done, and
 computes only its tail. A connector that does not know yet (a prefetch is in
-flight) keeps the request waiting; others are admitted past it.
+flight) keeps the request waiting; others are admitted past it. What a load
+says must become of its blocks (held for a writer outside, swapped for
+fresh ones) the scheduler does through the pool.
 
 The scheduler emits a StepPlan and takes sampled tokens back; it never touches
 tensors. It does not decide when a request is finished (the output processor
@@ -26,12 +28,23 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+import structlog
+
 from mooncaked.cache.hashing import BlockHash, block_hashes
 from mooncaked.config import SchedulerConfig
-from mooncaked.engine.connector import KVConnector, LoadResult
+from mooncaked.engine.connector import BlockHold, KVConnector, LoadResult
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.plan import LoadJob, SampledToken, ScheduledChunk, StepPlan, chunk_of
 from mooncaked.request import FinishReason, Request, RequestState
+
+log = structlog.get_logger(__name__)
+
+# A request's prefill work: (tokens left to compute, tokens computed).
+PrefillEntry = tuple[int, int]
+# A request that decodes, or will once its KV is in: (context tokens, output
+# tokens, most output tokens still allowed, when its placement expected the
+# KV in on the engine's monotonic clock: 0 once decoding or when unknown).
+DecodeEntry = tuple[int, int, int, float]
 
 
 class QueueFullError(Exception):
@@ -224,10 +237,10 @@ class Scheduler:
         # a shared one.
         hit_ids = hit_ids[: (tokens_len - 1) // self.block_size]
         num_hit_tokens = len(hit_ids) * self.block_size
-        num_ext = self.connector.lookup(req, num_hit_tokens)
-        if num_ext is None:
+        hit = self.connector.lookup(req, num_hit_tokens)
+        if hit is None:
             return None
-        num_ext = min(num_ext, tokens_len - num_hit_tokens)
+        num_ext = max(0, min(hit.num_tokens, tokens_len - num_hit_tokens))
         if num_ext:
             # Blocks for the loaded tokens only; the tail is allocated when
             # the request runs, like a later prefill chunk.
@@ -250,6 +263,7 @@ class Scheduler:
             req.num_cached_tokens = num_hit_tokens
             self.prefix_queried_tokens += tokens_len
             self.prefix_hit_tokens += num_hit_tokens
+        self.connector.request_admitted(req, hit)
         if not num_ext:
             return True
         return LoadJob(
@@ -257,6 +271,8 @@ class Scheduler:
             first_block=len(hit_ids),
             block_ids=list(new_ids),
             num_tokens=num_ext,
+            source=hit.source,
+            cancellable=hit.cancellable,
         )
 
     def finish_load(self, req: Request, result: LoadResult) -> bool:
@@ -268,6 +284,8 @@ class Scheduler:
         if req.state is not RequestState.LOADING:
             raise RuntimeError(f"request {req.request_id} is not loading")
         del self.loading[req.request_id]
+        if result.hold is not None:
+            self._hold(req, result.hold)
         room = req.num_tokens - req.num_computed_tokens
         num_tokens = max(0, min(result.num_tokens, room))
         sampled = result.sampled if num_tokens == room else None
@@ -292,6 +310,23 @@ class Scheduler:
             return False
         self._append(req, sampled)
         return True
+
+    def _hold(self, req: Request, hold: BlockHold) -> None:
+        """Keep ``hold``'s blocks from anyone else until its deadline; with
+        ``swap``, give the request fresh blocks in their place."""
+        held = list(hold.block_ids)
+        self.pool.hold(held, until=hold.until)
+        if not hold.swap:
+            return
+        fresh = self.pool.allocate(len(held))
+        if fresh is None:
+            # Short of blocks: the request computes into the held ones.
+            log.warning("no blocks to swap a failed load's for", request_id=req.request_id)
+            return
+        swap = dict(zip(held, fresh, strict=True))
+        req.block_ids = [swap.get(b, b) for b in req.block_ids]
+        # The request's references end; the hold's stay until the deadline.
+        self.pool.free(held)
 
     def _hashes(self, req: Request, num_full: int) -> list[BlockHash]:
         """The request's first ``num_full`` block hashes, extending ``req.block_hashes``."""
@@ -367,29 +402,21 @@ class Scheduler:
                 queued += left
         return queued, decode
 
-    def work(
-        self, now: float = 0.0
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, int, int, float]]]:
+    def work(self) -> tuple[list[PrefillEntry], list[DecodeEntry]]:
         """Plain data a cost forecast needs, split as ``load`` splits it.
 
-        Prompts still to compute, each as (tokens left, tokens computed), in
-        queue order; and requests that decode, or will once the KV they wait
-        for is in (a decode node's handoffs), each as (context tokens, output
-        tokens, most output tokens still allowed, seconds from ``now`` until
-        its placement expected the KV in: 0 once decoding or when unknown).
+        Prompts still to compute, in queue order; and requests that decode,
+        or will once the KV they wait for is in (a decode node's handoffs).
+        A waiting handoff's entry carries when its placement expected the KV
+        in (``Handoff.kv_ready_at``); every other entry 0.
         """
-        prefill: list[tuple[int, int]] = []
-        decode: list[tuple[int, int, int, float]] = []
+        prefill: list[PrefillEntry] = []
+        decode: list[DecodeEntry] = []
 
-        def decoding(req: Request, waits: bool = False) -> tuple[int, int, int, float]:
+        def decoding(req: Request, ready_at: float = 0.0) -> DecodeEntry:
             out = req.handoff.output_offset + len(req.output_token_ids)
-            ready_at = req.handoff.kv_ready_at
-            return (
-                req.num_tokens,
-                out,
-                max(1, req.sampling.max_tokens - len(req.output_token_ids)),
-                max(0.0, ready_at - now) if waits and ready_at > 0.0 else 0.0,
-            )
+            more = max(1, req.sampling.max_tokens - len(req.output_token_ids))
+            return (req.num_tokens, out, more, ready_at)
 
         for req in self.running:
             left = req.num_tokens - req.num_computed_tokens
@@ -401,7 +428,7 @@ class Scheduler:
             decode.append(decoding(req))
         for req in self.waiting:
             if req.handoff.source is not None and not req.num_computed_tokens:
-                decode.append(decoding(req, waits=True))
+                decode.append(decoding(req, req.handoff.kv_ready_at))
             else:
                 prefill.append((req.num_tokens - req.num_computed_tokens, req.num_computed_tokens))
         return prefill, decode

@@ -9,21 +9,24 @@
   on the SSD is loaded into the request's device blocks (``TieredStore.load``)
   while other requests' steps run; only the tail is computed.
 - **Offload.** Every block that becomes full and cached on the device is
-  offloaded to the store after the step; a reference is held on it until
-  the store has copied it, so the pool cannot hand it out meanwhile.
+  offloaded to the store after the step; the pool holds a reference on it
+  until the store has copied it, so it cannot hand it out meanwhile.
+
+``lookup`` only looks; the store's per-tier hit and miss counters move once
+per admission (``request_admitted``), over the prompt's blocks past the
+device hits.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Awaitable, Callable
 
 import structlog
 
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.store import DeviceBlocks, TieredStore
-from mooncaked.engine.connector import ConnectorContext, KVConnector, LoadResult
+from mooncaked.engine.connector import NO_HIT, ConnectorContext, KVConnector, KVHit, LoadResult
 from mooncaked.engine.plan import LoadJob
 from mooncaked.request import Request
 from mooncaked.tasks import TaskSet
@@ -55,9 +58,6 @@ class TieredStoreConnector(KVConnector):
         self._tasks = TaskSet("store-connector")
         # Blocks cached on the device since the last step: offloaded after it.
         self._to_offload: list[BlockHash] = []
-        # References held on device blocks until the store has copied them.
-        self._offload_holds: dict[int, list[int]] = {}
-        self._offload_ids = itertools.count()
         self.num_offloads_total = 0
 
     def bind(self, ctx: ConnectorContext) -> None:
@@ -106,18 +106,31 @@ class TieredStoreConnector(KVConnector):
 
     # -- lookup and load -------------------------------------------------------
 
-    def lookup(self, req: Request, num_computed_tokens: int) -> int | None:
+    def lookup(self, req: Request, num_computed_tokens: int) -> KVHit | None:
         if req.request_id in self._prefetching:
             return None
+        hashes = self._past_device(req, num_computed_tokens)
+        if not hashes:
+            return NO_HIT
+        num_blocks = self.store.lookup(hashes, record_stats=False).num_blocks
+        return KVHit(num_blocks * self.ctx.block_size)
+
+    def request_admitted(self, req: Request, hit: KVHit) -> None:
+        # Counted here, once per admission, rather than on every pass the
+        # request waits: the counters are over prompts' blocks past the
+        # device hits, as the store is asked for them.
+        hashes = self._past_device(req, req.num_computed_tokens)
+        if hashes:
+            self.store.lookup(hashes)
+
+    def _past_device(self, req: Request, num_computed_tokens: int) -> list[BlockHash]:
+        """The full blocks after the first ``num_computed_tokens`` tokens that a
+        load could fill: all but the one holding the last token (at least one
+        token must be computed to sample from)."""
         bs = self.ctx.block_size
-        # At least one token must be computed to sample from.
         max_blocks = (req.num_tokens - 1) // bs
         first = num_computed_tokens // bs
-        if first >= max_blocks:
-            return 0
-        # Asked once per admission: the store's per-tier hit/miss counters
-        # then count prompts' blocks past the device hits.
-        return self.store.lookup(req.block_hashes[first:max_blocks]).num_blocks * bs
+        return req.block_hashes[first:max_blocks] if first < max_blocks else []
 
     async def load(self, req: Request, job: LoadJob) -> LoadResult:
         hashes = req.block_hashes[job.first_block : job.first_block + len(job.block_ids)]
@@ -135,7 +148,7 @@ class TieredStoreConnector(KVConnector):
         if stored:
             self._to_offload.append(block_hash)
 
-    def after_step(self) -> None:
+    def after_step(self, report: object) -> None:
         if not self._to_offload:
             return
         hashes, self._to_offload = self._to_offload, []
@@ -145,7 +158,9 @@ class TieredStoreConnector(KVConnector):
         if not pairs:
             return
         block_ids = [b for _, b in pairs]
-        pool.touch(block_ids)
+        # The store reads the blocks after this returns: the pool keeps them
+        # from anyone else until it has.
+        key = pool.hold(block_ids)
         try:
             fut = self.store.offload(
                 [h for h, _ in pairs], DeviceBlocks(self.ctx.kv_caches, block_ids)
@@ -153,19 +168,14 @@ class TieredStoreConnector(KVConnector):
         except RuntimeError:  # the store is closing
             fut = None
         if fut is None:  # queue full: dropped, the blocks stay device-only
-            pool.free(block_ids)
+            pool.release(key)
             return
-        key = next(self._offload_ids)
-        self._offload_holds[key] = block_ids
         self.num_offloads_total += 1
         fut.add_done_callback(lambda _f, key=key: self._offload_done(key))
 
     def _offload_done(self, key: int) -> None:
-        self.ctx.pool.free(self._offload_holds.pop(key))
+        self.ctx.pool.release(key)
         self.ctx.wakeup()  # freed blocks may admit a waiting request
-
-    def held_blocks(self) -> list[list[int]]:
-        return list(self._offload_holds.values())
 
     def num_saves(self) -> int:
         return self.num_offloads_total

@@ -16,7 +16,7 @@ import aiohttp
 import openai
 
 from mooncaked.config import with_overrides
-from mooncaked.engine.handoff import KVReceiver
+from mooncaked.engine.kv_receiver import KVReceiver
 from tests.conftest import make_config, wait_until
 from tests.integration.clusters import Cluster, ClusterFactory
 

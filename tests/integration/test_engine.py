@@ -9,8 +9,10 @@ import pytest
 
 from mooncaked.config import Config, with_overrides
 from mooncaked.engine.core import EngineCore, PromptTooLongError, QueueFullError
+from mooncaked.engine.kv_sender import KVSender
 from mooncaked.engine.loader import LoadedModel, load_model
-from mooncaked.request import FinishReason, RequestOutput, SamplingParams
+from mooncaked.handoff import Handoff, KVGrant
+from mooncaked.request import FinishReason, KVSent, RequestOutput, SamplingParams
 from tests.conftest import wait_until
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -194,3 +196,52 @@ async def test_idle_engine_runs_the_pool_self_check(loaded: LoadedModel) -> None
     assert engine.num_integrity_failures == 1
     engine.pool.blocks[-1].ref_cnt -= 1
     await engine.close()
+
+
+class _Writer:
+    """Takes every KV write and says it landed (the decode node is not real)."""
+
+    def __init__(self) -> None:
+        self.num_bytes = 0
+
+    def add_peer(self, node_id: str, address: str) -> None:
+        pass
+
+    async def write(
+        self, segment: str, writes: list[tuple[int, str, str, int, int]], timeout_s: float
+    ) -> tuple[bool, str]:
+        self.num_bytes += sum(w[4] for w in writes)
+        return True, ""
+
+
+async def test_a_granted_requests_last_output_says_what_its_kv_came_to(
+    loaded: LoadedModel,
+) -> None:
+    engine = EngineCore(with_overrides(Config(), scheduler={"max_num_batched_tokens": 32}), loaded)
+    layout = engine.runner.kv_layout
+    writer = _Writer()
+    sender = KVSender(writer, segment="kv", layout=layout, loop=asyncio.get_running_loop())
+    await engine.start(connector=sender)
+    prompt = list(range(3, 73))  # 70 tokens: three chunks of 32
+    grant = KVGrant(
+        request_id="r",
+        node_id="d1",
+        transfer_address="127.0.0.1:1",
+        segment="kv",
+        layout=layout,
+        first_block=0,
+        block_ids=tuple(range(100, 100 + -(-len(prompt) // layout.block_size))),
+        ttl_s=30.0,
+    )
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    outs = [o async for o in engine.add_request(prompt, one, "r", handoff=Handoff(sink=grant))]
+    assert len(outs) == 1 and outs[0].new_token_ids
+    # Every prompt row, K and V, every layer; all landed.
+    want = len(prompt) * layout.row_bytes * 2 * layout.num_layers
+    assert outs[-1].kv_sent == KVSent(want) and writer.num_bytes == want
+    assert sender.stats.num_steps_sent == 1 and sender.stats.sent_bytes == want
+    # A request that sends nothing has nothing to say.
+    plain = [o async for o in engine.add_request([65, 66], one)]
+    assert plain[-1].kv_sent is None
+    await engine.close()
+    engine.check_integrity()

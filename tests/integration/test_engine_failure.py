@@ -35,6 +35,10 @@ class FaultyEngine(EngineCore):
     def __init__(self, config: Config) -> None:
         super().__init__(config)
         self.armed = asyncio.Event()
+
+    async def start(self, *args: Any, **kwargs: Any) -> None:
+        # The scheduler is built as the engine starts, with its connector.
+        await super().start(*args, **kwargs)
         schedule = self.scheduler.schedule
 
         def faulty_schedule() -> Any:

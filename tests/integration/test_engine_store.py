@@ -31,8 +31,7 @@ async def start(
     engine = EngineCore(with_overrides(Config(), kv={"num_blocks": 256}), loaded)
     store = TieredStore(BlockLayout.from_kv_caches(engine.runner.kv_caches), store_config)
     await store.start()
-    engine.set_connector(TieredStoreConnector(store, **kw))  # type: ignore[arg-type]
-    await engine.start()
+    await engine.start(connector=TieredStoreConnector(store, **kw))  # type: ignore[arg-type]
     return engine, store
 
 

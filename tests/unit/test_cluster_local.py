@@ -11,8 +11,9 @@ import pytest
 from mooncaked.cache.tiers import Tier as StoreTier
 from mooncaked.cluster.costs import StepFeatures, prefill_pairs
 from mooncaked.cluster.events import BlockEventBatcher
+from mooncaked.cluster.forecast import PrefillWork
 from mooncaked.cluster.holders import ClusterHolders
-from mooncaked.cluster.load import CostMeter, LoadMeter
+from mooncaked.cluster.load import CostMeter, LoadMeter, engine_work
 from mooncaked.cluster.state import (
     BlockEvent,
     BlockLog,
@@ -28,6 +29,7 @@ from mooncaked.config import SchedulerConfig
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.plan import SampledToken
 from mooncaked.engine.scheduler import Scheduler
+from mooncaked.engine.snapshot import EngineLoad, EngineSnapshot, ModelFacts
 from mooncaked.request import FinishReason, Request, SamplingParams
 from tests.conftest import make_config
 
@@ -90,6 +92,7 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
         clock=clock,
         costs=costs,
     )
+    await engine.start()
     try:
         idle = meter()
         assert (idle.role, idle.model_id, idle.api_addr) == (
@@ -99,9 +102,10 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
         )
         assert idle.load == NodeLoad() and not idle.draining
         assert idle.costs.chunk_tokens == 64 and idle.costs.kv_bytes_per_token > 0
+        # Straight into the scheduler: no step runs it (the loop is not woken).
         req = Request("r", list(range(100)), SamplingParams())
         engine.scheduler.add_request(req)
-        engine.publish_load()
+        engine.publish_snapshot()
         # Busy, but no step measured yet: no prediction.
         assert meter().load.queued_prefill_tokens == 100
         assert meter().load.predicted_queue_s == 0.0
@@ -116,7 +120,7 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
         # 100 tokens in two steps of a 64-token budget: 2 * 10 ms + 100 * 1 ms.
         assert meter().load.predicted_queue_s == pytest.approx(0.12, abs=1e-3)
         engine.scheduler.finish(req, FinishReason.ABORT)
-        engine.publish_load()
+        engine.publish_snapshot()
         draining[0] = True
         done = meter()
         assert done.load == NodeLoad() and done.draining
@@ -128,6 +132,21 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
         role="decode", api_addr="h:1", engine=lambda: None, draining=lambda: True, clock=clock
     )
     assert off().load == NodeLoad() and off().draining and off().model_id == ""
+
+
+def test_engine_work_counts_a_handoffs_expected_start_from_the_readers_clock() -> None:
+    model = ModelFacts("m", 256, 512, 2, "float32", "cpu", 16, 64, 128, 64, 8)
+    snap = EngineSnapshot(
+        model,
+        EngineLoad(running_decode_batch=1, kv_usage=0.25),
+        prefill=((8, 0),),
+        decode=((9, 1, 3, 0.0), (8, 0, 4, 10.5), (8, 0, 4, 9.0)),
+    )
+    work = engine_work(snap, now=10.0)
+    assert work.prefill == [PrefillWork(8, 0)]
+    # Decoding now; half a second to go; overdue counts from now.
+    assert [d.starts_in_s for d in work.decode] == [0.0, 0.5, 0.0]
+    assert (work.running_decode_batch, work.kv_usage) == (1, 0.25)
 
 
 # -- block events --------------------------------------------------------------

@@ -248,7 +248,7 @@ def test_prefill_and_per_layer_connector_work_run_eagerly(tiny: LoadedModel) -> 
     one = StepPlan([chunk_of(reqs[0], [8], 3, tables[0], True)])
     one.connector_meta = "sends"
     connector = _Recorder()
-    runner.execute(one, connector)
+    runner.run(one, connector)
     assert graphs.num_replays == 0 and connector.layers == list(range(tiny.arch.num_layers))
     for r, t in zip(reqs[1:], tables[1:], strict=True):
         runner.execute(StepPlan([chunk_of(r, [5, 6, 7], 0, t, True)]))

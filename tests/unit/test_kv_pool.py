@@ -119,3 +119,65 @@ def test_block_hashes_chain_and_depend_on_model_and_prefix() -> None:
     assert block_hashes(tokens, 16, "m", parent=hs[0], start_block=1) == hs[1:]
     with pytest.raises(ValueError):
         block_hashes(tokens, 16, "m", start_block=1)
+
+
+def test_a_timed_hold_keeps_its_blocks_until_the_clock_passes_its_deadline() -> None:
+    pool = BlockPool(4)
+    ids = pool.allocate(2)
+    assert ids == [0, 1]
+    pool.hold(ids, until=10.0)
+    pool.free(ids)  # the request lets go; the hold's reference stays
+    assert pool.num_free_blocks == 2 and pool.allocate(3) is None
+    pool.check_integrity([])  # the pool counts its own holds
+    assert pool.next_deadline() == 10.0
+    assert pool.release_expired(9.99) == 0 and pool.num_holds == 1
+    assert pool.release_expired(10.0) == 1
+    assert pool.num_holds == 0 and pool.next_deadline() is None
+    # Unhashed, so back at the head: the first handed out again.
+    assert pool.allocate(2) == [0, 1]
+    pool.free([0, 1])
+    pool.check_integrity([])
+
+
+def test_timed_holds_expire_in_deadline_order_and_a_released_one_is_skipped() -> None:
+    pool = BlockPool(4)
+    late = pool.hold([0], until=30.0)
+    soon = pool.hold([1], until=5.0)
+    pool.hold([2], until=20.0)
+    assert pool.next_deadline() == 5.0
+    pool.release(soon)
+    pool.release(soon)  # released already: nothing happens
+    assert pool.next_deadline() == 20.0
+    assert pool.release_expired(25.0) == 1
+    assert pool.held_blocks() == [0]
+    pool.release(late)
+    assert pool.release_expired(100.0) == 0 and pool.num_free_blocks == 4
+    pool.check_integrity([])
+
+
+def test_a_keyed_hold_revives_a_free_cached_block_until_released() -> None:
+    pool = BlockPool(3)
+    ids = pool.allocate(2)
+    assert ids is not None
+    pool.cache_block(ids[0], h(1))
+    pool.free(ids)  # block 1 (unhashed) to the head, block 0 (cached) to the tail
+    key = pool.hold([0])  # an offload copies it out: no deadline
+    assert pool.next_deadline() is None and pool.num_free_blocks == 2
+    pool.check_integrity([])
+    assert pool.release_expired(1e9) == 0  # only a release ends it
+    held_twice = pool.hold([0, 0])
+    assert pool.blocks[0].ref_cnt == 3 and pool.held_blocks() == [0, 0, 0]
+    pool.check_integrity([])
+    pool.release(held_twice)
+    pool.release(key)
+    # Still cached, back at the tail: the last to be evicted.
+    assert pool.allocate(2) == [1, 2] and pool.cached_blocks == {h(1): 0}
+    pool.check_integrity([[1, 2]])
+
+
+def test_check_integrity_catches_a_hold_released_behind_the_pools_back() -> None:
+    pool = BlockPool(2)
+    pool.hold([0], until=1.0)
+    pool.free([0])  # someone frees a reference that is the hold's
+    with pytest.raises(RuntimeError, match="ref_cnt 0, held by 1"):
+        pool.check_integrity([])

@@ -20,13 +20,9 @@ from mooncaked.cluster.placement import ConductorParams, Placement, PlacementReq
 from mooncaked.cluster.slo import Slo
 from mooncaked.cluster.state import ClusterView, NodeLoad
 from mooncaked.engine.connector import ConnectorContext
-from mooncaked.engine.handoff import (
-    KVReceiver,
-    PrefillBusy,
-    PrefillError,
-    PrefillReply,
-)
+from mooncaked.engine.handoff import PrefillBusy, PrefillError, PrefillReply
 from mooncaked.engine.kv_pool import BlockPool
+from mooncaked.engine.kv_receiver import KVReceiver
 from mooncaked.engine.late_binding import PrefillWalk
 from mooncaked.engine.plan import LoadJob, SampledToken
 from mooncaked.handoff import (
@@ -178,8 +174,9 @@ async def test_the_decode_node_asks_the_next_when_a_prefill_node_passes_it_on() 
     assert asked == [("p1", pytest.approx(0.51)), ("p2", math.inf)]
     assert receiver.stats.passed_on == 1 and receiver.stats.ok == 1
     assert receiver.stats.retried == 0 and receiver.stats.fell_back == 0
+    # Answered: nothing outside writes the blocks any more, none is held.
+    assert result.hold is None and pool.num_holds == 0
     await receiver.close()
-    # The blocks it held for the prefill node's writes are released.
     pool.free(blocks)
     assert pool.num_free_blocks == 8
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mooncaked.config import SchedulerConfig
-from mooncaked.engine.connector import KVConnector, LoadResult
+from mooncaked.engine.connector import KVConnector, KVHit, LoadResult
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.output import token_stop_reason
 from mooncaked.engine.plan import SampledToken, StepPlan
@@ -203,13 +203,13 @@ class FixedConnector(KVConnector):
         self.known = True
         self.asked: list[tuple[str, int]] = []
 
-    def lookup(self, req: Request, num_computed_tokens: int) -> int | None:
+    def lookup(self, req: Request, num_computed_tokens: int) -> KVHit | None:
         self.asked.append((req.request_id, num_computed_tokens))
         if not self.known:
             return None
         max_blocks = (req.num_tokens - 1) // BS - num_computed_tokens // BS
         n = max_blocks if self.blocks is None else min(self.blocks, max_blocks)
-        return n * BS
+        return KVHit(n * BS)
 
 
 def test_host_cached_prefix_is_loaded_then_only_the_tail_computed() -> None:
@@ -245,8 +245,8 @@ def test_partial_load_computes_from_the_first_missing_block() -> None:
 def test_a_load_that_sampled_joins_the_decode_batch() -> None:
     # A remote prefill delivers every prompt token's KV and the first token.
     class Remote(KVConnector):
-        def lookup(self, req: Request, num_computed_tokens: int) -> int | None:
-            return req.num_tokens - num_computed_tokens
+        def lookup(self, req: Request, num_computed_tokens: int) -> KVHit | None:
+            return KVHit(req.num_tokens - num_computed_tokens)
 
     s = make(connector=Remote())
     r = req("r", 10, max_tokens=3)
@@ -290,7 +290,8 @@ def test_work_says_when_each_handoff_is_expected_to_start_decoding() -> None:
         r = req(rid, 8, base=base)
         r.handoff = Handoff(source=PrefillSource(()), kv_ready_at=ready_at)
         s.add_request(r)
-    prefill, decode = s.work(now=10.0)
+    prefill, decode = s.work()
     assert prefill == [(8, 0)]
-    # Half a second to go; overdue counts from now; no forecast, none known.
-    assert decode == [(8, 0, 4, 0.5), (8, 0, 4, 0.0), (8, 0, 4, 0.0)]
+    # When each placement expected its KV in (0: no forecast); the load
+    # meter counts it from its own clock (tests/unit/test_cluster_local.py).
+    assert decode == [(8, 0, 4, 10.5), (8, 0, 4, 9.0), (8, 0, 4, 0.0)]

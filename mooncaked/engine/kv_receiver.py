@@ -1,0 +1,200 @@
+"""The decode node's side of prefill/decode disaggregation, as a KV connector.
+
+A request that arrives with a ``PrefillSource`` (the prefill nodes the
+entry node picked) offers every prompt token past the device prefix hit as
+coming from outside. The scheduler allocates blocks for them; ``load``
+grants those blocks to one prefill node (a ``KVGrant``: where the blocks are
+in this node's KV segment, for how long) and asks it to prefill. The prefill
+node writes the prompt's KV straight into the granted blocks and answers
+with the first sampled token; the request then joins the decode batch. A
+prefill node that fails, times out or is draining is replaced by the next
+candidate (``PrefillWalk``: late binding); when none is left the load
+delivers nothing and this node computes the prompt itself.
+
+The grant is enforced where the bytes land: before asking a prefill node,
+the receiver opens the granted blocks to that node's writes alone
+(``WriteGrants``, the transfer engine's write grants), and closes them the
+moment the call ends, answered or not; a write outside them, from another
+node, or later, is refused. A node that did not answer may still have
+written them while its grant was live (a peer that mapped the memory over
+shm or RDMA is bounded only by the grant's expiry), so the load's result
+tells the scheduler to keep those blocks from everyone until then (a
+``BlockHold``): a request whose prefill failed computes into fresh blocks,
+and an aborted one leaves them held. The pool owns the hold and lets it go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from mooncaked.engine.connector import NO_HIT, BlockHold, KVConnector, KVHit, LoadResult
+from mooncaked.engine.handoff import (
+    HandoffStats,
+    PrefillBusy,
+    PrefillCall,
+    PrefillError,
+    PrefillReply,
+    WriteGrants,
+)
+from mooncaked.engine.late_binding import PrefillWalk
+from mooncaked.engine.plan import LoadJob
+from mooncaked.handoff import KVGrant, KVLayout, PrefillSource
+from mooncaked.request import Request
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["GRANT_GRACE_S", "KVReceiver"]
+
+# A prefill node's late writes land by the grant's deadline; this much more
+# covers the time the grant spent in flight to it.
+GRANT_GRACE_S = 2.0
+
+
+class KVReceiver(KVConnector):
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        transfer_address: str,
+        segment: str,
+        layout: KVLayout,
+        prefill: PrefillCall,
+        grant_ttl_s: float = 30.0,
+        write_grants: WriteGrants | None = None,
+    ) -> None:
+        """``write_grants`` opens the granted blocks to the asked node's writes;
+        None where nothing enforces grants (tests of the engine alone)."""
+        self.node_id = node_id
+        self.transfer_address = transfer_address
+        self.segment = segment
+        self.layout = layout
+        self._prefill = prefill
+        self.grant_ttl_s = grant_ttl_s
+        self._write_grants = write_grants
+        # Requests whose handoff ran already (a failed one is computed here).
+        self._tried: set[str] = set()
+        self.stats = HandoffStats()
+
+    def lookup(self, req: Request, num_computed_tokens: int) -> KVHit | None:
+        if req.handoff.source is None or req.request_id in self._tried:
+            return NO_HIT
+        if req.num_output_tokens:
+            return NO_HIT  # a preempted request recomputes here
+        # An abort may cut the call short: the result holds the blocks.
+        return KVHit(req.num_tokens - num_computed_tokens, cancellable=True)
+
+    async def load(self, req: Request, job: LoadJob) -> LoadResult:
+        self._tried.add(req.request_id)
+        source = req.handoff.source
+        if source is None:
+            return LoadResult(0)
+        grant = KVGrant(
+            request_id=req.request_id,
+            node_id=self.node_id,
+            transfer_address=self.transfer_address,
+            segment=self.segment,
+            layout=self.layout,
+            first_block=job.first_block,
+            block_ids=tuple(job.block_ids),
+            ttl_s=self.grant_ttl_s,
+        )
+        try:
+            reply = await self._ask(req, job, source, grant)
+        except asyncio.CancelledError:
+            # An abort: the load ends now, with a result like any other.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            self.stats.cancelled += 1
+            return LoadResult(0, hold=self._until_expired(job, swap=False))
+        if reply is None:
+            self.stats.fell_back += 1
+            # A failed prefill node may still write the granted blocks until
+            # the grant expires: compute into fresh blocks, those stay held.
+            return LoadResult(0, prefill_node=self.node_id, hold=self._until_expired(job, True))
+        return LoadResult(
+            num_tokens=job.num_tokens,
+            sampled=reply.token,
+            num_cached_tokens=reply.num_cached_tokens,
+            prefill_node=reply.node_id,
+        )
+
+    async def _ask(
+        self, req: Request, job: LoadJob, source: PrefillSource, grant: KVGrant
+    ) -> PrefillReply | None:
+        """Offer the request to its prefill candidates in turn; the first reply,
+        or None when nobody wrote its KV."""
+        walk = PrefillWalk.of(source)
+        while (step := walk.next()) is not None:
+            i, max_wait = step
+            target = source.targets[i]
+            if max_wait < 0.0:
+                # Slower than the candidates left even idle: not worth a call.
+                self.stats.passed_on += 1
+                continue
+            t0 = self.ctx.clock()
+            try:
+                opened = self._open_grant(grant, target.node_id)
+            except ValueError as exc:
+                # Nothing could write the blocks: no node is worth asking.
+                log.error("cannot open a KV grant; computing it here", error=str(exc))
+                return None
+            try:
+                reply = await self._prefill(target, req, grant, max_wait)
+            except PrefillBusy as exc:
+                # Late binding: its true queue is longer than the entry
+                # thought; the next candidate is forecast to start sooner.
+                log.info(
+                    "prefill node busy; asking the next",
+                    request_id=req.request_id,
+                    prefill_node=target.node_id,
+                    reason=str(exc),
+                )
+                self.stats.passed_on += 1
+                continue
+            except PrefillError as exc:
+                last = i + 1 >= len(source.targets)
+                log.warning(
+                    "prefill failed; computing it here"
+                    if last
+                    else "prefill failed; trying the next node",
+                    request_id=req.request_id,
+                    prefill_node=target.node_id,
+                    error=str(exc),
+                )
+                self.stats.retried += not last
+                continue
+            finally:
+                # Whatever the outcome, this node writes no more: a late write
+                # (a timed-out node still sending) is refused, not landed in
+                # blocks the next node or this one now fills.
+                if opened is not None and self._write_grants is not None:
+                    self._write_grants.close(opened)
+            self.stats.ok += 1
+            log.info(
+                "kv handoff done",
+                request_id=req.request_id,
+                prefill_node=reply.node_id,
+                tokens=job.num_tokens,
+                kv_bytes=reply.bytes_sent,
+                cached_tokens=reply.num_cached_tokens,
+                seconds=round(self.ctx.clock() - t0, 4),
+            )
+            return reply
+        return None
+
+    def _open_grant(self, grant: KVGrant, peer: str) -> object | None:
+        if self._write_grants is None:
+            return None
+        # As long as the blocks stay held for a node that failed.
+        return self._write_grants.open(grant, peer, self.grant_ttl_s + GRANT_GRACE_S)
+
+    def _until_expired(self, job: LoadJob, swap: bool) -> BlockHold:
+        """The job's blocks, kept from everyone until no grant of them is live."""
+        until = self.ctx.clock() + self.grant_ttl_s + GRANT_GRACE_S
+        return BlockHold(tuple(job.block_ids), until, swap=swap)
+
+    def request_finished(self, req: Request) -> None:
+        self._tried.discard(req.request_id)

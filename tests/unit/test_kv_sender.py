@@ -1,0 +1,198 @@
+"""The prefill side of the handoff without daemons: the runs a chunk's rows
+become, and a step's report applied on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mooncaked.engine.handoff import KVWrite, StepSend
+from mooncaked.engine.kv_sender import KVSender, SendMeta, SendReport
+from mooncaked.engine.plan import StepPlan, chunk_of
+from mooncaked.handoff import Handoff, KVGrant, KVLayout
+from mooncaked.request import KVSent, Request, SamplingParams
+
+BS = 4
+LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=BS, row_bytes=8)
+
+
+def grant(node: str, block_ids: tuple[int, ...], first_block: int = 0) -> KVGrant:
+    return KVGrant(
+        request_id="r",
+        node_id=node,
+        transfer_address="127.0.0.1:1",
+        segment="kv",
+        layout=LAYOUT,
+        first_block=first_block,
+        block_ids=block_ids,
+        ttl_s=30.0,
+    )
+
+
+def test_runs_are_contiguous_on_both_sides() -> None:
+    g = grant("d1", (10, 11, 12))
+    # Request blocks 3, 4, 5 into granted 10, 11, 12: one run of 12 rows.
+    assert KVSender._runs(g, [3, 4, 5], 0, 12) == [(3, 10, 0, 12)]
+    # The source breaks at block 1 (7 does not follow 3): a run per side's run.
+    assert KVSender._runs(g, [3, 7, 8], 0, 10) == [(3, 10, 0, 4), (7, 11, 0, 6)]
+    # The destination breaks too.
+    gap = grant("d1", (10, 12, 13))
+    assert KVSender._runs(gap, [3, 4, 5], 0, 12) == [(3, 10, 0, 4), (4, 12, 0, 8)]
+
+
+def test_runs_skip_the_blocks_the_decode_node_has_and_extend_across_block_ends() -> None:
+    # The decode node had blocks 0 and 1 (a prefix hit there): rows from 8 on.
+    g = grant("d1", (20, 21), first_block=2)
+    assert KVSender._runs(g, [0, 1, 5, 6], 0, 14) == [(5, 20, 0, 6)]
+    # A chunk starting mid-block extends across the block end that follows.
+    g = grant("d1", (10, 11, 12))
+    assert KVSender._runs(g, [3, 4, 5], 2, 9) == [(3, 10, 2, 7)]
+    # Rows of one block only: the run starts where the chunk does.
+    assert KVSender._runs(g, [3, 4, 5], 9, 12) == [(5, 12, 1, 3)]
+
+
+def test_runs_of_a_grant_that_does_not_cover_the_prompt_are_none() -> None:
+    g = grant("d1", (10, 11))
+    assert KVSender._runs(g, [3, 4, 5], 0, 9) is None
+    assert KVSender._runs(g, [3, 4, 5], 0, 8) == [(3, 10, 0, 8)]
+
+
+class Writer:
+    """Records each batch; a batch to ``refuse`` fails."""
+
+    def __init__(self, refuse: set[str]) -> None:
+        self.refuse = refuse
+        self.batches: list[tuple[str, int]] = []
+
+    def add_peer(self, node_id: str, address: str) -> None:
+        pass
+
+    async def write(
+        self, segment: str, writes: list[KVWrite], timeout_s: float
+    ) -> tuple[bool, str]:
+        node = writes[0][1]
+        self.batches.append((node, len(writes)))
+        if node in self.refuse:
+            return False, f"{node} refused"
+        return True, ""
+
+
+def granted(rid: str, node: str, n: int, block_ids: tuple[int, ...]) -> Request:
+    return Request(
+        rid,
+        list(range(n)),
+        SamplingParams(max_tokens=1),
+        handoff=Handoff(sink=grant(node, block_ids)),
+    )
+
+
+async def send(sender: KVSender, meta: SendMeta | None) -> SendReport | None:
+    """The worker side of one step, in a thread of its own as the runner's."""
+
+    def step() -> SendReport | None:
+        for layer in range(LAYOUT.num_layers):
+            sender.save_layer(layer, meta)
+        return sender.wait_for_save(meta)
+
+    return await asyncio.to_thread(step)
+
+
+async def run_step(sender: KVSender, plan: StepPlan) -> SendReport | None:
+    return await send(sender, sender.build_meta(plan))
+
+
+async def test_a_failed_write_fails_only_the_requests_of_its_decode_node() -> None:
+    steps: list[StepSend] = []
+    writer = Writer(refuse={"d2"})
+    sender = KVSender(
+        writer, segment="kv", layout=LAYOUT, loop=asyncio.get_running_loop(), on_step=steps.append
+    )
+    reqs = [
+        granted("r1", "d1", 6, (8, 9)),
+        granted("r2", "d2", 6, (8, 9)),
+        granted("r3", "d1", 5, (10, 11)),
+    ]
+    for r in reqs:
+        sender.request_added(r)
+    tables = [[0, 1], [2, 3], [4, 5]]
+    plan = StepPlan(
+        [chunk_of(r, r.prompt_token_ids, 0, t, True) for r, t in zip(reqs, tables, strict=True)]
+    )
+    report = await run_step(sender, plan)
+    assert isinstance(report, SendReport)
+    # The step thread changed nothing of the loop's: the report says it all.
+    assert sender.kv_sent(reqs[0]) == KVSent(0) and sender.stats.sent_bytes == 0
+    # Rows x row bytes x K and V x layers: 6 * 8 * 2 * 2 and 5 * 8 * 2 * 2.
+    assert report.bytes_sent == (("r1", 192), ("r3", 160), ("r2", 192))
+    assert report.failed == (("r2", "a KV write to d2 failed: d2 refused"),)
+    assert report.in_flight == () and report.num_failed_batches == 2
+    # One batch per decode node per layer: d1's carries both of its requests.
+    assert writer.batches == [("d1", 4), ("d2", 2), ("d1", 4), ("d2", 2)]
+    sender.after_step(report)
+    assert sender.kv_sent(reqs[0]) == KVSent(192)
+    assert sender.kv_sent(reqs[1]) == KVSent(192, "a KV write to d2 failed: d2 refused")
+    assert sender.kv_sent(reqs[2]) == KVSent(160)
+    st = sender.stats
+    assert (st.sent_bytes, st.send_failures, st.num_steps_sent) == (544, 2, 1)
+    assert len(steps) == 1 and steps[0].num_bytes == 544 and not steps[0].ok
+    # Finished: its state goes; a request that sent nothing has no outcome.
+    sender.request_finished(reqs[0])
+    assert sender.kv_sent(reqs[0]) is None
+    assert sender.kv_sent(Request("other", [1], SamplingParams())) is None
+
+
+async def test_a_middle_chunks_writes_are_waited_for_by_the_step_that_samples() -> None:
+    writer = Writer(refuse={"d1"})  # the middle chunk's writes fail
+    sender = KVSender(writer, segment="kv", layout=LAYOUT, loop=asyncio.get_running_loop())
+    r = granted("r", "d1", 10, (8, 9, 10))
+    sender.request_added(r)
+    first = await run_step(sender, StepPlan([chunk_of(r, list(range(6)), 0, [0, 1], False)]))
+    assert isinstance(first, SendReport)
+    # Not waited for: in flight, no step figures, no failures known yet.
+    assert [(b.node_id, b.request_ids) for b in first.in_flight] == [("d1", ("r",))] * 2
+    assert first.step is None and first.failed == () and first.bytes_sent == (("r", 192),)
+    sender.after_step(first)
+    writer.refuse.clear()  # the rest lands
+    plan = StepPlan([chunk_of(r, list(range(6, 10)), 6, [0, 1, 2], True)])
+    meta = sender.build_meta(plan)
+    assert isinstance(meta, SendMeta)
+    assert meta.pending == first.in_flight
+    assert [s.runs for s in meta.sends] == [((1, 9, 2, 4),)]
+    report = await send(sender, meta)
+    assert isinstance(report, SendReport) and report.step is not None
+    # Its own two batches landed; the middle chunk's two, waited for now, had not.
+    assert writer.batches == [("d1", 2)] * 4
+    assert report.num_failed_batches == 2 and not report.step.ok
+    sender.after_step(report)
+    assert sender.kv_sent(r) == KVSent(192 + 4 * 8 * 2 * 2, "a KV write to d1 failed: d1 refused")
+
+
+async def test_a_grant_that_expired_or_does_not_fit_sends_nothing() -> None:
+    now = [0.0]
+    sender = KVSender(
+        Writer(set()),
+        segment="kv",
+        layout=LAYOUT,
+        loop=asyncio.get_running_loop(),
+        clock=lambda: now[0],
+    )
+    late = granted("late", "d1", 4, (8,))
+    sender.request_added(late)  # its grant lasts until 30
+    now[0] = 31.0
+    short = granted("short", "d1", 10, (8, 9))
+    fits = granted("fits", "d1", 4, (10,))
+    sender.request_added(short)
+    sender.request_added(fits)
+    now[0] = 40.0
+    plan = StepPlan(
+        [
+            chunk_of(late, late.prompt_token_ids, 0, [0], True),
+            chunk_of(short, short.prompt_token_ids, 0, [1, 2, 3], True),
+            chunk_of(fits, fits.prompt_token_ids, 0, [4], True),
+        ]
+    )
+    meta = sender.build_meta(plan)
+    assert isinstance(meta, SendMeta) and [s.request_id for s in meta.sends] == ["fits"]
+    assert sender.kv_sent(late) == KVSent(0, "the grant expired before its KV was sent")
+    assert sender.kv_sent(short) == KVSent(0, "the grant does not cover the prompt")
+    # Failed once, skipped from then on.
+    assert sender.build_meta(StepPlan(plan.chunks[:2])) is None
