@@ -41,6 +41,14 @@ from mooncaked.cache.hashing import block_hashes
 from mooncaked.cluster.slo import Slo
 from mooncaked.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from mooncaked.router import RouteError, Router, Submission
+from mooncaked.wire.headers import (
+    DECODE_NODE_HEADER,
+    MODEL_TBT_HEADER,
+    MODEL_TTFT_HEADER,
+    PREDICTED_TBT_HEADER,
+    PREDICTED_TTFT_HEADER,
+    PREFILL_NODE_HEADER,
+)
 
 if TYPE_CHECKING:
     from mooncaked.engine.core import EngineCore
@@ -317,16 +325,6 @@ def _check_token_ids(ids: list[Any], param: str, vocab_size: int | None) -> list
 
 
 # ------------------------------------------------------------------- the API
-
-# Response headers naming the nodes that ran each phase of a request.
-PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
-DECODE_NODE_HEADER = "x-mooncaked-decode-node"
-# The Conductor's forecasts for the request, milliseconds (absent: none made).
-PREDICTED_TTFT_HEADER = "x-mooncaked-predicted-ttft-ms"
-PREDICTED_TBT_HEADER = "x-mooncaked-predicted-tbt-ms"
-# The same before the entry node's calibration: the cost model's own figures.
-MODEL_TTFT_HEADER = "x-mooncaked-model-ttft-ms"
-MODEL_TBT_HEADER = "x-mooncaked-model-tbt-ms"
 
 
 def _prediction_headers(sub: Submission) -> dict[str, str]:
