@@ -68,9 +68,9 @@ from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.auth import auth_middleware
 from mooncaked.api.browser import browser_guard_middleware
 from mooncaked.api.conductor_api import ConductorAPI, ConductorCollector
-from mooncaked.api.disagg import DisaggAPI, TransferKVWriter, TransferWriteGrants
+from mooncaked.api.disagg import DisaggAPI
 from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus, StepHistograms
-from mooncaked.api.internal import InternalAPI, TransferBlockReader
+from mooncaked.api.internal import InternalAPI
 from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
@@ -103,6 +103,7 @@ from mooncaked.router import Router
 from mooncaked.rpc import Target
 from mooncaked.secrets import is_loopback
 from mooncaked.transfer import Access, TransferEngine
+from mooncaked.wire.kv_io import TransferBlockReader, TransferKVWriter, TransferWriteGrants
 from mooncaked.wire.lease import Holding, LeaseClient
 from mooncaked.wire.prefill import PrefillClient
 

@@ -7,9 +7,7 @@
   computes the prompt's KV into the decode node's granted blocks and answers
   with the first token once the KV is written.
 
-Bodies are decoded by their ``wire`` messages. ``TransferKVWriter`` and
-``TransferWriteGrants`` are the KV sender's and receiver's byte movers over
-the transfer engine.
+Bodies are decoded by their ``wire`` messages.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ import structlog
 from aiohttp import web
 
 from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
-from mooncaked.cluster.watch import MemberLost, MemberWatch
 from mooncaked.engine.core import (
     EngineClosedError,
     EngineCore,
@@ -32,11 +29,9 @@ from mooncaked.engine.core import (
     PromptTooLongError,
     QueueFullError,
 )
-from mooncaked.engine.handoff import KVSender, KVWrite, PrefillReply
+from mooncaked.engine.handoff import KVSender, PrefillReply
 from mooncaked.engine.plan import SampledToken
-from mooncaked.handoff import KVGrant
 from mooncaked.rpc import Target, Verifier
-from mooncaked.transfer import TransferEngine, TransferOp, WriteGrant
 from mooncaked.wire.generate import GenerateBody
 from mooncaked.wire.paths import GENERATE_PATH, MAX_CALL_BYTES, PREFILL_PATH
 from mooncaked.wire.prefill import PREFILL_BUSY, PrefillBody, encode_prefill_reply
@@ -196,62 +191,3 @@ class DisaggAPI:
         token = SampledToken(last.new_token_ids[-1], last.logprobs[-1] if last.logprobs else None)
         reply = PrefillReply(self._node_id(), token, last.num_cached_tokens, nbytes)
         return web.Response(body=encode_prefill_reply(reply), content_type="application/json")
-
-
-class TransferKVWriter:
-    """The KV sender's ``KVWriter`` over the transfer engine."""
-
-    def __init__(self, transfer: TransferEngine, watch: MemberWatch | None = None) -> None:
-        self._transfer = transfer
-        # A frozen decode node would hold the step thread (which waits for
-        # the sampling step's writes) for the grant's whole time: gossip
-        # declaring it dead ends the wait instead.
-        self._watch = watch
-
-    def add_peer(self, node_id: str, address: str) -> None:
-        self._transfer.add_peer(node_id, address)
-
-    async def write(
-        self, segment: str, writes: list[KVWrite], timeout_s: float
-    ) -> tuple[bool, str]:
-        ops = [TransferOp.write(segment, lo, node, seg, ro, n) for lo, node, seg, ro, n in writes]
-        nodes = {op.remote_node for op in ops}
-        try:
-            batch = await self._transfer.submit(ops, op_timeout_s=timeout_s)
-            if self._watch is not None and len(nodes) == 1:
-                try:
-                    ok = await self._watch.race(nodes.pop(), batch.wait())
-                except MemberLost as exc:
-                    batch.fail_pending(f"cut over: {exc}")
-                    return False, f"cut over: {exc}"
-            else:
-                ok = await batch.wait()
-            if ok:
-                return True, ""
-            failures = batch.failures()
-            return False, failures[0][1] if failures else "transfer failed"
-        except Exception as exc:  # the transfer engine refused the batch
-            return False, repr(exc)
-
-
-class TransferWriteGrants:
-    """The KV receiver's ``WriteGrants`` over the transfer engine: a grant's
-    blocks, in every layer's K and V plane of the KV segment, open to one peer."""
-
-    def __init__(self, transfer: TransferEngine) -> None:
-        self._transfer = transfer
-
-    def open(self, grant: KVGrant, peer: str, ttl_s: float) -> WriteGrant:
-        lay = grant.layout
-        return self._transfer.grant_write(
-            grant.segment,
-            peer,
-            block_bytes=lay.block_bytes,
-            blocks_per_plane=lay.num_blocks,
-            block_ids=grant.block_ids,
-            ttl_s=ttl_s,
-        )
-
-    def close(self, handle: object) -> None:
-        if isinstance(handle, WriteGrant):
-            self._transfer.revoke(handle)

@@ -20,23 +20,17 @@ every other name (a node that lists this one in ``store.peers`` without
 gossip, or one made up) counts against one cap shared by all of them,
 ``store.peer_max_leases_outside``; a reader never leased to (this node's own
 id; any non-member when that cap is 0) gets 403.
-
-``TransferBlockReader`` (the cache's ``BlockReader``) reads the leased slots
-through the transfer engine in one batch.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-import structlog
 from aiohttp import web
 
 from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
-from mooncaked.cache.peer import Offer, PeerError, ReaderRefused
+from mooncaked.cache.peer import ReaderRefused
 from mooncaked.rpc import Target, Verifier
-from mooncaked.transfer import OpStatus, TransferEngine, TransferOp
 from mooncaked.wire.lease import (
     Holding,
     LookupBody,
@@ -51,8 +45,6 @@ from mooncaked.wire.paths import (
     MAX_RELEASE_BYTES,
     RELEASE_PATH,
 )
-
-log = structlog.get_logger(__name__)
 
 
 class InternalAPI:
@@ -139,77 +131,3 @@ class InternalAPI:
 
 def _json(body: bytes) -> web.Response:
     return web.Response(body=body, content_type="application/json")
-
-
-class TransferBlockReader:
-    """Reads leased slots of a peer's DRAM segment into the local one (a ``BlockReader``)."""
-
-    def __init__(self, transfer: TransferEngine, local_segment: str) -> None:
-        self._transfer = transfer
-        self._local_segment = local_segment
-
-    async def read(self, offer: Offer, local_offsets: Sequence[int], timeout_s: float) -> int:
-        if len(local_offsets) != offer.num_blocks:
-            raise ValueError(
-                f"{len(local_offsets)} local offsets for an offer of {offer.num_blocks} blocks"
-            )
-        if not local_offsets:
-            return 0
-        if offer.node_id == self._transfer.node_id:
-            # Ops naming this node are local copies: they would read our own
-            # slots, not the peer's. Two nodes must never share an id.
-            raise PeerError(f"{offer.peer} answered with this node's own id {offer.node_id!r}")
-        self._transfer.add_peer(offer.node_id, offer.transfer_address)
-        ops, firsts = _coalesce(self._local_segment, offer, list(local_offsets), offer.block_bytes)
-        batch = await self._transfer.submit(ops, op_timeout_s=timeout_s)
-        try:
-            await batch.wait()
-        except asyncio.CancelledError:
-            batch.cancel("the fetch was cancelled")
-            # The slots are handed back by the caller once this returns: no
-            # slice may still be writing into them then.
-            while not batch.done:
-                try:
-                    await asyncio.shield(batch.wait())
-                except asyncio.CancelledError:
-                    continue
-            raise
-        n = 0
-        for i, status in enumerate(batch.statuses):
-            if status is not OpStatus.DONE:
-                log.warning("peer.transfer_op_failed", peer=offer.node_id, reason=batch.reason(i))
-                break
-            n = firsts[i + 1] if i + 1 < len(firsts) else len(local_offsets)
-        return n
-
-
-def _coalesce(
-    local_segment: str, offer: Offer, local_offsets: list[int], block_bytes: int
-) -> tuple[list[TransferOp], list[int]]:
-    """One READ per run of blocks contiguous on both sides; and the index of
-    the first block of each op."""
-    ops: list[TransferOp] = []
-    firsts: list[int] = []
-    i = 0
-    n = len(local_offsets)
-    while i < n:
-        j = i + 1
-        while (
-            j < n
-            and offer.offsets[j] == offer.offsets[j - 1] + block_bytes
-            and local_offsets[j] == local_offsets[j - 1] + block_bytes
-        ):
-            j += 1
-        ops.append(
-            TransferOp.read(
-                local_segment,
-                local_offsets[i],
-                offer.node_id,
-                offer.segment,
-                offer.offsets[i],
-                (j - i) * block_bytes,
-            )
-        )
-        firsts.append(i)
-        i = j
-    return ops, firsts

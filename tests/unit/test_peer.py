@@ -20,13 +20,14 @@ import pytest
 import torch
 from aiohttp import web
 
-from mooncaked.api.internal import InternalAPI, TransferBlockReader
+from mooncaked.api.internal import InternalAPI
 from mooncaked.cache.dram import Clock
 from mooncaked.cache.hashing import block_hashes
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher, StaticPeers
 from mooncaked.cache.store import BlockLayout, Tier, TieredStore
 from mooncaked.config import StoreConfig, TransferConfig
 from mooncaked.transfer import TransferEngine
+from mooncaked.wire.kv_io import TransferBlockReader
 from mooncaked.wire.lease import Holding, LeaseClient
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
