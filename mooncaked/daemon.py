@@ -69,11 +69,13 @@ from mooncaked.api.auth import auth_middleware
 from mooncaked.api.browser import browser_guard_middleware
 from mooncaked.api.conductor_api import ConductorAPI, ConductorCollector
 from mooncaked.api.disagg import DisaggAPI
+from mooncaked.api.gate import Gate
 from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus, StepHistograms
 from mooncaked.api.internal import InternalAPI
 from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import ApiMetrics
-from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
+from mooncaked.api.middleware import api_middleware
+from mooncaked.api.openai import OpenAIAPI
 from mooncaked.api.recent import RecentRequests
 from mooncaked.api.server import (
     CappedTCPSite,
