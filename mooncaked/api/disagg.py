@@ -7,7 +7,8 @@
   computes the prompt's KV into the decode node's granted blocks and answers
   with the first token once the KV is written.
 
-Bodies are decoded by their ``wire`` messages.
+Bodies are decoded by their ``wire`` messages; refusals are answered as the
+refusal table says (``api.refusals``), in the internal error shape.
 """
 
 from __future__ import annotations
@@ -21,20 +22,15 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from mooncaked.api.refusals import REFUSALS, NodeMismatch, NotServing, refusal
 from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
-from mooncaked.engine.core import (
-    EngineClosedError,
-    EngineCore,
-    EngineFailedError,
-    PromptTooLongError,
-    QueueFullError,
-)
-from mooncaked.engine.handoff import KVSender, PrefillReply
+from mooncaked.engine.core import EngineCore
+from mooncaked.engine.handoff import KVSender, PrefillBusy, PrefillReply
 from mooncaked.engine.plan import SampledToken
 from mooncaked.rpc import Target, Verifier
 from mooncaked.wire.generate import GenerateBody
 from mooncaked.wire.paths import GENERATE_PATH, MAX_CALL_BYTES, PREFILL_PATH
-from mooncaked.wire.prefill import PREFILL_BUSY, PrefillBody, encode_prefill_reply
+from mooncaked.wire.prefill import PrefillBody, encode_prefill_reply
 from mooncaked.wire.request import encode_output
 
 log = structlog.get_logger(__name__)
@@ -78,9 +74,7 @@ class DisaggAPI:
     def _ready_engine(self) -> EngineCore:
         engine = self._engine()
         if engine is None or self._draining():
-            raise Rejected(
-                rpc_error(503, "this node is not serving (starting, draining or stopping)")
-            )
+            raise NotServing("this node is not serving (starting, draining or stopping)")
         return engine
 
     # -- decode node -------------------------------------------------------------
@@ -89,29 +83,19 @@ class DisaggAPI:
         try:
             data = await self._body(request)
             if self._role == "prefill":
-                raise Rejected(rpc_error(409, "this node only prefills; it does not decode"))
+                raise NodeMismatch("this node only prefills; it does not decode")
             engine = self._ready_engine()
-            try:
-                call = GenerateBody.decode(data)
-            except ValueError as exc:
-                raise Rejected(rpc_error(400, str(exc))) from None
-            try:
-                stream = engine.add_request(
-                    call.prompt_token_ids,
-                    call.sampling,
-                    call.request_id,
-                    handoff=call.handoff(time.monotonic()),
-                )
-            except QueueFullError as exc:
-                raise Rejected(
-                    rpc_error(429, str(exc), {"Retry-After": str(max(1, int(exc.retry_after_s)))})
-                ) from None
-            except EngineClosedError as exc:
-                raise Rejected(rpc_error(503, str(exc))) from None
-            except ValueError as exc:  # PromptTooLongError included
-                raise Rejected(rpc_error(400, str(exc))) from None
+            call = GenerateBody.decode(data)
+            stream = engine.add_request(
+                call.prompt_token_ids,
+                call.sampling,
+                call.request_id,
+                handoff=call.handoff(time.monotonic()),
+            )
         except Rejected as bad:
             return bad.response
+        except REFUSALS as exc:
+            return refusal(exc).rpc_response()
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         try:
             await resp.prepare(request)
@@ -129,44 +113,32 @@ class DisaggAPI:
         try:
             data = await self._body(request)
             if self._role == "decode":
-                raise Rejected(rpc_error(409, "this node only decodes; it does not prefill"))
-            try:
-                call = PrefillBody.decode(data)
-            except ValueError as exc:
-                raise Rejected(rpc_error(400, str(exc))) from None
+                raise NodeMismatch("this node only decodes; it does not prefill")
+            call = PrefillBody.decode(data)
             limit = call.max_wait_s
             queued = self._queue_s() if math.isfinite(limit) else 0.0
             if queued > limit:
                 # Late binding: the entry chose this node on a view older
                 # than its queue; a later candidate is forecast to start sooner.
-                raise Rejected(
-                    rpc_error(
-                        409,
-                        f"prompts queued here take {queued:.3f} s, longer than the "
-                        f"{limit:.3f} s allowed; ask the next node",
-                        code=PREFILL_BUSY,
-                    )
+                raise PrefillBusy(
+                    f"prompts queued here take {queued:.3f} s, longer than the "
+                    f"{limit:.3f} s allowed; ask the next node"
                 )
             engine = self._ready_engine()
             sender = self._sender()
             if sender is None:
-                raise Rejected(rpc_error(503, "this node cannot send KV (no transfer engine)"))
+                raise NotServing("this node cannot send KV (no transfer engine)")
             # One token: the first of the completion, sampled exactly as the
             # decode node would; stop conditions are the decode node's to check.
             first = dataclasses.replace(call.sampling, max_tokens=1, stop=(), stop_token_ids=())
             local_id = f"{call.request_id}@prefill"
-            try:
-                stream = engine.add_request(
-                    call.prompt_token_ids, first, local_id, handoff=call.handoff()
-                )
-            except QueueFullError as exc:
-                raise Rejected(rpc_error(503, str(exc))) from None
-            except (EngineClosedError, EngineFailedError) as exc:
-                raise Rejected(rpc_error(503, str(exc))) from None
-            except (PromptTooLongError, ValueError) as exc:
-                raise Rejected(rpc_error(400, str(exc))) from None
+            stream = engine.add_request(
+                call.prompt_token_ids, first, local_id, handoff=call.handoff()
+            )
         except Rejected as bad:
             return bad.response
+        except REFUSALS as exc:
+            return refusal(exc).rpc_response()
         last = None
         try:
             async for out in stream:

@@ -1,7 +1,8 @@
 """The public API's error: an answer other than 200, in OpenAI's shape.
 
 ``{"error": {"message", "type", "param", "code"}}``, so OpenAI clients show
-the message.
+the message. Which status, type and code a refusal gets is the refusal
+table's to say (``api.refusals``); this module only carries and renders it.
 """
 
 from __future__ import annotations

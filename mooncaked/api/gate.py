@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from mooncaked.api.errors import ApiError
+from mooncaked.api.refusals import DRAINING, NotServing, refusal
 
 
 class Gate:
@@ -41,12 +41,7 @@ class Gate:
     def admit(self) -> Iterator[None]:
         """Counts the request in for the block; ApiError (503 ``draining``) once closed."""
         if self._closed:
-            raise ApiError(
-                503,
-                "mooncaked is shutting down and accepts no new requests; retry on another node",
-                type="service_unavailable",
-                code="draining",
-            )
+            raise refusal(NotServing(DRAINING, "draining")).error
         self._num_inflight += 1
         self._idle.clear()
         try:

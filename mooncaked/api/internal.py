@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
-from mooncaked.cache.peer import ReaderRefused
+from mooncaked.api.refusals import REFUSALS, NodeMismatch, NotServing, refusal
+from mooncaked.api.signed import Rejected, read_signed_json
 from mooncaked.rpc import Target, Verifier
 from mooncaked.wire.lease import (
     Holding,
@@ -88,44 +88,36 @@ class InternalAPI:
     def _ready(self) -> Holding:
         holding = self._holding()
         if holding is None:
-            raise Rejected(rpc_error(503, "the KV cache is not running (starting or stopping)"))
+            raise NotServing("the KV cache is not running (starting or stopping)")
         return holding
 
     async def lookup(self, request: web.Request) -> web.Response:
         try:
             data = await read_signed_json(request, self.verifier, max_bytes=MAX_LOOKUP_BYTES)
-            try:
-                call = LookupBody.decode(data)
-            except ValueError as exc:
-                raise Rejected(rpc_error(400, str(exc))) from None
+            call = LookupBody.decode(data)
             holding = self._ready()
             if (call.block_bytes, call.layout) != (holding.block_bytes, holding.layout):
-                raise Rejected(
-                    rpc_error(
-                        409,
-                        f"block layout differs: this node stores {holding.block_bytes}-byte "
-                        f"blocks of layout {holding.layout.hex()}",
-                    )
+                raise NodeMismatch(
+                    f"block layout differs: this node stores {holding.block_bytes}-byte blocks "
+                    f"of layout {holding.layout.hex()}"
                 )
-            try:
-                grant = await holding.desk.grant(call.hashes, call.reader, call.ttl_s)
-            except ReaderRefused as exc:
-                raise Rejected(rpc_error(403, str(exc), code="reader_refused")) from None
+            grant = await holding.desk.grant(call.hashes, call.reader, call.ttl_s)
         except Rejected as bad:
             return bad.response
+        except REFUSALS as exc:  # ReaderRefused included
+            return refusal(exc).rpc_response()
         answer = holding.answer(self._node_id(), grant)
         return _json(answer.encode())
 
     async def release(self, request: web.Request) -> web.Response:
         try:
             data = await read_signed_json(request, self.verifier, max_bytes=MAX_RELEASE_BYTES)
-            try:
-                call = ReleaseBody.decode(data)
-            except ValueError as exc:
-                raise Rejected(rpc_error(400, str(exc))) from None
+            call = ReleaseBody.decode(data)
             holding = self._ready()
         except Rejected as bad:
             return bad.response
+        except REFUSALS as exc:
+            return refusal(exc).rpc_response()
         return _json(ReleaseAnswer(holding.desk.release(call.lease_id)).encode())
 
 

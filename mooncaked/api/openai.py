@@ -13,11 +13,9 @@ the handler) gets its request aborted and its KV blocks freed.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -38,6 +36,7 @@ from mooncaked.api.protocol import (
     parse_stream,
 )
 from mooncaked.api.recent import FinishedRequest
+from mooncaked.api.refusals import MODEL_LOADING, NotServing, as_api_errors, refusal
 from mooncaked.api.render import SSE_DONE, Reply, json_response, placement_headers, sse_event
 from mooncaked.api.timing import RequestTimer
 from mooncaked.cache.hashing import block_hashes
@@ -48,75 +47,6 @@ if TYPE_CHECKING:
     from mooncaked.engine.core import EngineCore
 
 log = structlog.get_logger(__name__)
-
-
-@contextmanager
-def _mapped_errors(param: str) -> Iterator[None]:
-    """The engine's and the router's refusals as OpenAI-shaped answers."""
-    from mooncaked.engine.core import (
-        EngineClosedError,
-        EngineFailedError,
-        PromptTooLongError,
-        QueueFullError,
-    )
-
-    try:
-        yield
-    except EngineFailedError:
-        raise ApiError(
-            503,
-            "this mooncaked node failed and is restarting; retry on another node",
-            type="service_unavailable",
-            code="engine_failed",
-        ) from None
-    except EngineClosedError:
-        raise ApiError(
-            503,
-            "mooncaked is shutting down and accepts no new requests; retry on another node",
-            type="service_unavailable",
-            code="draining",
-        ) from None
-    except QueueFullError as exc:
-        retry = max(1, math.ceil(exc.retry_after_s))
-        raise ApiError(
-            429,
-            f"mooncaked is overloaded: {exc}; retry after {retry} s",
-            type="rate_limit_exceeded",
-            code="queue_full",
-            headers={"Retry-After": str(retry)},
-        ) from None
-    except PromptTooLongError as exc:
-        raise ApiError(
-            400,
-            str(exc),
-            param=param,
-            code="context_length_exceeded",
-        ) from None
-    except RouteError as exc:
-        if exc.status == 429:
-            retry = max(1, math.ceil(exc.retry_after_s or 1.0))
-            what = (
-                "mooncaked cannot meet the latency target"
-                if exc.code in ("ttft_slo", "tbt_slo")
-                else "mooncaked is overloaded"
-            )
-            raise ApiError(
-                429,
-                f"{what}: {exc.message}; retry after {retry} s",
-                type="rate_limit_exceeded",
-                code=exc.code or "queue_full",
-                headers={"Retry-After": str(retry)},
-            ) from None
-        if exc.status == 400:
-            raise ApiError(400, exc.message, param=param) from None
-        raise ApiError(
-            503 if exc.status >= 500 else exc.status,
-            exc.message,
-            type="service_unavailable",
-            code="no_capacity",
-        ) from None
-    except ValueError as exc:  # the engine's own checks of the prompt
-        raise ApiError(400, str(exc), param=param) from None
 
 
 class OpenAIAPI:
@@ -157,12 +87,7 @@ class OpenAIAPI:
     def _require_engine(self) -> EngineCore:
         engine = self._engine()
         if engine is None:
-            raise ApiError(
-                503,
-                "the model is still loading; retry shortly",
-                type="service_unavailable",
-                code="model_loading",
-            )
+            raise refusal(NotServing(MODEL_LOADING, "model_loading")).error
         return engine
 
     # ------------------------------------------------------------ handlers
@@ -214,7 +139,7 @@ class OpenAIAPI:
             )
             timer = RequestTimer(self._metrics, arrival, self._clock)
             try:
-                with _mapped_errors(_prompt_param(chat)):
+                with as_api_errors(_prompt_param(chat)):
                     # Placed and taken by its decode node's engine (refusals
                     # are still answers with a status of their own).
                     await sub.start()
@@ -238,7 +163,7 @@ class OpenAIAPI:
                 log.exception("finished-request listener failed", request_id=finished.request_id)
 
     async def _collect(self, sub: Submission, reply: Reply, timer: RequestTimer) -> web.Response:
-        with _mapped_errors(_prompt_param(reply.chat)):
+        with as_api_errors(_prompt_param(reply.chat)):
             async for out in sub:
                 timer.on_output(out)
                 reply.add(out)
@@ -281,8 +206,7 @@ class OpenAIAPI:
             except RouteError as exc:
                 # Headers are out: the failure goes in the stream itself.
                 reply.error = exc.message
-                err = ApiError(503, exc.message, type="service_unavailable", code="no_capacity")
-                await resp.write(sse_event(err.body()))
+                await resp.write(sse_event(refusal(exc).error.body()))
             if reply.finish_reason is FinishReason.ABORT and reply.error is None:
                 # Cut short (the drain timed out): say so before [DONE].
                 await resp.write(sse_event(_aborted().body()))
