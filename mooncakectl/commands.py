@@ -8,10 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mooncakectl.registry import Env, ExitStatus, command
-
-# Response headers naming the nodes that ran a request's prefill and decode.
-PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
-DECODE_NODE_HEADER = "x-mooncaked-decode-node"
+from mooncaked.wire.headers import DECODE_NODE_HEADER, PREFILL_NODE_HEADER
 
 
 def print_json(env: Env, data: Any) -> None:

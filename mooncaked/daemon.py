@@ -68,12 +68,14 @@ from mooncaked.api.admin import AdminAPI, CacheAdmin
 from mooncaked.api.auth import auth_middleware
 from mooncaked.api.browser import browser_guard_middleware
 from mooncaked.api.conductor_api import ConductorAPI, ConductorCollector
-from mooncaked.api.disagg import DisaggAPI, PrefillClient, TransferKVWriter, TransferWriteGrants
+from mooncaked.api.disagg import DisaggAPI
+from mooncaked.api.gate import Gate
 from mooncaked.api.handoff_status import HANDOFF_METRICS, HandoffStatus, StepHistograms
-from mooncaked.api.internal import Holding, InternalAPI, InternalClient, TransferBlockReader
+from mooncaked.api.internal import InternalAPI
 from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import ApiMetrics
-from mooncaked.api.openai import Gate, OpenAIAPI, api_middleware
+from mooncaked.api.middleware import api_middleware
+from mooncaked.api.openai import OpenAIAPI
 from mooncaked.api.recent import RecentRequests
 from mooncaked.api.server import (
     CappedTCPSite,
@@ -104,6 +106,9 @@ from mooncaked.router import Router
 from mooncaked.rpc import Target
 from mooncaked.secrets import is_loopback
 from mooncaked.transfer import Access, TransferEngine
+from mooncaked.wire.kv_io import TransferBlockReader, TransferKVWriter, TransferWriteGrants
+from mooncaked.wire.lease import Holding, LeaseClient
+from mooncaked.wire.prefill import PrefillClient
 
 EngineFactory = Callable[[Config], EngineCore]
 
@@ -617,7 +622,7 @@ class Node:
         self._peer_urls = tuple(u for u in cfg.peers if u.rstrip("/") != self.url)
         async with contextlib.AsyncExitStack() as stack:
             client = await stack.enter_async_context(
-                InternalClient(
+                LeaseClient(
                     secret=self._config.node.cluster_secret.encode(),
                     node_id=lambda: self.node_id,
                     block_bytes=layout.block_bytes,
@@ -646,7 +651,7 @@ class Node:
                     desk=cache.desk,
                     block_bytes=layout.block_bytes,
                     layout=layout.fingerprint(),
-                    segment=transfer.descriptor(DRAM_SEGMENT).to_dict(),
+                    segment=transfer.descriptor(DRAM_SEGMENT),
                     transfer_address=transfer.address,
                 )
             self._log.info(

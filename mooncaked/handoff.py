@@ -14,12 +14,8 @@ encodes them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any
 
-# Most blocks one grant may name (a 1M-token prompt in 16-token blocks).
-MAX_GRANT_BLOCKS = 1 << 16
 # Furthest out a placement's "KV in by" forecast for a handoff may be: the
 # decode node refuses more, the entry clamps to it.
 MAX_KV_READY_IN_S = 3600.0
@@ -68,17 +64,9 @@ class PrefillOffer:
     slack: float = 0.0
 
     def to_list(self) -> list[float]:
+        """Its four figures, rounded: how offers travel (``wire.handoff``) and
+        how ``/admin/explain`` shows them."""
         return [round(self.ttft_s, 6), round(self.move_s, 6), round(self.rest_s, 6), self.slack]
-
-    @classmethod
-    def from_list(cls, raw: Any) -> PrefillOffer:
-        """Raises ValueError on anything but four finite numbers >= 0."""
-        if not isinstance(raw, list) or len(raw) != 4:
-            raise ValueError(f"an offer is [ttft_s, move_s, rest_s, slack], got {raw!r}")
-        for v in raw:
-            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
-                raise ValueError(f"an offer's figures must be numbers >= 0, got {raw!r}")
-        return cls(float(raw[0]), float(raw[1]), float(raw[2]), float(raw[3]))
 
     def ttft_at(self, queue_s: float) -> float:
         """Its TTFT with this much queued ahead."""
@@ -107,63 +95,6 @@ class KVGrant:
     block_ids: tuple[int, ...]
     ttl_s: float
 
-    def to_dict(self) -> dict[str, Any]:
-        lay = self.layout
-        return {
-            "request_id": self.request_id,
-            "node_id": self.node_id,
-            "transfer_address": self.transfer_address,
-            "segment": self.segment,
-            "layout": [lay.num_layers, lay.num_blocks, lay.block_size, lay.row_bytes],
-            "first_block": self.first_block,
-            "block_ids": list(self.block_ids),
-            "ttl_s": self.ttl_s,
-        }
-
-    @classmethod
-    def from_dict(cls, d: Any) -> KVGrant:
-        """Parse and check a grant from JSON; ValueError naming what is wrong."""
-        if not isinstance(d, dict):
-            raise ValueError("'grant' must be an object")
-
-        def num(key: str, value: Any, lo: int, hi: int) -> int:
-            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-                raise ValueError(f"grant {key!r} must be an integer in {lo}..{hi}")
-            return value
-
-        def text(key: str) -> str:
-            v = d.get(key)
-            if not isinstance(v, str) or not v or len(v) > 256:
-                raise ValueError(f"grant {key!r} must be a non-empty string")
-            return v
-
-        raw = d.get("layout")
-        if not isinstance(raw, list) or len(raw) != 4:
-            raise ValueError("grant 'layout' must be [layers, blocks, block_size, row_bytes]")
-        layout = KVLayout(
-            num_layers=num("layers", raw[0], 1, 1 << 12),
-            num_blocks=num("blocks", raw[1], 1, 1 << 30),
-            block_size=num("block_size", raw[2], 1, 1 << 16),
-            row_bytes=num("row_bytes", raw[3], 1, 1 << 24),
-        )
-        ids = d.get("block_ids")
-        if not isinstance(ids, list) or not 0 < len(ids) <= MAX_GRANT_BLOCKS:
-            raise ValueError(f"grant 'block_ids' must list 1..{MAX_GRANT_BLOCKS} blocks")
-        block_ids = tuple(num("block_ids", b, 0, layout.num_blocks - 1) for b in ids)
-        ttl = d.get("ttl_s")
-        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= 3600:
-            raise ValueError("grant 'ttl_s' must be a number in (0, 3600]")
-        return cls(
-            request_id=text("request_id"),
-            node_id=text("node_id"),
-            transfer_address=text("transfer_address"),
-            segment=text("segment"),
-            layout=layout,
-            first_block=num("first_block", d.get("first_block"), 0, 1 << 30),
-            block_ids=block_ids,
-            ttl_s=float(ttl),
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class PrefillTarget:
@@ -174,34 +105,6 @@ class PrefillTarget:
     fetch: bool = True
     # Late binding: what the entry forecast of it (None: it takes the request).
     offer: PrefillOffer | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"node_id": self.node_id, "url": self.url, "fetch": self.fetch}
-        if self.offer is not None:
-            out["offer"] = self.offer.to_list()
-        return out
-
-    @classmethod
-    def from_dict(cls, raw: Any) -> PrefillTarget:
-        """Raises ValueError (or KeyError, TypeError) on a malformed target."""
-        if not isinstance(raw, dict):
-            raise ValueError(f"a prefill target must be an object, got {raw!r}")
-        offer = raw.get("offer")
-        return cls(
-            str(raw["node_id"]),
-            str(raw["url"]),
-            raw.get("fetch", True) is not False,
-            None if offer is None else PrefillOffer.from_list(offer),
-        )
-
-
-def parse_max_wait_s(raw: Any) -> float:
-    """A wire ``max_wait_s``: seconds >= 0, or None (no limit: inf)."""
-    if raw is None:
-        return math.inf
-    if isinstance(raw, bool) or not isinstance(raw, int | float) or not 0.0 <= raw < math.inf:
-        raise ValueError(f"'max_wait_s' must be a number of seconds >= 0, got {raw!r}")
-    return float(raw)
 
 
 @dataclass(frozen=True, slots=True)

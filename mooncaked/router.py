@@ -18,7 +18,6 @@ single node) everything runs locally.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import random
@@ -28,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 import structlog
 
 from mooncaked.cache.hashing import BlockHash
@@ -45,7 +43,7 @@ from mooncaked.cluster.placement import (
 )
 from mooncaked.cluster.slo import Slo, TokenClock
 from mooncaked.cluster.state import ClusterView
-from mooncaked.cluster.watch import MemberLost, MemberWatch
+from mooncaked.cluster.watch import MemberWatch
 from mooncaked.config import ConductorConfig, SloConfig
 from mooncaked.engine.core import EngineCore
 from mooncaked.handoff import (
@@ -55,17 +53,12 @@ from mooncaked.handoff import (
     PrefillTarget,
     kv_ready_at,
 )
-from mooncaked.request import (
-    RequestOutput,
-    SamplingParams,
-    output_from_dict,
-    sampling_to_dict,
-)
-from mooncaked.rpc import Target, derive_key, signed_headers
+from mooncaked.request import RequestOutput, SamplingParams
+from mooncaked.rpc import Target, derive_key
+from mooncaked.wire.generate import DecodeNodeLost, GenerateBody, GenerateClient, GenerateRefused
 
 log = structlog.get_logger(__name__)
 
-GENERATE_PATH = "/internal/generate"
 # Decode nodes tried for one request (first placement, refusals, resumes).
 MAX_DECODE_ATTEMPTS = 4
 
@@ -86,10 +79,6 @@ class RouteError(Exception):
         self.retry_after_s = retry_after_s
         # Why, for the client and metrics: ttft_slo, tbt_slo, queue_full...
         self.code = code
-
-
-class DecodeNodeLost(Exception):
-    """The decode node went away (refused, cut, killed) before the request finished."""
 
 
 @dataclass(slots=True)
@@ -262,52 +251,67 @@ class Submission:
             self._planned_prefill = True
         if not resumed:
             self.phase = "prefilling"
+        ready_in_s = _kv_ready_in_s(placement) if targets else 0.0
         if placement.decode.node_id == self._router.node_id:
-            engine = self._router.engine()
-            if engine is None:
-                raise RouteError(503, "the model is still loading; retry shortly")
-            stream = engine.add_request(
-                prompt,
-                sampling,
-                f"{self.request_id}~{self._attempts}" if resumed else self.request_id,
-                prompt_hashes=None if resumed else req.hashes,
-                handoff=Handoff(
-                    source=source,
-                    peer_fetch=placement.fetch,
-                    kv_ready_at=kv_ready_at(
-                        _kv_ready_in_s(placement) if targets else 0.0, time.monotonic()
-                    ),
-                    output_offset=resumed,
-                ),
-            )
-            self._stream = stream
-            self._closer = stream.aclose
+            self._run_here(prompt, sampling, placement, source, ready_in_s, resumed)
             return
-        remote = _RemoteStream(
-            self._router,
-            placement.decode,
+        body = GenerateBody(
+            f"{self.request_id}~{self._attempts}", prompt, sampling, source, resumed, ready_in_s
+        )
+        if not await self._forward(placement.decode, body):
+            await self._start()
+
+    def _run_here(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        placement: Placement,
+        source: PrefillSource | None,
+        ready_in_s: float,
+        resumed: int,
+    ) -> None:
+        """Hand the request to this node's engine (it decodes here)."""
+        engine = self._router.engine()
+        if engine is None:
+            raise RouteError(503, "the model is still loading; retry shortly")
+        stream = engine.add_request(
             prompt,
             sampling,
-            source,
-            resumed,
-            f"{self.request_id}~{self._attempts}",
-            _kv_ready_in_s(placement) if targets else 0.0,
+            f"{self.request_id}~{self._attempts}" if resumed else self.request_id,
+            prompt_hashes=None if resumed else self.req.hashes,
+            handoff=Handoff(
+                source=source,
+                peer_fetch=placement.fetch,
+                kv_ready_at=kv_ready_at(ready_in_s, time.monotonic()),
+                output_offset=resumed,
+            ),
         )
+        self._stream = stream
+        self._closer = stream.aclose
+
+    async def _forward(self, decode: Candidate, body: GenerateBody) -> bool:
+        """Forward the request to its decode node; False when that node refused
+        before streaming (it is left out of the next placement)."""
         try:
-            await remote.open()
+            remote = await self._router.generate.open(decode.node_id, decode.url, body)
         except DecodeNodeLost as exc:
             log.warning(
                 "decode node refused; placing again",
                 request_id=self.request_id,
-                decode_node=placement.decode.node_id,
+                decode_node=decode.node_id,
                 error=str(exc),
             )
-            self._failed.add(placement.decode.node_id)
+            self._failed.add(decode.node_id)
             self._router.num_replaced += 1
-            await remote.aclose()
-            return await self._start()
+            return False
+        except GenerateRefused as exc:
+            said = exc.answer
+            raise RouteError(
+                exc.status, said.message, retry_after_s=exc.retry_after_s, code=said.code
+            ) from None
         self._stream = remote
         self._closer = remote.aclose
+        return True
 
     async def _close_stream(self) -> None:
         closer, self._closer, self._stream = self._closer, None, None
@@ -324,113 +328,6 @@ def _kv_ready_in_s(placement: Placement) -> float:
     """When the placement expects the prefill's KV at the decode node: its TTFT forecast."""
     t = placement.predicted_ttft_s
     return min(t, MAX_KV_READY_IN_S) if math.isfinite(t) and t > 0.0 else 0.0
-
-
-class _RemoteStream:
-    """Outputs a decode node streams back for a forwarded request (NDJSON)."""
-
-    def __init__(
-        self,
-        router: Router,
-        node: Candidate,
-        prompt: list[int],
-        sampling: SamplingParams,
-        source: PrefillSource | None,
-        output_offset: int,
-        request_id: str,
-        kv_ready_in_s: float = 0.0,
-    ) -> None:
-        self._router = router
-        self._node = node
-        self._body = orjson.dumps(
-            {
-                "request_id": request_id,
-                "prompt_token_ids": prompt,
-                "sampling": sampling_to_dict(sampling),
-                "prefill": [t.to_dict() for t in source.targets] if source else [],
-                "hop_s": source.hop_s if source else 0.0,
-                "output_offset": output_offset,
-                "kv_ready_in_s": round(kv_ready_in_s, 6),
-            }
-        )
-        self._resp: aiohttp.ClientResponse | None = None
-        self._finished = False
-
-    async def open(self) -> None:
-        session = self._router.session()
-        target = self._router.target_of(self._node.node_id)
-        if target is None:
-            # Unbound, the call could be replayed on any node: not sent.
-            raise DecodeNodeLost(
-                f"{self._node.node_id} is not in this node's cluster view (left or reaped); "
-                "a call to it cannot be signed"
-            )
-        headers = {
-            "Content-Type": "application/json",
-            **signed_headers(self._router.key, "POST", GENERATE_PATH, self._body, target=target),
-        }
-        try:
-            resp = await self._router.watch.race(
-                self._node.node_id,
-                session.post(
-                    self._node.url + GENERATE_PATH,
-                    data=self._body,
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-                ),
-            )
-        except MemberLost as exc:
-            raise DecodeNodeLost(str(exc)) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise DecodeNodeLost(f"{self._node.node_id}: {exc!r}") from None
-        self._resp = resp
-        if resp.status == 200:
-            return
-        payload = await resp.read()
-        resp.release()
-        try:
-            err = orjson.loads(payload)["error"]
-            message = str(err.get("message", ""))
-        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
-            message = payload[:200].decode(errors="replace")
-        if resp.status in (502, 503):
-            raise DecodeNodeLost(f"{self._node.node_id} answered {resp.status}: {message}")
-        retry = resp.headers.get("Retry-After")
-        raise RouteError(
-            resp.status, message, retry_after_s=float(retry) if retry and retry.isdigit() else None
-        )
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        resp = self._resp
-        if resp is None or self._finished:
-            raise StopAsyncIteration
-        try:
-            # A frozen node sends nothing and closes nothing: gossip declaring
-            # it dead is what ends the wait, and the request resumes elsewhere.
-            line = await self._router.watch.race(self._node.node_id, resp.content.readline())
-        except MemberLost as exc:
-            raise DecodeNodeLost(str(exc)) from None
-        except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError) as exc:
-            raise DecodeNodeLost(f"{self._node.node_id}: {exc!r}") from None
-        if not line:
-            raise DecodeNodeLost(f"{self._node.node_id} closed the stream before the end")
-        try:
-            out = output_from_dict(orjson.loads(line))
-        except (orjson.JSONDecodeError, ValueError) as exc:
-            raise DecodeNodeLost(f"{self._node.node_id} sent garbage: {exc}") from None
-        if out.finished:
-            self._finished = True
-        return out
-
-    async def aclose(self) -> None:
-        resp, self._resp = self._resp, None
-        if resp is not None:
-            # Closing the connection cancels the handler on the decode node,
-            # which aborts the request there (and its prefill).
-            resp.close()
 
 
 def admission_params(conductor: ConductorConfig, block_size: int) -> ConductorParams:
@@ -471,6 +368,10 @@ class Router:
         self._clock = clock
         # Cuts a forwarded request's stream when its decode node is lost.
         self.watch = MemberWatch(view)
+        # Forwards requests to other decode nodes, each call signed for it.
+        self.generate = GenerateClient(
+            key=self.key, session=self.session, targets=self.target_of, watch=self.watch
+        )
         slo_cfg = slo if slo is not None else SloConfig()
         # This entry's placement and admission policy, and what it learns
         # from the requests it places: the simulator runs the same object.

@@ -19,13 +19,15 @@ import aiohttp
 from mooncakectl.bench.metrics import REJECTED, RequestRecord
 from mooncakectl.bench.workloads import BenchRequest
 from mooncakectl.client import DaemonError, DaemonUnreachable
+from mooncaked.wire.headers import (
+    DECODE_NODE_HEADER,
+    MODEL_TBT_HEADER,
+    MODEL_TTFT_HEADER,
+    PREDICTED_TBT_HEADER,
+    PREDICTED_TTFT_HEADER,
+    PREFILL_NODE_HEADER,
+)
 
-PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
-DECODE_NODE_HEADER = "x-mooncaked-decode-node"
-PREDICTED_TTFT_HEADER = "x-mooncaked-predicted-ttft-ms"
-PREDICTED_TBT_HEADER = "x-mooncaked-predicted-tbt-ms"
-MODEL_TTFT_HEADER = "x-mooncaked-model-ttft-ms"
-MODEL_TBT_HEADER = "x-mooncaked-model-tbt-ms"
 API_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # Error messages kept per record: enough to tell errors apart, not whole pages.
 _MAX_ERROR_CHARS = 300

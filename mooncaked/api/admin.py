@@ -25,7 +25,7 @@ from mooncaked.api.limits import (
     read_json_object,
 )
 from mooncaked.api.metrics import ApiMetrics
-from mooncaked.api.openai import json_response
+from mooncaked.api.render import json_response
 from mooncaked.config import Config
 
 if TYPE_CHECKING:

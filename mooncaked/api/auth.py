@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mooncaked.api.openai import ApiError
+from mooncaked.api.errors import ApiError
 from mooncaked.config import Config, ServerConfig, with_overrides
 
 ENV_API_KEY = "MOONCAKED_API_KEY"

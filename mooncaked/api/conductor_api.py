@@ -16,8 +16,11 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mooncaked.api.admin import prompt_token_ids
+from mooncaked.api.errors import ApiError
 from mooncaked.api.limits import BadBody, read_json_object
-from mooncaked.api.openai import ApiError, json_response, parse_slo
+from mooncaked.api.protocol import parse_slo
+from mooncaked.api.refusals import MODEL_LOADING, NotServing, refusal
+from mooncaked.api.render import json_response
 from mooncaked.cache.hashing import block_hashes
 from mooncaked.router import RouteError, Router
 
@@ -43,9 +46,7 @@ class ConductorAPI:
     async def explain(self, request: web.Request) -> web.Response:
         engine = self._engine()
         if engine is None:
-            return ApiError(
-                503, "the model is still loading; retry shortly", type="service_unavailable"
-            ).response()
+            return refusal(NotServing(MODEL_LOADING, "model_loading")).error.response()
         try:
             body = await read_json_object(request)
             ids = await prompt_token_ids(engine, body)
@@ -61,7 +62,7 @@ class ConductorAPI:
         try:
             decision = self._router.decide(ids, hashes, max_tokens, slo=slo)
         except RouteError as exc:
-            return ApiError(exc.status, exc.message, type="service_unavailable").response()
+            return refusal(exc).error.response()
         doc = decision.to_json()
         doc["prompt_tokens"] = len(ids)
         doc["prompt_blocks"] = len(hashes)

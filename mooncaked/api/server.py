@@ -34,7 +34,7 @@ from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError, InvalidURLError
 
 from mooncaked.api.auth import bearer_token, token_matches
-from mooncaked.api.openai import ApiError
+from mooncaked.api.errors import ApiError
 
 
 class ServerLogger(logging.LoggerAdapter):  # type: ignore[type-arg]

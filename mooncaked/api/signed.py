@@ -16,6 +16,7 @@ from aiohttp import web
 
 from mooncaked.api.limits import MAX_JSON_DEPTH, BadBody, read_body, too_deep
 from mooncaked.rpc import Verifier
+from mooncaked.wire.errors import ErrorAnswer
 
 log = structlog.get_logger(__name__)
 
@@ -35,11 +36,9 @@ def rpc_error(
     *,
     code: str | None = None,
 ) -> web.Response:
-    error: dict[str, str] = {"message": message, "type": "internal_rpc_error"}
-    if code is not None:
-        error["code"] = code
+    """A refused internal call's answer (``wire.errors.ErrorAnswer``)."""
     return web.Response(
-        body=orjson.dumps({"error": error}),
+        body=ErrorAnswer(message, code=code).encode(),
         status=status,
         headers=headers,
         content_type="application/json",

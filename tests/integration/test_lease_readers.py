@@ -15,11 +15,11 @@ import orjson
 import pytest
 import torch
 
-from mooncaked.api.internal import LOOKUP_PATH
 from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.hashing import block_hashes
 from mooncaked.daemon import Node
 from mooncaked.rpc import Target, derive_key, signed_headers
+from mooncaked.wire.paths import LOOKUP_PATH
 from tests.conftest import make_config
 from tests.integration.clusters import ClusterFactory
 

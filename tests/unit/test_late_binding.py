@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from mooncaked.api.disagg import PREFILL_PATH, DisaggAPI, PrefillClient
+from mooncaked.api.disagg import DisaggAPI
 from mooncaked.cluster.admission import Admission
 from mooncaked.cluster.costs import NodeCosts, StepCost
 from mooncaked.cluster.placement import ConductorParams, Placement, PlacementRequest
@@ -33,8 +33,12 @@ from mooncaked.handoff import (
     PrefillSource,
     PrefillTarget,
 )
-from mooncaked.request import Request, SamplingParams, sampling_to_dict
+from mooncaked.request import Request, SamplingParams
 from mooncaked.rpc import Target, derive_key, signed_headers
+from mooncaked.wire.handoff import encode_grant
+from mooncaked.wire.paths import PREFILL_PATH
+from mooncaked.wire.prefill import PrefillClient
+from mooncaked.wire.request import encode_sampling
 from tests.unit.test_conductor_costs import add
 
 # 10 ms a step, 1 ms a prompt token: a 100-token prompt takes 0.11 s anywhere.
@@ -125,16 +129,6 @@ def test_a_fetch_overlaps_the_queue() -> None:
     assert o.ttft_at(0.2) == 1.5 and o.ttft_at(0.8) == pytest.approx(1.8)
 
 
-def test_offers_travel_as_four_numbers_and_bad_ones_are_refused() -> None:
-    o = PrefillOffer(1.0, 0.25, 0.5, 0.5)
-    t = PrefillTarget("p1", "http://127.0.0.1:1", True, o)
-    assert PrefillTarget.from_dict(t.to_dict()) == t
-    assert "offer" not in PrefillTarget("p1", "http://127.0.0.1:1").to_dict()
-    for bad in ([1.0, 0.2, 0.5], [1.0, -1.0, 0.5, 0.0], [1.0, math.inf, 0.5, 0.0], "x", [True] * 4):
-        with pytest.raises(ValueError, match="offer"):
-            PrefillOffer.from_list(bad)
-
-
 async def test_the_decode_node_asks_the_next_when_a_prefill_node_passes_it_on() -> None:
     asked: list[tuple[str, float]] = []
 
@@ -206,8 +200,8 @@ async def test_a_prefill_node_whose_queue_is_too_long_passes_the_request_on() ->
                 {
                     "request_id": "r1",
                     "prompt_token_ids": [1, 2, 3],
-                    "sampling": sampling_to_dict(SamplingParams(max_tokens=4)),
-                    "grant": GRANT.to_dict(),
+                    "sampling": encode_sampling(SamplingParams(max_tokens=4)),
+                    "grant": encode_grant(GRANT),
                     **extra,
                 }
             )

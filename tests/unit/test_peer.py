@@ -20,18 +20,15 @@ import pytest
 import torch
 from aiohttp import web
 
-from mooncaked.api.internal import (
-    Holding,
-    InternalAPI,
-    InternalClient,
-    TransferBlockReader,
-)
+from mooncaked.api.internal import InternalAPI
 from mooncaked.cache.dram import Clock
 from mooncaked.cache.hashing import block_hashes
 from mooncaked.cache.peer import LeaseDesk, PeerFetcher, StaticPeers
 from mooncaked.cache.store import BlockLayout, Tier, TieredStore
 from mooncaked.config import StoreConfig, TransferConfig
 from mooncaked.transfer import TransferEngine
+from mooncaked.wire.kv_io import TransferBlockReader
+from mooncaked.wire.lease import Holding, LeaseClient
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 BB = LAYOUT.block_bytes
@@ -89,7 +86,7 @@ async def make(
     stack.push_async_callback(store.close)
     desk = LeaseDesk(store, max_leases=2, clock=clock)
     holding = Holding(
-        desk, BB, LAYOUT.fingerprint(), transfer.descriptor(SEGMENT).to_dict(), transfer.address
+        desk, BB, LAYOUT.fingerprint(), transfer.descriptor(SEGMENT), transfer.address
     )
     api = InternalAPI(
         secret=secret, node_id=lambda: name, generation=generation, holding=lambda: holding
@@ -103,7 +100,7 @@ async def make(
     await site.start()
     port = runner.addresses[0][1]
     s = Side(name, store, transfer, desk, f"http://127.0.0.1:{port}", generation=generation)
-    client = InternalClient(
+    client = LeaseClient(
         secret=secret, node_id=lambda: name, block_bytes=BB, layout=LAYOUT.fingerprint()
     )
     await client.start()

@@ -24,18 +24,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from mooncaked.api.disagg import DisaggAPI
-from mooncaked.api.internal import (
-    LOOKUP_PATH,
-    MAX_LOOKUP_BYTES,
-    RELEASE_PATH,
-    InternalAPI,
-    InternalClient,
-)
+from mooncaked.api.internal import InternalAPI
 from mooncaked.cache.peer import LeaseDesk, PeerError, ReaderKind, ReaderRefused
 from mooncaked.cluster.placement import Candidate
 from mooncaked.cluster.state import ClusterView
 from mooncaked.request import SamplingParams
-from mooncaked.router import DecodeNodeLost, RouteError, Router, _RemoteStream
+from mooncaked.router import Router
 from mooncaked.rpc import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
@@ -47,6 +41,9 @@ from mooncaked.rpc import (
     sign,
     signed_headers,
 )
+from mooncaked.wire.generate import DecodeNodeLost, GenerateBody, GenerateRefused
+from mooncaked.wire.lease import LeaseClient
+from mooncaked.wire.paths import LOOKUP_PATH, MAX_LOOKUP_BYTES, RELEASE_PATH
 from tests.unit.test_conductor_costs import add
 from tests.unit.test_peer import BB, HASHES, LAYOUT, SECRET, Side, make, put, rows
 
@@ -240,7 +237,7 @@ async def test_a_reader_signs_for_the_peer_there_and_learns_of_its_restart(
         async with AsyncExitStack() as first_life:
             holder = await make(first_life, "holder", tmp_path, generation=7)
             await put(holder, HASHES[:3], rows(3, seed=2))
-            client = InternalClient(
+            client = LeaseClient(
                 secret=SECRET, node_id=lambda: "r1", block_bytes=BB, layout=LAYOUT.fingerprint()
             )
             await client.start()
@@ -256,7 +253,7 @@ async def test_a_reader_signs_for_the_peer_there_and_learns_of_its_restart(
         offer = await client.lookup(again.url, HASHES[:3], 10.0, 5.0)
         assert offer is not None and len(offer.offsets) == 3
         # A view that names the peer is believed over what it says itself.
-        viewed = InternalClient(
+        viewed = LeaseClient(
             secret=SECRET,
             node_id=lambda: "r2",
             block_bytes=BB,
@@ -418,25 +415,26 @@ async def test_a_forwarded_request_is_signed_for_the_decode_node_in_the_view() -
     async with TestServer(app) as server:
         node = Candidate("d2", f"127.0.0.1:{server.port}", "decode")
 
-        def stream() -> _RemoteStream:
-            return _RemoteStream(router, node, [1, 2], SamplingParams(), None, 0, "r1")
+        async def stream() -> None:
+            body = GenerateBody("r1", [1, 2], SamplingParams())
+            await router.generate.open(node.node_id, node.url, body)
 
         try:
             with pytest.raises(DecodeNodeLost, match="not in this node's cluster view"):
-                await stream().open()
+                await stream()
             assert api.num_unauthorized == 0
             add(view, "d2", "decode")
             view.members["d2"].generation = ME.generation - 1
-            with pytest.raises(RouteError) as refused:
-                await stream().open()
+            with pytest.raises(GenerateRefused) as refused:
+                await stream()
             assert refused.value.status == 401
-            assert "signed for node d2 generation" in refused.value.message
+            assert "signed for node d2 generation" in refused.value.answer.message
             assert api.verifier.num_misdirected == 1
             # The view catches up with the restart: the call is taken (and
             # answered 503 here, where no engine runs).
             view.members["d2"].generation = ME.generation
             with pytest.raises(DecodeNodeLost, match="answered 503"):
-                await stream().open()
+                await stream()
             assert api.num_unauthorized == 1
         finally:
             await router.close()

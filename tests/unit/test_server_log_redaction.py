@@ -18,7 +18,7 @@ from aiohttp import web
 
 from mooncaked.api.auth import auth_middleware
 from mooncaked.api.metrics import ApiMetrics
-from mooncaked.api.openai import api_middleware
+from mooncaked.api.middleware import api_middleware
 from mooncaked.api.server import server_kwargs
 from mooncaked.config import ServerConfig
 

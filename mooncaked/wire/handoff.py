@@ -1,0 +1,89 @@
+"""The wire forms of ``mooncaked.handoff``'s values: prefill targets with
+their offers, and KV grants.
+
+``handoff.py`` keeps the values; these are their one encoder and decoder
+each. An offer travels as ``PrefillOffer.to_list()``, the same four figures
+``/admin/explain`` shows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mooncaked.handoff import KVGrant, KVLayout, PrefillOffer, PrefillTarget
+from mooncaked.wire import fields
+
+# Most blocks one grant may name (a 1M-token prompt in 16-token blocks).
+MAX_GRANT_BLOCKS = 1 << 16
+# Longest grant a decode node gives: the same bound as its KV-ready forecast.
+MAX_GRANT_TTL_S = 3600.0
+# A grant's fields that are names (ids, an address): non-empty strings.
+_GRANT_NAMES = ("request_id", "node_id", "transfer_address", "segment")
+_OFFER = "[ttft_s, move_s, rest_s, slack]"
+_LAYOUT = "[num_layers, num_blocks, block_size, row_bytes]"
+# Bounds of each layout figure, in _LAYOUT's order.
+_LAYOUT_BOUNDS = ((1, 1 << 12), (1, 1 << 30), (1, 1 << 16), (1, 1 << 24))
+
+
+def decode_offer(raw: Any, name: str = "offer") -> PrefillOffer:
+    """Four finite numbers >= 0; ValueError naming the offer otherwise."""
+    if not isinstance(raw, list) or len(raw) != 4:
+        raise fields.refuse(name, _OFFER, raw)
+    ttft_s, move_s, rest_s, slack = (fields.number(v, f"{name}[{i}]") for i, v in enumerate(raw))
+    return PrefillOffer(ttft_s, move_s, rest_s, slack)
+
+
+def encode_target(target: PrefillTarget) -> dict[str, Any]:
+    out: dict[str, Any] = {"node_id": target.node_id, "url": target.url, "fetch": target.fetch}
+    if target.offer is not None:
+        out["offer"] = target.offer.to_list()
+    return out
+
+
+def decode_target(raw: Any, name: str = "target") -> PrefillTarget:
+    d = fields.obj(raw, name)
+    offer = d.get("offer")
+    return PrefillTarget(
+        node_id=fields.text(d.get("node_id"), f"{name}.node_id"),
+        url=fields.text(d.get("url"), f"{name}.url", 2048),
+        fetch=fields.flag(d.get("fetch", True), f"{name}.fetch"),
+        offer=None if offer is None else decode_offer(offer, f"{name}.offer"),
+    )
+
+
+def encode_grant(grant: KVGrant) -> dict[str, Any]:
+    lay = grant.layout
+    return {
+        **{key: getattr(grant, key) for key in _GRANT_NAMES},
+        "layout": [lay.num_layers, lay.num_blocks, lay.block_size, lay.row_bytes],
+        "first_block": grant.first_block,
+        "block_ids": list(grant.block_ids),
+        "ttl_s": grant.ttl_s,
+    }
+
+
+def decode_grant(raw: Any, name: str = "grant") -> KVGrant:
+    """A grant a decode node sent, every figure bounded; ValueError naming the field."""
+    d = fields.obj(raw, name)
+    lay = d.get("layout")
+    if not isinstance(lay, list) or len(lay) != 4:
+        raise fields.refuse(f"{name}.layout", _LAYOUT, lay)
+    num_layers, num_blocks, block_size, row_bytes = (
+        fields.integer(v, f"{name}.layout[{i}]", lo, hi)
+        for i, (v, (lo, hi)) in enumerate(zip(lay, _LAYOUT_BOUNDS, strict=True))
+    )
+    layout = KVLayout(num_layers, num_blocks, block_size, row_bytes)
+    ids = fields.integers(
+        d.get("block_ids"), f"{name}.block_ids", min_len=1, max_len=MAX_GRANT_BLOCKS
+    )
+    if any(b >= num_blocks for b in ids):
+        raise fields.refuse(f"{name}.block_ids", f"block ids below {num_blocks}", ids)
+    return KVGrant(
+        **{key: fields.text(d.get(key), f"{name}.{key}") for key in _GRANT_NAMES},
+        layout=layout,
+        first_block=fields.integer(d.get("first_block"), f"{name}.first_block", 0, 1 << 30),
+        block_ids=tuple(ids),
+        ttl_s=fields.number(
+            d.get("ttl_s"), f"{name}.ttl_s", 0.0, MAX_GRANT_TTL_S, above=True, unit="seconds"
+        ),
+    )

@@ -1,0 +1,156 @@
+"""The engine's and the cache's byte movers over the transfer engine.
+
+The engine layer (``KVWriter``, ``WriteGrants`` of ``engine.handoff``) and the
+cache layer (``BlockReader`` of ``cache.peer``) sit above the transfer layer
+and never import it; these adapters give each what it asks for in terms of
+``TransferEngine`` batches and grants. The daemon builds them once the
+transfer engine runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import structlog
+
+from mooncaked.cache.peer import Offer, PeerError
+from mooncaked.cluster.watch import MemberLost, MemberWatch
+from mooncaked.engine.handoff import KVWrite
+from mooncaked.handoff import KVGrant
+from mooncaked.transfer import OpStatus, TransferEngine, TransferOp, WriteGrant
+
+log = structlog.get_logger(__name__)
+
+
+class TransferKVWriter:
+    """The KV sender's ``KVWriter`` over the transfer engine."""
+
+    def __init__(self, transfer: TransferEngine, watch: MemberWatch | None = None) -> None:
+        self._transfer = transfer
+        # A frozen decode node would hold the step thread (which waits for
+        # the sampling step's writes) for the grant's whole time: gossip
+        # declaring it dead ends the wait instead.
+        self._watch = watch
+
+    def add_peer(self, node_id: str, address: str) -> None:
+        self._transfer.add_peer(node_id, address)
+
+    async def write(
+        self, segment: str, writes: list[KVWrite], timeout_s: float
+    ) -> tuple[bool, str]:
+        ops = [TransferOp.write(segment, lo, node, seg, ro, n) for lo, node, seg, ro, n in writes]
+        nodes = {op.remote_node for op in ops}
+        try:
+            batch = await self._transfer.submit(ops, op_timeout_s=timeout_s)
+            if self._watch is not None and len(nodes) == 1:
+                try:
+                    ok = await self._watch.race(nodes.pop(), batch.wait())
+                except MemberLost as exc:
+                    batch.fail_pending(f"cut over: {exc}")
+                    return False, f"cut over: {exc}"
+            else:
+                ok = await batch.wait()
+            if ok:
+                return True, ""
+            failures = batch.failures()
+            return False, failures[0][1] if failures else "transfer failed"
+        except Exception as exc:  # the transfer engine refused the batch
+            return False, repr(exc)
+
+
+class TransferWriteGrants:
+    """The KV receiver's ``WriteGrants`` over the transfer engine: a grant's
+    blocks, in every layer's K and V plane of the KV segment, open to one peer."""
+
+    def __init__(self, transfer: TransferEngine) -> None:
+        self._transfer = transfer
+
+    def open(self, grant: KVGrant, peer: str, ttl_s: float) -> WriteGrant:
+        lay = grant.layout
+        return self._transfer.grant_write(
+            grant.segment,
+            peer,
+            block_bytes=lay.block_bytes,
+            blocks_per_plane=lay.num_blocks,
+            block_ids=grant.block_ids,
+            ttl_s=ttl_s,
+        )
+
+    def close(self, handle: object) -> None:
+        if isinstance(handle, WriteGrant):
+            self._transfer.revoke(handle)
+
+
+class TransferBlockReader:
+    """Reads leased slots of a peer's DRAM segment into the local one (a ``BlockReader``)."""
+
+    def __init__(self, transfer: TransferEngine, local_segment: str) -> None:
+        self._transfer = transfer
+        self._local_segment = local_segment
+
+    async def read(self, offer: Offer, local_offsets: Sequence[int], timeout_s: float) -> int:
+        if len(local_offsets) != offer.num_blocks:
+            raise ValueError(
+                f"{len(local_offsets)} local offsets for an offer of {offer.num_blocks} blocks"
+            )
+        if not local_offsets:
+            return 0
+        if offer.node_id == self._transfer.node_id:
+            # Ops naming this node are local copies: they would read our own
+            # slots, not the peer's. Two nodes must never share an id.
+            raise PeerError(f"{offer.peer} answered with this node's own id {offer.node_id!r}")
+        self._transfer.add_peer(offer.node_id, offer.transfer_address)
+        ops, firsts = _coalesce(self._local_segment, offer, list(local_offsets), offer.block_bytes)
+        batch = await self._transfer.submit(ops, op_timeout_s=timeout_s)
+        try:
+            await batch.wait()
+        except asyncio.CancelledError:
+            batch.cancel("the fetch was cancelled")
+            # The slots are handed back by the caller once this returns: no
+            # slice may still be writing into them then.
+            while not batch.done:
+                try:
+                    await asyncio.shield(batch.wait())
+                except asyncio.CancelledError:
+                    continue
+            raise
+        n = 0
+        for i, status in enumerate(batch.statuses):
+            if status is not OpStatus.DONE:
+                log.warning("peer.transfer_op_failed", peer=offer.node_id, reason=batch.reason(i))
+                break
+            n = firsts[i + 1] if i + 1 < len(firsts) else len(local_offsets)
+        return n
+
+
+def _coalesce(
+    local_segment: str, offer: Offer, local_offsets: list[int], block_bytes: int
+) -> tuple[list[TransferOp], list[int]]:
+    """One READ per run of blocks contiguous on both sides; and the index of
+    the first block of each op."""
+    ops: list[TransferOp] = []
+    firsts: list[int] = []
+    i = 0
+    n = len(local_offsets)
+    while i < n:
+        j = i + 1
+        while (
+            j < n
+            and offer.offsets[j] == offer.offsets[j - 1] + block_bytes
+            and local_offsets[j] == local_offsets[j - 1] + block_bytes
+        ):
+            j += 1
+        ops.append(
+            TransferOp.read(
+                local_segment,
+                local_offsets[i],
+                offer.node_id,
+                offer.segment,
+                offer.offsets[i],
+                (j - i) * block_bytes,
+            )
+        )
+        firsts.append(i)
+        i = j
+    return ops, firsts

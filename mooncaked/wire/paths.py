@@ -1,0 +1,24 @@
+"""Each node-to-node call's path, and the most its body may hold."""
+
+from __future__ import annotations
+
+# Entry node -> decode node: run a request, stream its outputs back.
+GENERATE_PATH = "/internal/generate"
+# Decode node -> prefill node: compute a prompt's KV into granted blocks.
+PREFILL_PATH = "/internal/prefill"
+# Reader -> holder: lease the cached blocks of a prefix, give a lease back.
+LOOKUP_PATH = "/internal/cache/lookup"
+RELEASE_PATH = "/internal/cache/release"
+# Unsigned: what a call to a node known by URL only must be signed for.
+IDENTITY_PATH = "/internal/identity"
+
+# Largest prompt a node-to-node call carries (token ids).
+MAX_PROMPT_TOKENS = 1 << 20
+# Largest body of a generate or prefill call: the prompt's ids (at most 8
+# bytes each as JSON), a grant of as many block ids, the sampling parameters.
+MAX_CALL_BYTES = 16 * MAX_PROMPT_TOKENS + (1 << 20)
+# Most hashes one lookup may name (a 1M-token prompt in 16-token blocks).
+MAX_LOOKUP_HASHES = 65536
+# Largest body of each lease call: a lookup of MAX_LOOKUP_HASHES hex hashes, a release.
+MAX_LOOKUP_BYTES = MAX_LOOKUP_HASHES * 40 + 4096
+MAX_RELEASE_BYTES = 4096
