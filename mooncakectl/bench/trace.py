@@ -177,6 +177,25 @@ def add_slice_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
+def add_scale_arguments(
+    group: argparse._ArgumentGroup,
+    *,
+    block_tokens: int | None = TRACE_BLOCK_TOKENS,
+    output_scale: float | None = 1.0,
+    time_scale: float | None = 1.0,
+) -> None:
+    """The options that size and time the records (``workloads.TraceScale``),
+    with each command's defaults (None: the command settles it)."""
+    group.add_argument(
+        "--trace-block-tokens", type=int, default=block_tokens, help="tokens per hash id"
+    )
+    group.add_argument("--input-scale", type=float, help="default: block tokens / 512")
+    group.add_argument("--output-scale", type=float, default=output_scale)
+    group.add_argument(
+        "--time-scale", type=float, default=time_scale, help="multiplies gaps in time"
+    )
+
+
 def slice_from_args(args: argparse.Namespace) -> TraceSlice:
     return TraceSlice.from_options(
         args.trace_start,
