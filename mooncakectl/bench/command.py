@@ -1,4 +1,4 @@
-"""``mooncakectl bench {random,prefix,trace,compare}``."""
+"""``mooncakectl bench {random,prefix,trace,compare,disagg}``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 
 from mooncakectl.bench import compare as compare_mod
+from mooncakectl.bench import disagg
 from mooncakectl.bench.client import (
     Endpoint,
     ServerInfo,
@@ -177,13 +178,30 @@ def _configure(p: argparse.ArgumentParser) -> None:
     _add_globals(c)
     c.add_argument("results", nargs="+", metavar="RESULT_JSON")
 
+    for name, module, what in (
+        ("disagg", disagg, "prefill/decode disaggregation vs colocated daemons, on loopback"),
+    ):
+        b = sub.add_parser(
+            name,
+            help=what,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _add_globals(b)
+        module.configure(b)
+
 
 @command(
-    "bench", "load-test an OpenAI-compatible server (random, prefix, trace; compare)", _configure
+    "bench",
+    "load-test an OpenAI-compatible server (random, prefix, trace; compare); "
+    "benchmark loopback clusters (disagg)",
+    _configure,
 )
 def bench(args: argparse.Namespace, env: Env) -> int:
     if args.workload == "compare":
         return _compare(args, env)
+    if args.workload == "disagg":
+        return disagg.command(args, env)
     return _bench(args, env)
 
 
