@@ -15,13 +15,10 @@ Everything uses the builtin model with a small KV pool so start-up is quick.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import time
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -41,24 +38,6 @@ from mooncaked.config import Config, with_overrides
 from mooncaked.daemon import Node
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_tool(name: str) -> ModuleType:
-    """``tools/<name>.py`` as a module, for tests of a benchmark's figures.
-
-    The tools import each other as siblings, so their folder goes on the
-    path; the module is registered by name, where dataclasses look it up.
-    """
-    tools = str(REPO_ROOT / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"cannot load tools/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # A small pool: 512 blocks x 16 tokens is plenty for the tests and allocates fast.

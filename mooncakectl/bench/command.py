@@ -1,4 +1,4 @@
-"""``mooncakectl bench {random,prefix,trace,compare,disagg}``."""
+"""``mooncakectl bench {random,prefix,trace,compare,disagg,policies}``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from mooncakectl.bench import compare as compare_mod
-from mooncakectl.bench import disagg
+from mooncakectl.bench import disagg, policies
 from mooncakectl.bench.client import (
     Endpoint,
     ServerInfo,
@@ -180,6 +180,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
     for name, module, what in (
         ("disagg", disagg, "prefill/decode disaggregation vs colocated daemons, on loopback"),
+        ("policies", policies, "the Conductor's policies side by side on loopback daemons"),
     ):
         b = sub.add_parser(
             name,
@@ -194,7 +195,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
 @command(
     "bench",
     "load-test an OpenAI-compatible server (random, prefix, trace; compare); "
-    "benchmark loopback clusters (disagg)",
+    "benchmark loopback clusters (disagg, policies)",
     _configure,
 )
 def bench(args: argparse.Namespace, env: Env) -> int:
@@ -202,6 +203,8 @@ def bench(args: argparse.Namespace, env: Env) -> int:
         return _compare(args, env)
     if args.workload == "disagg":
         return disagg.command(args, env)
+    if args.workload == "policies":
+        return policies.command(args, env)
     return _bench(args, env)
 
 

@@ -11,10 +11,14 @@
   (``ttft`` and ``tbt`` judged by ``slo.Slo.met``, ``tpot`` and ``e2el`` as vLLM does).
 
 What vLLM's bench lacks, added here: rejected requests (HTTP 429) apart from
-errors by kind, the SLO attainment over every request sent, late failures
-(admitted requests that missed an SLO or failed), the share of prompt tokens
-the server served from its cache, the nodes that ran each phase when the
-server says so, and the entry each request was sent to.
+errors by kind, the SLO attainment over every request sent and over those
+admitted, late failures (admitted requests that missed an SLO or failed),
+the share of prompt tokens the server served from its cache, the nodes that
+ran each phase when the server says so, and the entry each request was sent to.
+
+``summarize`` is the one summary of a run: of ``bench``'s requests, of the
+cluster benchmarks' (``bench policies``, ``simulate --against-cluster``)
+and of the simulator's (``simulate.results``), each read as an ``Outcome``.
 
 Statistics of an empty sample are None (vLLM reports 0, which reads as a
 perfect latency when nothing completed).
@@ -26,7 +30,7 @@ import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -129,6 +133,42 @@ class RequestRecord:
         return cls(**{k: v for k, v in obj.items() if k in names})
 
 
+class Outcome(Protocol):
+    """What the summary reads of a request: a ``RequestRecord``, or a simulated one.
+    Times in seconds; None where the request has none (no token, no gap)."""
+
+    @property
+    def warmup(self) -> bool: ...
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def error_kind(self) -> str | None: ...
+    @property
+    def clipped(self) -> bool: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def cached_tokens(self) -> int | None: ...
+    @property
+    def ttft(self) -> float | None: ...
+    @property
+    def tpot(self) -> float | None: ...
+    @property
+    def e2el(self) -> float | None: ...
+    @property
+    def tbt(self) -> float | None: ...
+    @property
+    def itls(self) -> list[float]: ...
+    @property
+    def prefill_node(self) -> str | None: ...
+    @property
+    def decode_node(self) -> str | None: ...
+    @property
+    def entry(self) -> str | None: ...
+
+
 def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
     """``["ttft:500", "tbt:50"]`` -> ``{"ttft": 500.0, "tbt": 50.0}`` (ms)."""
     out: dict[str, float] = {}
@@ -171,7 +211,7 @@ def percentile_key(p: float) -> str:
     return f"p{int(p) if float(p).is_integer() else p}"
 
 
-def meets_slo(rec: RequestRecord, slo_ms: Mapping[str, float]) -> bool:
+def meets_slo(rec: Outcome, slo_ms: Mapping[str, float]) -> bool:
     """Whether a completed request meets every SLO of ``slo_ms``. TTFT and TBT
     are judged by ``Slo.met``, as the server judges them (a request without
     a gap has no TBT and meets any TBT target; one without a token meets
@@ -222,6 +262,9 @@ class Summary:
     total_token_throughput: float
     request_goodput: float | None
     slo_attainment: float | None
+    # Of the requests admitted (not rejected), the share that met every SLO:
+    # what early rejection promises. None without SLOs or with none admitted.
+    admitted_slo_attainment: float | None
     # Admitted (not rejected) requests that missed an SLO or failed: the
     # misses early rejection meant to prevent. None without SLOs.
     late_failures: int | None
@@ -243,8 +286,18 @@ class Summary:
         return out
 
 
+def run_duration_s(records: Sequence[RequestRecord]) -> float:
+    """A run's span on its own clock, from the first timed request's start to
+    the last one's end (0 for none): its duration, read back from its records."""
+    timed = [r for r in records if not r.warmup]
+    ends = [r.end_s for r in timed if r.end_s is not None]
+    if not timed or not ends:
+        return 0.0
+    return max(ends) - min(r.start_s for r in timed)
+
+
 def summarize(
-    records: Sequence[RequestRecord],
+    records: Sequence[Outcome],
     duration_s: float,
     *,
     not_sent: int = 0,
@@ -301,6 +354,9 @@ def summarize(
         total_token_throughput=(total_in + total_out) / dur,
         request_goodput=None if good is None else good / dur,
         slo_attainment=None if good is None or not timed else good / len(timed),
+        admitted_slo_attainment=(
+            None if good is None or len(timed) == rejected else good / (len(timed) - rejected)
+        ),
         late_failures=None if good is None else len(done) - good + failed,
         goodput_slo_ms=slo,
         cached_tokens=cached,

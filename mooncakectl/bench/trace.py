@@ -206,6 +206,39 @@ def slice_from_args(args: argparse.Namespace) -> TraceSlice:
     )
 
 
+def trace_lines(records: Iterable[TraceRecord]) -> list[str]:
+    """``records`` written back as trace lines: what a replay of a slice sends."""
+    return [
+        json.dumps(
+            {
+                "timestamp": r.timestamp_ms,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+        )
+        + "\n"
+        for r in records
+    ]
+
+
+def describe_slice(sl: TraceSlice, records: list[TraceRecord]) -> str:
+    """What ``sl`` picked, in words, for a report's title (``records``: what it picked)."""
+    return ", ".join(
+        x
+        for x in (
+            f"from {sl.window_start_ms:g} ms" if sl.window_start_ms is not None else "",
+            f"until {sl.window_end_ms:g} ms" if sl.window_end_ms is not None else "",
+            f"conversations {sl.conversations_part}/{sl.conversations_every}"
+            if sl.conversations_every > 1
+            else "",
+            f"skipping {sl.start}" if sl.start else "",
+            f"lines {records[0].line}..{records[-1].line}",
+        )
+        if x
+    )
+
+
 def read_trace(path: str | Path, sl: TraceSlice | None = None) -> list[TraceRecord]:
     """The records of ``path`` selected by ``sl``. Only the lines up to the
     last one kept are parsed (and validated): a slice of a huge trace is cheap."""

@@ -1,4 +1,5 @@
-"""A simulation's requests -> the summary, named as ``mooncakectl bench`` names them.
+"""A simulation's requests -> the summary, ``mooncakectl bench``'s own
+(``metrics.summarize``) with what only a simulation knows added.
 
 - TTFT: arrival -> first token (the end of the prompt's prefill);
 - TBT: per request, as ``mooncaked.cluster.slo`` defines it (the mean of
@@ -20,26 +21,95 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
+from mooncakectl.bench.metrics import summarize
 from mooncakectl.simulate.cluster import SimResult
 from mooncakectl.simulate.node import SimRequest
 from mooncaked.cluster.slo import Slo
 
 RESULT_FORMAT = "mooncakectl-simulate/1"
+PERCENTILES = (50.0, 90.0, 99.0)
+# Of the summary's statistics of a latency, those a simulation's reports.
+_STATS = ("mean", "p50", "p90", "p99")
 
 
-def latency_stats(values_s: Sequence[float]) -> dict[str, float | None]:
-    """Mean and percentiles, ms, of latencies in seconds (None for none)."""
-    if not values_s:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values_s, dtype=np.float64) * 1000.0
-    return {
-        "mean": float(a.mean()),
-        "p50": float(np.percentile(a, 50)),
-        "p90": float(np.percentile(a, 90)),
-        "p99": float(np.percentile(a, 99)),
-    }
+@dataclass(frozen=True, slots=True)
+class SimOutcome:
+    """A simulated request as the bench's summary reads a request
+    (``metrics.Outcome``): no warm-ups, no clipping, no gaps of its own (its
+    TBT comes computed), and one placed but never finished is an error."""
+
+    request: SimRequest
+
+    @property
+    def warmup(self) -> bool:
+        return False
+
+    @property
+    def clipped(self) -> bool:
+        return False
+
+    @property
+    def ok(self) -> bool:
+        return self.request.done_s is not None
+
+    @property
+    def error_kind(self) -> str | None:
+        if self.request.reject_code is not None:
+            return "rejected"
+        return None if self.ok else "unfinished"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens
+
+    @property
+    def cached_tokens(self) -> int | None:
+        return self.request.local_cached_tokens + self.request.fetched_tokens
+
+    @property
+    def ttft(self) -> float | None:
+        return self.request.ttft_s
+
+    @property
+    def tpot(self) -> float | None:
+        r = self.request
+        if r.done_s is None or r.first_token_s is None or r.num_output_tokens <= 1:
+            return None
+        return (r.done_s - r.first_token_s) / (r.num_output_tokens - 1)
+
+    @property
+    def e2el(self) -> float | None:
+        done = self.request.done_s
+        return None if done is None else done - self.request.arrival_s
+
+    @property
+    def tbt(self) -> float | None:
+        return self.request.tbt_s
+
+    @property
+    def itls(self) -> list[float]:
+        return []
+
+    @property
+    def prefill_node(self) -> str | None:
+        return self.request.prefill_node
+
+    @property
+    def decode_node(self) -> str | None:
+        return self.request.decode_node
+
+    @property
+    def entry(self) -> str | None:
+        return self.request.entry
+
+
+def slo_ms(slo: Slo) -> dict[str, float]:
+    """``slo`` as the bench's ``--goodput`` targets (0: none)."""
+    return {"ttft": slo.ttft_s * 1000.0, "tbt": slo.tbt_s * 1000.0}
 
 
 def meets_slo(r: SimRequest, slo: Slo) -> bool:
@@ -88,7 +158,8 @@ class SimSummary:
         return asdict(self)
 
 
-def summarize(result: SimResult) -> SimSummary:
+def sim_summary(result: SimResult) -> SimSummary:
+    """The bench's summary of ``result``'s requests, and the simulation's own figures."""
     cfg = result.config
     reqs = result.requests
     done = [r for r in reqs if r.done_s is not None]
@@ -97,10 +168,16 @@ def summarize(result: SimResult) -> SimSummary:
     start = min((r.arrival_s for r in reqs), default=0.0)
     end = max((r.done_s for r in done if r.done_s is not None), default=start)
     duration = max(end - start, 1e-9)
+    s = summarize(
+        [SimOutcome(r) for r in reqs],
+        duration,
+        goodput_slo_ms=slo_ms(cfg.slo),
+        percentiles=PERCENTILES,
+        metrics=("ttft", "tbt"),
+    )
     prompt = sum(r.num_prompt_tokens for r in placed) or 1
     local = sum(r.local_cached_tokens for r in placed)
     fetched = sum(r.fetched_tokens for r in placed)
-    good = sum(1 for r in done if meets_slo(r, cfg.slo))
 
     def busy(roles: tuple[str, ...]) -> float:
         nodes = [n for n in result.nodes if n.role in roles]
@@ -113,21 +190,21 @@ def summarize(result: SimResult) -> SimSummary:
         policy=cfg.params.policy.value,
         early_reject=cfg.params.early_reject.value,
         speed=cfg.speed,
-        num_requests=len(reqs),
-        completed=len(done),
-        rejected=sum(rejections.values()),
+        num_requests=s.num_requests,
+        completed=s.completed,
+        rejected=s.rejected,
         rejections=dict(sorted(rejections.items())),
         duration_s=duration,
-        request_throughput=len(done) / duration,
-        output_throughput=sum(r.num_output_tokens for r in done) / duration,
+        request_throughput=s.request_throughput,
+        output_throughput=s.output_throughput,
         slo_ttft_s=cfg.slo.ttft_s,
         slo_tbt_s=cfg.slo.tbt_s,
-        slo_attainment=good / len(reqs) if reqs else 0.0,
-        admitted_slo_attainment=good / len(placed) if placed else 0.0,
-        late_failures=len(placed) - sum(1 for r in placed if meets_slo(r, cfg.slo)),
-        goodput=good / duration,
-        ttft_ms=latency_stats([r.ttft_s for r in done if r.ttft_s is not None]),
-        tbt_ms=latency_stats([r.tbt_s for r in done if r.tbt_s is not None]),
+        slo_attainment=s.slo_attainment or 0.0,
+        admitted_slo_attainment=s.admitted_slo_attainment or 0.0,
+        late_failures=s.late_failures or 0,
+        goodput=s.request_goodput or 0.0,
+        ttft_ms={k: s.latency_ms["ttft"][k] for k in _STATS},
+        tbt_ms={k: s.latency_ms["tbt"][k] for k in _STATS},
         local_hit_rate=local / prompt,
         global_hit_rate=(local + fetched) / prompt,
         fetched_tokens=fetched,
