@@ -25,7 +25,6 @@ import pytest
 import pytest_asyncio
 
 from mooncakectl.local.config import to_toml
-from mooncakectl.local.plan import NodePlan
 from mooncakectl.local.process import (
     NodeProcess,
     daemon_argv,
@@ -95,8 +94,9 @@ def spawn_daemon(
         tail = log.read_text(errors="replace")[-4000:]
         raise RuntimeError(f"{exc}; stderr:\n{tail}") from None
     node = tomllib.loads(toml).get("node", {})
-    plan = NodePlan(node.get("id", ""), node.get("role", "both"), 0, 0)
-    daemon = DaemonProcess(plan, proc, url, cfg, log)
+    node_id, role = node.get("id", ""), node.get("role", "both")
+    name = node_id or f"node-{url.rsplit(':', 1)[1]}"
+    daemon = DaemonProcess(node_id, role, name, proc.pid, proc, url, cfg, log)
     wait_ready(url, time.monotonic() + _START_TIMEOUT_S, proc=proc, log_path=log)
     return daemon
 

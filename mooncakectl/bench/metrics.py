@@ -18,7 +18,7 @@ ran each phase when the server says so, and the entry each request was sent to.
 
 ``summarize`` is the one summary of a run: of ``bench``'s requests, of the
 cluster benchmarks' (``bench policies``, ``simulate --against-cluster``)
-and of the simulator's (``simulate.results``), each read as an ``Outcome``.
+and of the simulator's (``simulate.results``, whose requests are records too).
 
 Statistics of an empty sample are None (vLLM reports 0, which reads as a
 perfect latency when nothing completed).
@@ -30,7 +30,7 @@ import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -133,42 +133,6 @@ class RequestRecord:
         return cls(**{k: v for k, v in obj.items() if k in names})
 
 
-class Outcome(Protocol):
-    """What the summary reads of a request: a ``RequestRecord``, or a simulated one.
-    Times in seconds; None where the request has none (no token, no gap)."""
-
-    @property
-    def warmup(self) -> bool: ...
-    @property
-    def ok(self) -> bool: ...
-    @property
-    def error_kind(self) -> str | None: ...
-    @property
-    def clipped(self) -> bool: ...
-    @property
-    def num_prompt_tokens(self) -> int: ...
-    @property
-    def num_output_tokens(self) -> int: ...
-    @property
-    def cached_tokens(self) -> int | None: ...
-    @property
-    def ttft(self) -> float | None: ...
-    @property
-    def tpot(self) -> float | None: ...
-    @property
-    def e2el(self) -> float | None: ...
-    @property
-    def tbt(self) -> float | None: ...
-    @property
-    def itls(self) -> list[float]: ...
-    @property
-    def prefill_node(self) -> str | None: ...
-    @property
-    def decode_node(self) -> str | None: ...
-    @property
-    def entry(self) -> str | None: ...
-
-
 def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
     """``["ttft:500", "tbt:50"]`` -> ``{"ttft": 500.0, "tbt": 50.0}`` (ms)."""
     out: dict[str, float] = {}
@@ -211,7 +175,7 @@ def percentile_key(p: float) -> str:
     return f"p{int(p) if float(p).is_integer() else p}"
 
 
-def meets_slo(rec: Outcome, slo_ms: Mapping[str, float]) -> bool:
+def meets_slo(rec: RequestRecord, slo_ms: Mapping[str, float]) -> bool:
     """Whether a completed request meets every SLO of ``slo_ms``. TTFT and TBT
     are judged by ``Slo.met``, as the server judges them (a request without
     a gap has no TBT and meets any TBT target; one without a token meets
@@ -297,7 +261,7 @@ def run_duration_s(records: Sequence[RequestRecord]) -> float:
 
 
 def summarize(
-    records: Sequence[Outcome],
+    records: Sequence[RequestRecord],
     duration_s: float,
     *,
     not_sent: int = 0,

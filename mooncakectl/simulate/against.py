@@ -44,8 +44,8 @@ from typing import Any, TextIO
 
 from mooncakectl.bench.metrics import run_duration_s, summarize
 from mooncakectl.bench.policies_report import records_of
-from mooncakectl.bench.replay import POLICIES, ReplaySpec, run_policy
-from mooncakectl.bench.trace import TraceRecord, describe_slice, slice_from_args, trace_lines
+from mooncakectl.bench.replay import POLICIES, replay_spec, run_policy
+from mooncakectl.bench.trace import TraceRecord, describe_slice, slice_from_args
 from mooncakectl.bench.workloads import TraceScale
 from mooncakectl.registry import Env, ExitStatus
 from mooncakectl.simulate.cluster import Shape, SimConfig, Simulation, trace_requests
@@ -162,24 +162,6 @@ def print_table(real: dict[str, Any], sims: dict[str, dict[str, Any]], out: Text
         out.write("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() + "\n")
 
 
-def _spec(args: argparse.Namespace, records: list[TraceRecord]) -> ReplaySpec:
-    return ReplaySpec(
-        prefill=args.prefill,
-        decode=args.decode,
-        model=args.model,
-        cpu_threads=args.cpu_threads,
-        kv_blocks=args.kv_blocks,
-        max_batched_tokens=args.max_batched_tokens,
-        dram_mb=args.dram_mb,
-        trace_lines=tuple(trace_lines(records)),
-        trace_block_tokens=args.trace_block_tokens,
-        input_scale=args.input_scale,
-        output_scale=args.output_scale,
-        slo_ttft_ms=args.slo_ttft * 1e3,
-        slo_tbt_ms=args.slo_tbt,
-    )
-
-
 def compare(
     args: argparse.Namespace, records: list[TraceRecord], result: dict[str, Any]
 ) -> dict[str, Any]:
@@ -215,10 +197,10 @@ def command(args: argparse.Namespace, env: Env, records: list[TraceRecord]) -> i
     slo = {"ttft_s": args.slo_ttft, "tbt_s": args.slo_tbt / 1e3}
     conductor = {"policy": args.policy, "early_reject": "off"}
     with tempfile.TemporaryDirectory(prefix="simulate-against-") as tmp:
+        spec = replay_spec(args, records, (args.slo_ttft * 1e3, args.slo_tbt))
         run = run_policy(
-            _spec(args, records), Path(tmp), args.policy, conductor, slo, args.time_scale,
-            progress=env.stderr,
-        )  # fmt: skip
+            spec, Path(tmp), args.policy, conductor, slo, args.time_scale, progress=env.stderr
+        )
         result = asyncio.run(run)
     figures = compare(args, records, result)
     real = figures["real"]

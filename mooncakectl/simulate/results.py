@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from mooncakectl.bench.metrics import summarize
+from mooncakectl.bench.metrics import RequestRecord, summarize
 from mooncakectl.simulate.cluster import SimResult
 from mooncakectl.simulate.node import SimRequest
 from mooncaked.cluster.slo import Slo
@@ -32,79 +32,43 @@ PERCENTILES = (50.0, 90.0, 99.0)
 _STATS = ("mean", "p50", "p90", "p99")
 
 
-@dataclass(frozen=True, slots=True)
-class SimOutcome:
-    """A simulated request as the bench's summary reads a request
-    (``metrics.Outcome``): no warm-ups, no clipping, no gaps of its own (its
-    TBT comes computed), and one placed but never finished is an error."""
+@dataclass(slots=True)
+class SimRecord(RequestRecord):
+    """A simulated request as the bench records one (times in simulated
+    seconds): its first token and its TBT come computed, with no chunk times
+    behind them; one placed but never finished is an error."""
 
-    request: SimRequest
-
-    @property
-    def warmup(self) -> bool:
-        return False
-
-    @property
-    def clipped(self) -> bool:
-        return False
-
-    @property
-    def ok(self) -> bool:
-        return self.request.done_s is not None
-
-    @property
-    def error_kind(self) -> str | None:
-        if self.request.reject_code is not None:
-            return "rejected"
-        return None if self.ok else "unfinished"
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.request.num_prompt_tokens
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.request.num_output_tokens
-
-    @property
-    def cached_tokens(self) -> int | None:
-        return self.request.local_cached_tokens + self.request.fetched_tokens
+    first_token_s: float | None = None
+    sim_tbt_s: float | None = None
 
     @property
     def ttft(self) -> float | None:
-        return self.request.ttft_s
-
-    @property
-    def tpot(self) -> float | None:
-        r = self.request
-        if r.done_s is None or r.first_token_s is None or r.num_output_tokens <= 1:
-            return None
-        return (r.done_s - r.first_token_s) / (r.num_output_tokens - 1)
-
-    @property
-    def e2el(self) -> float | None:
-        done = self.request.done_s
-        return None if done is None else done - self.request.arrival_s
+        return None if self.first_token_s is None else self.first_token_s - self.start_s
 
     @property
     def tbt(self) -> float | None:
-        return self.request.tbt_s
+        return self.sim_tbt_s
 
-    @property
-    def itls(self) -> list[float]:
-        return []
 
-    @property
-    def prefill_node(self) -> str | None:
-        return self.request.prefill_node
-
-    @property
-    def decode_node(self) -> str | None:
-        return self.request.decode_node
-
-    @property
-    def entry(self) -> str | None:
-        return self.request.entry
+def sim_record(r: SimRequest) -> SimRecord:
+    if r.reject_code is not None:
+        error = "rejected"
+    else:
+        error = None if r.done_s is not None else "unfinished"
+    return SimRecord(
+        index=r.index,
+        start_s=r.arrival_s,
+        end_s=r.done_s,
+        error_kind=error,
+        prompt_tokens=r.num_prompt_tokens,
+        output_tokens=r.num_output_tokens,
+        cached_tokens=r.local_cached_tokens + r.fetched_tokens,
+        prefill_node=r.prefill_node,
+        decode_node=r.decode_node,
+        entry=r.entry,
+        first_token_s=r.first_token_s,
+        sim_tbt_s=r.tbt_s,
+    )
 
 
 def slo_ms(slo: Slo) -> dict[str, float]:
@@ -169,7 +133,7 @@ def sim_summary(result: SimResult) -> SimSummary:
     end = max((r.done_s for r in done if r.done_s is not None), default=start)
     duration = max(end - start, 1e-9)
     s = summarize(
-        [SimOutcome(r) for r in reqs],
+        [sim_record(r) for r in reqs],
         duration,
         goodput_slo_ms=slo_ms(cfg.slo),
         percentiles=PERCENTILES,
