@@ -175,17 +175,18 @@ async def run_policy(
         result["entry_nodes"] = {d.url: d.node_id for d in entered}
         # The decode nodes' KV and batch while the replay runs: what admission
         # filled them with (a full KV cache makes handoffs wait for room).
-        sampler = asyncio.create_task(_sample_decode(daemons[spec.prefill :], result))
         try:
-            doc = await _replay(spec, workdir, label, [d.url for d in entered], time_scale)
-            result["requests"] = doc["requests"]
-            result["max_model_len"] = (doc.get("config") or {}).get("max_model_len")
-        finally:
-            sampler.cancel()
-            (outcome,) = await asyncio.gather(sampler, return_exceptions=True)
-        if not isinstance(outcome, asyncio.CancelledError):
-            # The sampler only ends by cancellation: anything else broke it.
-            progress.write(f"decode KV sampling stopped early: {outcome!r}\n")
+            async with asyncio.TaskGroup() as tg:
+                sampler = tg.create_task(_sample_decode(daemons[spec.prefill :], result, progress))
+                try:
+                    doc = await _replay(spec, workdir, label, [d.url for d in entered], time_scale)
+                finally:
+                    sampler.cancel()
+        except* Exception as failed:
+            # The replay's own failure (the sampler reports its own and ends).
+            raise failed.exceptions[0] from None
+        result["requests"] = doc["requests"]
+        result["max_model_len"] = (doc.get("config") or {}).get("max_model_len")
         # The nodes' own view of their costs after the run.
         async with aiohttp.ClientSession() as session:
             result["node_costs"] = {
@@ -262,29 +263,35 @@ async def _costs_everywhere(session: aiohttp.ClientSession, url: str, n: int) ->
         await asyncio.sleep(0.5)
 
 
-async def _sample_decode(daemons: Sequence[NodeProcess], result: dict[str, Any]) -> None:
+async def _sample_decode(
+    daemons: Sequence[NodeProcess], result: dict[str, Any], progress: TextIO
+) -> None:
     """Every SAMPLE_S until cancelled: each decode node's KV usage, running and
-    waiting requests, into ``result["decode_samples"]``."""
+    waiting requests, into ``result["decode_samples"]``. The samples are a side
+    figure: a failure to take them is reported, and the replay goes on."""
     samples: list[dict[str, Any]] = []
     result["decode_samples"] = samples
     t0 = time.monotonic()
-    async with aiohttp.ClientSession() as session:
-        while True:
-            for d in daemons:
-                try:
-                    st = await _status(session, d.url)
-                except aiohttp.ClientError:
-                    continue
-                samples.append(
-                    {
-                        "t_s": round(time.monotonic() - t0, 2),
-                        "node": d.node_id,
-                        "kv_usage": (st.get("kv") or {}).get("usage"),
-                        "running": (st.get("load") or {}).get("running"),
-                        "waiting": (st.get("load") or {}).get("waiting"),
-                    }
-                )
-            await asyncio.sleep(SAMPLE_S)
+    try:
+        async with aiohttp.ClientSession() as session:
+            while True:
+                for d in daemons:
+                    try:
+                        st = await _status(session, d.url)
+                    except aiohttp.ClientError:
+                        continue
+                    samples.append(
+                        {
+                            "t_s": round(time.monotonic() - t0, 2),
+                            "node": d.node_id,
+                            "kv_usage": (st.get("kv") or {}).get("usage"),
+                            "running": (st.get("load") or {}).get("running"),
+                            "waiting": (st.get("load") or {}).get("waiting"),
+                        }
+                    )
+                await asyncio.sleep(SAMPLE_S)
+    except Exception as exc:
+        progress.write(f"decode KV sampling stopped early: {exc!r}\n")
 
 
 def decode_pressure(result: dict[str, Any]) -> dict[str, Any]:
