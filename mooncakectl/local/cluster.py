@@ -124,9 +124,10 @@ class LocalCluster:
         try:
             for plan, cpus in zip(self.plans, cpus_of, strict=True):
                 node = self._spawn(plan, cpus)
+                # Kept before its URL is known, so a failure from here on stops it too.
+                self.nodes.append(node)
                 if plan.port == 0:
                     node.url = await self._announced(node, deadline - time.monotonic())
-                self.nodes.append(node)
                 if self.on_spawn is not None:
                     self.on_spawn(self.nodes)
                 if self.sequential:
