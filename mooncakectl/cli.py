@@ -21,7 +21,7 @@ _COMMAND_MODULES = (
     "mooncakectl.commands",
     "mooncakectl.cluster_cmds",
     "mooncakectl.cache_cmds",
-    "mooncakectl.local",
+    "mooncakectl.local.commands",
     "mooncakectl.bench.command",
     "mooncakectl.simulate.command",
 )

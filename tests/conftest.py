@@ -15,67 +15,40 @@ Everything uses the builtin model with a small KV pool so start-up is quick.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
-import selectors
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
+import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import pytest_asyncio
 
+from mooncakectl.local.config import to_toml
+from mooncakectl.local.process import (
+    NodeProcess,
+    daemon_argv,
+    daemon_env,
+    read_announced_url,
+    spawn,
+    wait_ready,
+)
 from mooncaked.config import Config, with_overrides
 from mooncaked.daemon import Node
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_tool(name: str) -> ModuleType:
-    """``tools/<name>.py`` as a module, for tests of a benchmark's figures.
-
-    The tools import each other as siblings, so their folder goes on the
-    path; the module is registered by name, where dataclasses look it up.
-    """
-    tools = str(REPO_ROOT / "tools")
-    if tools not in sys.path:
-        sys.path.insert(0, tools)
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "tools" / f"{name}.py")
-    if spec is None or spec.loader is None:
-        raise RuntimeError(f"cannot load tools/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 # A small pool: 512 blocks x 16 tokens is plenty for the tests and allocates fast.
-TEST_TOML = """\
-[server]
-host = "127.0.0.1"
-port = 0
-drain_timeout_s = 20.0
-
-[kv]
-num_blocks = 512
-
-# The start-up cost profile costs seconds a daemon; tests that need the
-# cost model turn it back on.
-[conductor]
-profile = false
-
-[log]
-level = "info"
-format = "json"
-"""
+TEST_SECTIONS: dict[str, dict[str, Any]] = {
+    "server": {"host": "127.0.0.1", "port": 0, "drain_timeout_s": 20.0},
+    "kv": {"num_blocks": 512},
+    # The start-up cost profile costs seconds a daemon; tests that need the
+    # cost model turn it back on.
+    "conductor": {"profile": False},
+    "log": {"level": "info", "format": "json"},
+}
+TEST_TOML = to_toml(TEST_SECTIONS)
 
 _START_TIMEOUT_S = 60.0
 
@@ -83,68 +56,24 @@ _START_TIMEOUT_S = 60.0
 def make_config(**sections: dict[str, Any]) -> Config:
     """Defaults for an in-process Node: ephemeral port, small KV pool, no
     start-up cost profile (seconds a node; tests of the cost model ask for it)."""
-    base = with_overrides(
-        Config(),
-        server={"port": 0, "drain_timeout_s": 20.0},
-        kv={"num_blocks": 512},
-        conductor={"profile": False},
-    )
+    base = with_overrides(Config(), **{k: TEST_SECTIONS[k] for k in ("server", "kv", "conductor")})
     return with_overrides(base, **sections) if sections else base
 
 
-@dataclass
-class DaemonProcess:
-    proc: subprocess.Popen[bytes]
-    url: str
-    stderr_path: Path
+class DaemonProcess(NodeProcess):
+    """A daemon a test started; its log holds what it wrote to stderr (its
+    stdout only carried the line announcing its URL)."""
 
-    @property
-    def port(self) -> int:
-        return int(self.url.rsplit(":", 1)[1])
+    __slots__ = ()
 
     def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-    def signal(self, sig: int) -> None:
-        self.proc.send_signal(sig)
-
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, wait; SIGKILL if it does not exit. The exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return self.proc.returncode
+        return self.log_text()
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env = daemon_env()
     env.pop("MOONCAKED_URL", None)
     return env
-
-
-def _read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
-    """One line of the child's stdout, or b"" if it exits or the time runs out."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    buf = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while not buf.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                return b""
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                return b""
-            buf += chunk
-    return buf
 
 
 def spawn_daemon(
@@ -156,41 +85,20 @@ def spawn_daemon(
     workdir.mkdir(parents=True, exist_ok=True)
     cfg = workdir / "mooncaked.toml"
     cfg.write_text(toml)
-    stderr_path = workdir / "mooncaked.stderr"
-    with stderr_path.open("wb") as err:
-        proc = subprocess.Popen(
-            [*wrap, sys.executable, "-m", "mooncaked", "--config", str(cfg), *extra_args],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            env=_env(),
-            cwd=workdir,
-        )
-    line = _read_line(proc, _START_TIMEOUT_S).decode()
-    prefix = "mooncaked listening on "
-    if not line.startswith(prefix):
-        proc.kill()
-        proc.wait(10)
-        raise RuntimeError(
-            f"mooncaked did not start (exit {proc.returncode}); stdout {line!r}; stderr:\n"
-            + stderr_path.read_text(errors="replace")[-4000:]
-        )
-    daemon = DaemonProcess(proc, line[len(prefix) :].strip(), stderr_path)
-    wait_ready(daemon.url)
+    log = workdir / "mooncaked.stderr"
+    argv = [*wrap, *daemon_argv(cfg, *extra_args)]
+    proc = spawn(argv, log, announce=True, cwd=workdir, env=_env())
+    try:
+        url = read_announced_url(proc, _START_TIMEOUT_S)
+    except RuntimeError as exc:
+        tail = log.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"{exc}; stderr:\n{tail}") from None
+    node = tomllib.loads(toml).get("node", {})
+    node_id, role = node.get("id", ""), node.get("role", "both")
+    name = node_id or f"node-{url.rsplit(':', 1)[1]}"
+    daemon = DaemonProcess(node_id, role, name, proc.pid, proc, url, cfg, log)
+    wait_ready(url, time.monotonic() + _START_TIMEOUT_S, proc=proc, log_path=log)
     return daemon
-
-
-def wait_ready(url: str, timeout: float = _START_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{url}/ready did not answer 200 within {timeout} s")
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

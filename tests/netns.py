@@ -41,8 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mooncakectl.local.config import merge_sections, to_toml
 from mooncaked.secrets import generate_secret
-from tests.conftest import TEST_TOML, DaemonProcess, spawn_daemon
+from tests.conftest import TEST_SECTIONS, DaemonProcess, spawn_daemon
 
 # Every namespace has a network stack of its own, so every node can listen on
 # the same well-known ports; the seed address is known before any node starts.
@@ -241,7 +242,7 @@ def fabric() -> Iterator[Fabric]:
             raise NetnsError("teardown left: " + "; ".join(problems))
 
 
-def node_toml(
+def node_sections(
     node_id: str,
     role: str,
     addr: str,
@@ -249,42 +250,30 @@ def node_toml(
     secret_file: Path,
     admin_token: str,
     grant_ttl_s: float,
-) -> str:
-    """TEST_TOML for a node listening on ``addr`` with the fault tests' short timers."""
-    return (
-        TEST_TOML
-        + f"""
-[node]
-id = "{node_id}"
-role = "{role}"
-cluster_secret_file = {json.dumps(str(secret_file))}
-
-[model]
-cpu_threads = 1
-
-[store]
-dram_bytes = 16777216
-# A lease whose reader is cut off before its release ends this long after.
-lease_timeout_s = 4.0
-
-[transfer]
-host = "{addr}"
-# Shared memory would carry the KV past the network under test.
-transports = ["tcp"]
-
-[cluster]
-gossip_host = "{addr}"
-gossip_port = {GOSSIP_PORT}
-seeds = {json.dumps(seeds)}
-probe_interval_s = 0.3
-probe_timeout_s = 0.1
-suspect_timeout_s = 1.0
-
-[disagg]
-# Blocks granted to a prefill node that died stay held this long (+ 2 s).
-grant_ttl_s = {grant_ttl_s}
-"""
-    ).replace("[server]\n", f'[server]\nadmin_token = "{admin_token}"\n', 1)
+) -> dict[str, dict[str, Any]]:
+    """TEST_SECTIONS for a node listening on ``addr`` with the fault tests' short timers."""
+    return merge_sections(
+        TEST_SECTIONS,
+        {
+            "server": {"admin_token": admin_token},
+            "node": {"id": node_id, "role": role, "cluster_secret_file": str(secret_file)},
+            "model": {"cpu_threads": 1},
+            # A lease whose reader is cut off before its release ends this long after.
+            "store": {"dram_bytes": 16 << 20, "lease_timeout_s": 4.0},
+            # Shared memory would carry the KV past the network under test.
+            "transfer": {"host": addr, "transports": ["tcp"]},
+            "cluster": {
+                "gossip_host": addr,
+                "gossip_port": GOSSIP_PORT,
+                "seeds": seeds,
+                "probe_interval_s": 0.3,
+                "probe_timeout_s": 0.1,
+                "suspect_timeout_s": 1.0,
+            },
+            # Blocks granted to a prefill node that died stay held this long (+ 2 s).
+            "disagg": {"grant_ttl_s": grant_ttl_s},
+        },
+    )
 
 
 class NetnsCluster:
@@ -308,7 +297,7 @@ class NetnsCluster:
 
     def start(self, node_id: str, role: str) -> DaemonProcess:
         host = self.fabric.add(node_id)
-        toml = node_toml(
+        sections = node_sections(
             node_id,
             role,
             host.addr,
@@ -319,7 +308,7 @@ class NetnsCluster:
         )
         d = spawn_daemon(
             self.tmp / node_id,
-            toml,
+            to_toml(sections),
             "--host",
             host.addr,
             "--port",

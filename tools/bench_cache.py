@@ -53,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mooncakectl.local.plan import free_port
 from mooncaked.cache.dram import BlockLayout, gather_blocks, scatter_blocks
 from mooncaked.cache.ssd import SsdTier
 from mooncaked.cache.store import DeviceBlocks, TieredStore
@@ -388,12 +389,6 @@ def anchor_env() -> tuple[dict[str, str] | None, str]:
     env["MOONCAKE_PYTHON"] = str(python)
     env["MOONCAKE_MASTER"] = str(master)
     return env, ""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, deadline_s: float) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import replace
 from mooncakectl.bench.trace import TraceSlice, read_trace
 from mooncakectl.simulate.cluster import Shape, SimConfig, simulate
 from mooncakectl.simulate.costs import preset_node
-from mooncakectl.simulate.results import summarize
+from mooncakectl.simulate.results import sim_summary
 from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy
 from mooncaked.cluster.slo import Slo
 
@@ -52,7 +52,7 @@ def main() -> None:
         res = simulate(c, records)
         cpu[name] = time.process_time() - t0
         wall = time.perf_counter() - w0
-        s = summarize(res)
+        s = sim_summary(res)
         print(
             f"  {name:15} cpu {cpu[name]:6.1f} s  wall {wall:6.1f} s  events {res.num_events:9d}"
             f"  mean TTFT {s.ttft_ms['mean']:.1f} ms  SLO attainment {100 * s.slo_attainment:.2f}%"

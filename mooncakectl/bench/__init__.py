@@ -11,5 +11,12 @@ Modules, imports running one way (top never imports from below):
 - ``report``    summary table, progress bar, the result JSON
 - ``plot``      PNGs from a result (matplotlib, the ``plot`` extra)
 - ``compare``   several result JSONs side by side
+- ``replay``    one replay of a trace slice on a fresh loopback cluster of daemons
+- ``policies_report``, ``policies``  ``bench policies``: the Conductor's policies, entries,
+                overload, each on fresh loopback clusters; their figures and tables
+- ``disagg_report``, ``disagg``  ``bench disagg``: the KV handoff and decode interference,
+                disaggregated vs colocated daemons on loopback; the figures and report
+- ``engine_bench``  ``tools/bench_engine.py``'s inputs: the trace-shaped workload,
+                precisions, the llama.cpp anchor's files
 - ``command``   the ``bench`` subcommand wiring it together
 """

@@ -1,4 +1,4 @@
-"""``mooncakectl bench {random,prefix,trace,compare}``."""
+"""``mooncakectl bench {random,prefix,trace,compare,disagg,policies}``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from typing import Any
 import aiohttp
 
 from mooncakectl.bench import compare as compare_mod
+from mooncakectl.bench import disagg, policies
 from mooncakectl.bench.client import (
     Endpoint,
+    ServerInfo,
     accepts_token_ids,
     base_url,
     parse_entries,
@@ -24,7 +26,7 @@ from mooncakectl.bench.client import (
     synthetic_text,
     tokenizer_text,
 )
-from mooncakectl.bench.load import LoadPlan, pick_entries, run_load
+from mooncakectl.bench.load import LoadPlan, RunResult, pick_entries, run_load
 from mooncakectl.bench.metrics import (
     RequestRecord,
     parse_goodput,
@@ -41,6 +43,7 @@ from mooncakectl.bench.report import (
 )
 from mooncakectl.bench.trace import (
     TraceRecord,
+    add_scale_arguments,
     add_slice_arguments,
     read_trace,
     slice_from_args,
@@ -165,10 +168,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     _add_common(t)
     g = t.add_argument_group("trace workload")
     add_slice_arguments(g)
-    g.add_argument("--trace-block-tokens", type=int, default=512, help="tokens per hash id")
-    g.add_argument("--input-scale", type=float, help="default: block tokens / 512")
-    g.add_argument("--output-scale", type=float, default=1.0)
-    g.add_argument("--time-scale", type=float, default=1.0, help="multiplies gaps in time")
+    add_scale_arguments(g)
 
     c = sub.add_parser(
         "compare",
@@ -178,13 +178,33 @@ def _configure(p: argparse.ArgumentParser) -> None:
     _add_globals(c)
     c.add_argument("results", nargs="+", metavar="RESULT_JSON")
 
+    for name, module, what in (
+        ("disagg", disagg, "prefill/decode disaggregation vs colocated daemons, on loopback"),
+        ("policies", policies, "the Conductor's policies side by side on loopback daemons"),
+    ):
+        b = sub.add_parser(
+            name,
+            help=what,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _add_globals(b)
+        module.configure(b)
+
 
 @command(
-    "bench", "load-test an OpenAI-compatible server (random, prefix, trace; compare)", _configure
+    "bench",
+    "load-test an OpenAI-compatible server (random, prefix, trace; compare); "
+    "benchmark loopback clusters (disagg, policies)",
+    _configure,
 )
 def bench(args: argparse.Namespace, env: Env) -> int:
     if args.workload == "compare":
         return _compare(args, env)
+    if args.workload == "disagg":
+        return disagg.command(args, env)
+    if args.workload == "policies":
+        return policies.command(args, env)
     return _bench(args, env)
 
 
@@ -279,82 +299,96 @@ def _bench(args: argparse.Namespace, env: Env) -> int:
     return asyncio.run(_run(args, env, inp))
 
 
-async def _run(args: argparse.Namespace, env: Env, inp: RunInputs) -> int:
-    plan = inp.plan
+@dataclass(slots=True)
+class _Prepared:
+    """What the probe of the server settled: the requests to send and how."""
+
+    info: ServerInfo
+    vocab: int
+    requests: list[BenchRequest]
+    warmups: list[BenchRequest]
+    max_len: int | None
+    prompt_format: str
+    label: str
+
+
+async def _prepare(
+    session: aiohttp.ClientSession, args: argparse.Namespace, inp: RunInputs
+) -> _Prepared:
     probe_url = inp.entries[0]
-    # No pool limit: aiohttp's default of 100 connections would cap the concurrency.
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        info = await probe_server(session, probe_url, args.model, args.timeout)
-        vocab = args.vocab_size or info.vocab_size or inp.tokenizer_vocab or DEFAULT_VOCAB_SIZE
-        requests = _workload(args, inp, vocab)
-        max_len = args.max_model_len or info.max_model_len
-        if max_len:
-            requests = fit_context(requests, max_len)
-        warmups = warmup_requests(args.num_warmups, requests, vocab_size=vocab, seed=args.seed)
-        if args.api == "chat":
-            fmt = "text"
-        elif args.prompt_format == "auto":
-            ok = await accepts_token_ids(session, probe_url, info.model, args.timeout)
-            fmt = "ids" if ok else "text"
-        else:
-            fmt = args.prompt_format
-        ep = Endpoint(
-            base_url=probe_url,
-            model=info.model,
-            api=args.api,
-            prompt_format=fmt,
-            ignore_eos=args.ignore_eos,
-            timeout_s=args.request_timeout,
-        )
-        endpoints = {url: replace(ep, base_url=url) for url in inp.entries}
-        entry_of = pick_entries([*requests, *warmups], inp.entries, args.seed)
-        label = args.label or f"{args.workload}-{plan.mode}"
-        tty = _stderr_tty(env)
-        with progress_bar(env.stderr, tty) as bar:
-            task = bar.add_task(label, total=len(warmups) + len(requests), status="")
-            counts = {"ok": 0, "rejected": 0, "error": 0}
+    info = await probe_server(session, probe_url, args.model, args.timeout)
+    vocab = args.vocab_size or info.vocab_size or inp.tokenizer_vocab or DEFAULT_VOCAB_SIZE
+    requests = _workload(args, inp, vocab)
+    max_len = args.max_model_len or info.max_model_len
+    if max_len:
+        requests = fit_context(requests, max_len)
+    warmups = warmup_requests(args.num_warmups, requests, vocab_size=vocab, seed=args.seed)
+    if args.api == "chat":
+        fmt = "text"
+    elif args.prompt_format == "auto":
+        ok = await accepts_token_ids(session, probe_url, info.model, args.timeout)
+        fmt = "ids" if ok else "text"
+    else:
+        fmt = args.prompt_format
+    label = args.label or f"{args.workload}-{inp.plan.mode}"
+    return _Prepared(info, vocab, requests, warmups, max_len, fmt, label)
 
-            def on_done(rec: RequestRecord) -> None:
-                key = "ok" if rec.ok else ("rejected" if rec.error_kind == "rejected" else "error")
-                counts[key] += 1
-                status = f"ok {counts['ok']} 429 {counts['rejected']} err {counts['error']}"
-                bar.update(task, advance=1, status=status)
 
-            async def send(
-                req: BenchRequest, rec: RequestRecord, clock: Callable[[], float]
-            ) -> None:
-                await send_request(
-                    session, endpoints[entry_of[req.index]], req, rec, clock, inp.text_of
-                )
-
-            result = await run_load(requests, plan, send, warmups=warmups, on_done=on_done)
-
-    summary = summarize(
-        result.records,
-        result.duration_s,
-        not_sent=result.not_sent,
-        goodput_slo_ms=inp.slo_ms,
-        percentiles=inp.percentiles,
-        metrics=inp.metric_names,
-        entries=inp.entries,
+async def _send_all(
+    session: aiohttp.ClientSession,
+    args: argparse.Namespace,
+    env: Env,
+    inp: RunInputs,
+    prep: _Prepared,
+) -> RunResult:
+    """Every request sent as the plan says, each to its entry, with a progress bar."""
+    ep = Endpoint(
+        base_url=inp.entries[0],
+        model=prep.info.model,
+        api=args.api,
+        prompt_format=prep.prompt_format,
+        ignore_eos=args.ignore_eos,
+        timeout_s=args.request_timeout,
     )
+    endpoints = {url: replace(ep, base_url=url) for url in inp.entries}
+    entry_of = pick_entries([*prep.requests, *prep.warmups], inp.entries, args.seed)
+    with progress_bar(env.stderr, _stderr_tty(env)) as bar:
+        task = bar.add_task(prep.label, total=len(prep.warmups) + len(prep.requests), status="")
+        counts = {"ok": 0, "rejected": 0, "error": 0}
+
+        def on_done(rec: RequestRecord) -> None:
+            key = "ok" if rec.ok else ("rejected" if rec.error_kind == "rejected" else "error")
+            counts[key] += 1
+            status = f"ok {counts['ok']} 429 {counts['rejected']} err {counts['error']}"
+            bar.update(task, advance=1, status=status)
+
+        async def send(req: BenchRequest, rec: RequestRecord, clock: Callable[[], float]) -> None:
+            await send_request(
+                session, endpoints[entry_of[req.index]], req, rec, clock, inp.text_of
+            )
+
+        return await run_load(prep.requests, inp.plan, send, warmups=prep.warmups, on_done=on_done)
+
+
+def _run_config(args: argparse.Namespace, inp: RunInputs, prep: _Prepared) -> dict[str, Any]:
+    """What the result JSON says the run was."""
+    plan = inp.plan
     config: dict[str, Any] = {
-        "label": label,
+        "label": prep.label,
         "workload": args.workload,
         "load": plan.mode,
-        "url": probe_url,
+        "url": inp.entries[0],
         "entries": inp.entries,
-        "model": info.model,
+        "model": prep.info.model,
         "api": args.api,
-        "prompt_format": fmt,
-        "vocab_size": vocab,
-        "max_model_len": max_len,
+        "prompt_format": prep.prompt_format,
+        "vocab_size": prep.vocab,
+        "max_model_len": prep.max_len,
         "ignore_eos": args.ignore_eos,
         "request_rate": plan.request_rate if math.isfinite(plan.request_rate) else "inf",
         "burstiness": plan.burstiness,
         "max_concurrency": plan.max_concurrency,
-        "num_warmups": len(warmups),
+        "num_warmups": len(prep.warmups),
         "duration": plan.duration_s,
         "seed": args.seed,
         "argv": sys.argv[1:],
@@ -369,17 +403,37 @@ async def _run(args: argparse.Namespace, env: Env, inp: RunInputs) -> int:
             "output_scale": sc.output_scale,
             "time_scale": sc.time_scale,
         }
-    data = result_json(config, summary, result.records)
+    return config
+
+
+async def _run(args: argparse.Namespace, env: Env, inp: RunInputs) -> int:
+    # No pool limit: aiohttp's default of 100 connections would cap the concurrency.
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        prep = await _prepare(session, args, inp)
+        result = await _send_all(session, args, env, inp, prep)
+    summary = summarize(
+        result.records,
+        result.duration_s,
+        not_sent=result.not_sent,
+        goodput_slo_ms=inp.slo_ms,
+        percentiles=inp.percentiles,
+        metrics=inp.metric_names,
+        entries=inp.entries,
+    )
+    data = result_json(_run_config(args, inp, prep), summary, result.records)
     if args.result_json:
         write_result(args.result_json, data)
     if args.plot:
         from mooncakectl.bench.plot import write_plots
 
-        write_plots(result.records, result.duration_s, args.plot, label)
+        write_plots(result.records, result.duration_s, args.plot, prep.label)
     if args.json:
         env.stdout.write(json.dumps(data["summary"], indent=1) + "\n")
     else:
-        title = f"mooncakectl bench: {label} ({info.model}, prompts as {fmt})"
+        title = (
+            f"mooncakectl bench: {prep.label} ({prep.info.model}, prompts as {prep.prompt_format})"
+        )
         print_summary(env.stdout, summary, title, env.stdout_isatty)
     if summary.num_requests and not summary.completed:
         return ExitStatus.ERROR

@@ -11,10 +11,14 @@
   (``ttft`` and ``tbt`` judged by ``slo.Slo.met``, ``tpot`` and ``e2el`` as vLLM does).
 
 What vLLM's bench lacks, added here: rejected requests (HTTP 429) apart from
-errors by kind, the SLO attainment over every request sent, late failures
-(admitted requests that missed an SLO or failed), the share of prompt tokens
-the server served from its cache, the nodes that ran each phase when the
-server says so, and the entry each request was sent to.
+errors by kind, the SLO attainment over every request sent and over those
+admitted, late failures (admitted requests that missed an SLO or failed),
+the share of prompt tokens the server served from its cache, the nodes that
+ran each phase when the server says so, and the entry each request was sent to.
+
+``summarize`` is the one summary of a run: of ``bench``'s requests, of the
+cluster benchmarks' (``bench policies``, ``simulate --against-cluster``)
+and of the simulator's (``simulate.results``, whose requests are records too).
 
 Statistics of an empty sample are None (vLLM reports 0, which reads as a
 perfect latency when nothing completed).
@@ -222,6 +226,9 @@ class Summary:
     total_token_throughput: float
     request_goodput: float | None
     slo_attainment: float | None
+    # Of the requests admitted (not rejected), the share that met every SLO:
+    # what early rejection promises. None without SLOs or with none admitted.
+    admitted_slo_attainment: float | None
     # Admitted (not rejected) requests that missed an SLO or failed: the
     # misses early rejection meant to prevent. None without SLOs.
     late_failures: int | None
@@ -241,6 +248,16 @@ class Summary:
             for stat, value in stats.items():
                 out[f"{stat}_{metric}_ms"] = value
         return out
+
+
+def run_duration_s(records: Sequence[RequestRecord]) -> float:
+    """A run's span on its own clock, from the first timed request's start to
+    the last one's end (0 for none): its duration, read back from its records."""
+    timed = [r for r in records if not r.warmup]
+    ends = [r.end_s for r in timed if r.end_s is not None]
+    if not timed or not ends:
+        return 0.0
+    return max(ends) - min(r.start_s for r in timed)
 
 
 def summarize(
@@ -301,6 +318,9 @@ def summarize(
         total_token_throughput=(total_in + total_out) / dur,
         request_goodput=None if good is None else good / dur,
         slo_attainment=None if good is None or not timed else good / len(timed),
+        admitted_slo_attainment=(
+            None if good is None or len(timed) == rejected else good / (len(timed) - rejected)
+        ),
         late_failures=None if good is None else len(done) - good + failed,
         goodput_slo_ms=slo,
         cached_tokens=cached,

@@ -177,6 +177,25 @@ def add_slice_arguments(group: argparse._ArgumentGroup) -> None:
     )
 
 
+def add_scale_arguments(
+    group: argparse._ArgumentGroup,
+    *,
+    block_tokens: int | None = TRACE_BLOCK_TOKENS,
+    output_scale: float | None = 1.0,
+    time_scale: float | None = 1.0,
+) -> None:
+    """The options that size and time the records (``workloads.TraceScale``),
+    with each command's defaults (None: the command settles it)."""
+    group.add_argument(
+        "--trace-block-tokens", type=int, default=block_tokens, help="tokens per hash id"
+    )
+    group.add_argument("--input-scale", type=float, help="default: block tokens / 512")
+    group.add_argument("--output-scale", type=float, default=output_scale)
+    group.add_argument(
+        "--time-scale", type=float, default=time_scale, help="multiplies gaps in time"
+    )
+
+
 def slice_from_args(args: argparse.Namespace) -> TraceSlice:
     return TraceSlice.from_options(
         args.trace_start,
@@ -184,6 +203,39 @@ def slice_from_args(args: argparse.Namespace) -> TraceSlice:
         args.trace_from_ms,
         args.trace_until_ms,
         args.trace_conversations,
+    )
+
+
+def trace_lines(records: Iterable[TraceRecord]) -> list[str]:
+    """``records`` written back as trace lines: what a replay of a slice sends."""
+    return [
+        json.dumps(
+            {
+                "timestamp": r.timestamp_ms,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+        )
+        + "\n"
+        for r in records
+    ]
+
+
+def describe_slice(sl: TraceSlice, records: list[TraceRecord]) -> str:
+    """What ``sl`` picked, in words, for a report's title (``records``: what it picked)."""
+    return ", ".join(
+        x
+        for x in (
+            f"from {sl.window_start_ms:g} ms" if sl.window_start_ms is not None else "",
+            f"until {sl.window_end_ms:g} ms" if sl.window_end_ms is not None else "",
+            f"conversations {sl.conversations_part}/{sl.conversations_every}"
+            if sl.conversations_every > 1
+            else "",
+            f"skipping {sl.start}" if sl.start else "",
+            f"lines {records[0].line}..{records[-1].line}",
+        )
+        if x
     )
 
 

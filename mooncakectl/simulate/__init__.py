@@ -15,5 +15,6 @@ Modules, imports running one way (top never imports from below):
 - ``cluster``  the event loop: arrivals, gossip snapshots, entry nodes deciding on stale views
 - ``results``  per-request outcomes -> the summary (TTFT, TBT, SLO attainment, goodput...)
 - ``plot``     PNGs from a result
+- ``against``  ``--against-cluster``: the simulation beside a real loopback cluster on one slice
 - ``command``  the ``simulate`` subcommand, policy tables and the ``--sweep`` capacity plan
 """

@@ -2,13 +2,16 @@
 
 One run, or one per policy x early-rejection variant given (a comparison
 table), or ``--sweep``: cluster shapes tried smallest first, printing the
-smallest that meets the SLOs at the trace's rate (a capacity plan).
+smallest that meets the SLOs at the trace's rate (a capacity plan), or
+``--against-cluster``: the simulation beside a real loopback cluster
+replaying the same slice (``against``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -16,18 +19,21 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from mooncakectl.bench.replay import add_cluster_arguments
 from mooncakectl.bench.report import write_result
 from mooncakectl.bench.trace import (
     TraceRecord,
+    add_scale_arguments,
     add_slice_arguments,
     read_trace,
     slice_from_args,
 )
 from mooncakectl.bench.workloads import TraceScale
 from mooncakectl.registry import Env, ExitStatus, command
+from mooncakectl.simulate import against
 from mooncakectl.simulate.cluster import Shape, SimConfig, SimResult, Simulation, trace_requests
 from mooncakectl.simulate.costs import GB, PRESETS, NodeSpec, preset_node, profile_node
-from mooncakectl.simulate.results import SimSummary, false_rejections, result_json, summarize
+from mooncakectl.simulate.results import SimSummary, false_rejections, result_json, sim_summary
 from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy
 from mooncaked.cluster.slo import Slo
 
@@ -99,16 +105,44 @@ def shape_for(ratio: tuple[int, int] | None, nodes: int) -> Shape | None:
 
 
 def _configure(p: argparse.ArgumentParser) -> None:
-    t = p.add_argument_group("trace")
+    _configure_trace(p.add_argument_group("trace"))
+    _configure_cluster(p.add_argument_group("cluster"))
+    _configure_conductor(p.add_argument_group("conductor"))
+    w = p.add_argument_group("capacity plan")
+    w.add_argument(
+        "--sweep", action="store_true", help="find the smallest cluster meeting the SLOs"
+    )
+    w.add_argument("--sweep-nodes", default="2,4,6,8,12,16,24,32", help="node counts to try")
+    w.add_argument("--sweep-ratios", default="1:1,1:2,2:1", help="P:D ratios, or 'both'")
+    w.add_argument("--sweep-dram-gb", help="DRAM sizes per node to try, GB (default: --dram-gb)")
+    w.add_argument(
+        "--target", type=float, default=0.9, help="SLO attainment a cluster must reach (0..1]"
+    )
+    a = p.add_argument_group(
+        "against a real cluster",
+        "--against-cluster: the slice also replayed on loopback daemons (2 prefill + 1 decode "
+        "unless --prefill/--decode say), simulated on the costs they measured, the two side by "
+        "side. Its defaults: --trace-count 100, --trace-block-tokens 16, --output-scale 0.25, "
+        "--time-scale 2, --slo-ttft 2, --host-cores: this machine's",
+    )
+    a.add_argument("--against-cluster", action="store_true", help="real vs simulated")
+    add_cluster_arguments(a)
+    a.add_argument("--block-size", type=int, default=16, help="the daemons' kv.block_size")
+    o = p.add_argument_group("output")
+    o.add_argument("--result-json", help="write the summaries and every request here")
+    o.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+
+
+def _configure_trace(t: argparse._ArgumentGroup) -> None:
     t.add_argument("--trace", required=True, metavar="FILE", help="Mooncake trace (JSON lines)")
     add_slice_arguments(t)
-    t.add_argument("--trace-block-tokens", type=int, default=512, help="tokens per hash id")
-    t.add_argument("--input-scale", type=float, help="default: block tokens / 512")
-    t.add_argument("--output-scale", type=float, default=1.0)
-    t.add_argument("--time-scale", type=float, help="multiplies gaps in time (bench's option)")
+    # None: settled by --against-cluster (_settle_defaults).
+    add_scale_arguments(t, block_tokens=None, output_scale=None, time_scale=None)
     t.add_argument("--speed", type=float, help="request rate x SPEED (= --time-scale 1/SPEED)")
     t.add_argument("--max-model-len", type=int, help="clip prompt + output as the bench does")
-    c = p.add_argument_group("cluster")
+
+
+def _configure_cluster(c: argparse._ArgumentGroup) -> None:
     c.add_argument("--prefill", type=int, default=0, help="prefill nodes")
     c.add_argument("--decode", type=int, default=0, help="decode nodes")
     c.add_argument("--both", type=int, default=0, help="colocated (prefill + decode) nodes")
@@ -147,7 +181,10 @@ def _configure(p: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--node-threads", type=int, default=1, help="cores a node's step keeps busy (--host-cores)"
     )
-    s = p.add_argument_group("conductor")
+
+
+def _configure_conductor(s: argparse._ArgumentGroup) -> None:
+    defaults = ConductorParams()
     s.add_argument(
         "--policy",
         default=Policy.CONDUCTOR.value,
@@ -158,43 +195,41 @@ def _configure(p: argparse.ArgumentParser) -> None:
         default=EarlyReject.PREDICTED.value,
         help="one or more of " + ",".join(v.value for v in EarlyReject),
     )
-    s.add_argument("--slo-ttft", type=float, default=30.0, help="TTFT SLO, seconds (0: none)")
+    s.add_argument("--slo-ttft", type=float, help="TTFT SLO, seconds (0: none; default 30)")
     s.add_argument("--slo-tbt", type=float, default=100.0, help="TBT SLO, ms (0: none)")
-    s.add_argument(
-        "--balancing-threshold", type=float, default=ConductorParams().balancing_threshold
-    )
-    s.add_argument("--max-replicas", type=int, default=ConductorParams().max_replicas)
-    s.add_argument("--bind-slack", type=float, default=ConductorParams().bind_slack)
+    s.add_argument("--balancing-threshold", type=float, default=defaults.balancing_threshold)
+    s.add_argument("--max-replicas", type=int, default=defaults.max_replicas)
+    s.add_argument("--bind-slack", type=float, default=defaults.bind_slack)
     s.add_argument(
         "--best-effort-wait",
         type=float,
-        default=ConductorParams().best_effort_wait,
+        default=defaults.best_effort_wait,
         help="a request whose own prefill misses the TTFT SLO is served if it waits no "
         "longer than this share of the SLO (0: rejected)",
     )
-    s.add_argument("--max-prefill", type=int, default=ConductorParams().max_prefill)
+    s.add_argument("--max-prefill", type=int, default=defaults.max_prefill)
     s.add_argument(
         "--spread",
         type=float,
-        default=ConductorParams().spread,
+        default=defaults.spread,
         help="candidates within this share of the best predicted TTFT are picked at random",
     )
     s.add_argument(
         "--spread-min-ms",
         type=float,
-        default=ConductorParams().spread_min * 1e3,
+        default=defaults.spread_min * 1e3,
         help="... or within this many ms of it",
     )
     s.add_argument(
         "--decode-spread",
         type=float,
-        default=ConductorParams().decode_spread,
+        default=defaults.decode_spread,
         help="decode candidates within this share of the best predicted TBT, likewise",
     )
     s.add_argument(
         "--late-binding",
         choices=("on", "off"),
-        default="on" if ConductorParams().late_binding else "off",
+        default="on" if defaults.late_binding else "off",
         help="a prefill node whose true queue is longer than the entry thought passes "
         "the request on to the next candidate",
     )
@@ -206,19 +241,40 @@ def _configure(p: argparse.ArgumentParser) -> None:
         help="also run without rejection (same seed and options) to count the requests "
         "each mode rejected that would have met both SLOs",
     )
-    w = p.add_argument_group("capacity plan")
-    w.add_argument(
-        "--sweep", action="store_true", help="find the smallest cluster meeting the SLOs"
-    )
-    w.add_argument("--sweep-nodes", default="2,4,6,8,12,16,24,32", help="node counts to try")
-    w.add_argument("--sweep-ratios", default="1:1,1:2,2:1", help="P:D ratios, or 'both'")
-    w.add_argument("--sweep-dram-gb", help="DRAM sizes per node to try, GB (default: --dram-gb)")
-    w.add_argument(
-        "--target", type=float, default=0.9, help="SLO attainment a cluster must reach (0..1]"
-    )
-    o = p.add_argument_group("output")
-    o.add_argument("--result-json", help="write the summaries and every request here")
-    o.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+
+
+def _settle_defaults(args: argparse.Namespace) -> None:
+    """The defaults that depend on ``--against-cluster`` (whose real cluster
+    replays a slice sized for this machine), and ``--speed`` as a time scale."""
+    against = args.against_cluster
+    if args.time_scale is not None and args.speed is not None:
+        raise ValueError("give --time-scale or --speed, not both")
+    if args.speed is not None and not args.speed > 0:
+        raise ValueError(f"--speed must be > 0, got {args.speed}")
+    if args.time_scale is None:
+        args.time_scale = 1.0 / args.speed if args.speed is not None else (2.0 if against else 1.0)
+    if args.trace_block_tokens is None:
+        args.trace_block_tokens = 16 if against else 512
+    if args.output_scale is None:
+        args.output_scale = 0.25 if against else 1.0
+    if args.slo_ttft is None:
+        args.slo_ttft = 2.0 if against else 30.0
+    if not against:
+        return
+    if args.both:
+        raise ValueError("--against-cluster starts prefill and decode daemons: not --both")
+    if not args.prefill and not args.decode:
+        args.prefill, args.decode = 2, 1
+    if args.prefill < 1 or args.decode < 1:
+        raise ValueError(
+            f"--prefill and --decode must be >= 1, got {args.prefill} and {args.decode}"
+        )
+    if args.trace_count is None:
+        args.trace_count = 100
+    if args.host_cores == 0:
+        args.host_cores = float(os.cpu_count() or 1)
+    if not args.host_cores > 0:
+        raise ValueError(f"--host-cores must be > 0, got {args.host_cores}")
 
 
 @dataclass(slots=True)
@@ -260,16 +316,9 @@ def _node(args: argparse.Namespace, profile: str | None) -> NodeSpec:
 def _inputs(args: argparse.Namespace) -> Inputs:
     policies = _csv(Policy, args.policy, "--policy")
     rejects = _csv(EarlyReject, args.early_reject, "--early-reject")
-    if args.time_scale is not None and args.speed is not None:
-        raise ValueError("give --time-scale or --speed, not both")
-    if args.speed is not None and not args.speed > 0:
-        raise ValueError(f"--speed must be > 0, got {args.speed}")
-    time_scale = (
-        args.time_scale
-        if args.time_scale is not None
-        else (1.0 / args.speed if args.speed is not None else 1.0)
+    scale = TraceScale(
+        args.trace_block_tokens, args.input_scale, args.output_scale, args.time_scale
     )
-    scale = TraceScale(args.trace_block_tokens, args.input_scale, args.output_scale, time_scale)
     if args.slo_ttft < 0 or args.slo_tbt < 0:
         raise ValueError(
             f"SLOs must be >= 0, got --slo-ttft {args.slo_ttft} --slo-tbt {args.slo_tbt}"
@@ -310,7 +359,7 @@ def _inputs(args: argparse.Namespace) -> Inputs:
 
 def _run(cfg: SimConfig, records: Sequence[TraceRecord]) -> tuple[SimResult, SimSummary]:
     res = Simulation(cfg, trace_requests(records, cfg.scale, cfg.max_model_len)).run()
-    return res, summarize(res)
+    return res, sim_summary(res)
 
 
 def _fmt(v: float | None, scale: float = 1.0, digits: int = 0) -> str:
@@ -462,6 +511,9 @@ def _sweep(args: argparse.Namespace, env: Env, inp: Inputs) -> int:
 
 @command("simulate", "simulate a cluster on a trace with the Conductor's own code", _configure)
 def simulate(args: argparse.Namespace, env: Env) -> int:
+    _settle_defaults(args)
+    if args.against_cluster:
+        return against.command(args, env, read_trace(args.trace, slice_from_args(args)))
     inp = _inputs(args)
     if args.sweep:
         return _sweep(args, env, inp)

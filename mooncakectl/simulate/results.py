@@ -1,4 +1,5 @@
-"""A simulation's requests -> the summary, named as ``mooncakectl bench`` names them.
+"""A simulation's requests -> the summary, ``mooncakectl bench``'s own
+(``metrics.summarize``) with what only a simulation knows added.
 
 - TTFT: arrival -> first token (the end of the prompt's prefill);
 - TBT: per request, as ``mooncaked.cluster.slo`` defines it (the mean of
@@ -20,26 +21,59 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
+from mooncakectl.bench.metrics import RequestRecord, summarize
 from mooncakectl.simulate.cluster import SimResult
 from mooncakectl.simulate.node import SimRequest
 from mooncaked.cluster.slo import Slo
 
 RESULT_FORMAT = "mooncakectl-simulate/1"
+PERCENTILES = (50.0, 90.0, 99.0)
+# Of the summary's statistics of a latency, those a simulation's reports.
+_STATS = ("mean", "p50", "p90", "p99")
 
 
-def latency_stats(values_s: Sequence[float]) -> dict[str, float | None]:
-    """Mean and percentiles, ms, of latencies in seconds (None for none)."""
-    if not values_s:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values_s, dtype=np.float64) * 1000.0
-    return {
-        "mean": float(a.mean()),
-        "p50": float(np.percentile(a, 50)),
-        "p90": float(np.percentile(a, 90)),
-        "p99": float(np.percentile(a, 99)),
-    }
+@dataclass(slots=True)
+class SimRecord(RequestRecord):
+    """A simulated request as the bench records one (times in simulated
+    seconds): its first token and its TBT come computed, with no chunk times
+    behind them; one placed but never finished is an error."""
+
+    first_token_s: float | None = None
+    sim_tbt_s: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.start_s
+
+    @property
+    def tbt(self) -> float | None:
+        return self.sim_tbt_s
+
+
+def sim_record(r: SimRequest) -> SimRecord:
+    if r.reject_code is not None:
+        error = "rejected"
+    else:
+        error = None if r.done_s is not None else "unfinished"
+    return SimRecord(
+        index=r.index,
+        start_s=r.arrival_s,
+        end_s=r.done_s,
+        error_kind=error,
+        prompt_tokens=r.num_prompt_tokens,
+        output_tokens=r.num_output_tokens,
+        cached_tokens=r.local_cached_tokens + r.fetched_tokens,
+        prefill_node=r.prefill_node,
+        decode_node=r.decode_node,
+        entry=r.entry,
+        first_token_s=r.first_token_s,
+        sim_tbt_s=r.tbt_s,
+    )
+
+
+def slo_ms(slo: Slo) -> dict[str, float]:
+    """``slo`` as the bench's ``--goodput`` targets (0: none)."""
+    return {"ttft": slo.ttft_s * 1000.0, "tbt": slo.tbt_s * 1000.0}
 
 
 def meets_slo(r: SimRequest, slo: Slo) -> bool:
@@ -88,7 +122,8 @@ class SimSummary:
         return asdict(self)
 
 
-def summarize(result: SimResult) -> SimSummary:
+def sim_summary(result: SimResult) -> SimSummary:
+    """The bench's summary of ``result``'s requests, and the simulation's own figures."""
     cfg = result.config
     reqs = result.requests
     done = [r for r in reqs if r.done_s is not None]
@@ -97,10 +132,16 @@ def summarize(result: SimResult) -> SimSummary:
     start = min((r.arrival_s for r in reqs), default=0.0)
     end = max((r.done_s for r in done if r.done_s is not None), default=start)
     duration = max(end - start, 1e-9)
+    s = summarize(
+        [sim_record(r) for r in reqs],
+        duration,
+        goodput_slo_ms=slo_ms(cfg.slo),
+        percentiles=PERCENTILES,
+        metrics=("ttft", "tbt"),
+    )
     prompt = sum(r.num_prompt_tokens for r in placed) or 1
     local = sum(r.local_cached_tokens for r in placed)
     fetched = sum(r.fetched_tokens for r in placed)
-    good = sum(1 for r in done if meets_slo(r, cfg.slo))
 
     def busy(roles: tuple[str, ...]) -> float:
         nodes = [n for n in result.nodes if n.role in roles]
@@ -113,21 +154,21 @@ def summarize(result: SimResult) -> SimSummary:
         policy=cfg.params.policy.value,
         early_reject=cfg.params.early_reject.value,
         speed=cfg.speed,
-        num_requests=len(reqs),
-        completed=len(done),
-        rejected=sum(rejections.values()),
+        num_requests=s.num_requests,
+        completed=s.completed,
+        rejected=s.rejected,
         rejections=dict(sorted(rejections.items())),
         duration_s=duration,
-        request_throughput=len(done) / duration,
-        output_throughput=sum(r.num_output_tokens for r in done) / duration,
+        request_throughput=s.request_throughput,
+        output_throughput=s.output_throughput,
         slo_ttft_s=cfg.slo.ttft_s,
         slo_tbt_s=cfg.slo.tbt_s,
-        slo_attainment=good / len(reqs) if reqs else 0.0,
-        admitted_slo_attainment=good / len(placed) if placed else 0.0,
-        late_failures=len(placed) - sum(1 for r in placed if meets_slo(r, cfg.slo)),
-        goodput=good / duration,
-        ttft_ms=latency_stats([r.ttft_s for r in done if r.ttft_s is not None]),
-        tbt_ms=latency_stats([r.tbt_s for r in done if r.tbt_s is not None]),
+        slo_attainment=s.slo_attainment or 0.0,
+        admitted_slo_attainment=s.admitted_slo_attainment or 0.0,
+        late_failures=s.late_failures or 0,
+        goodput=s.request_goodput or 0.0,
+        ttft_ms={k: s.latency_ms["ttft"][k] for k in _STATS},
+        tbt_ms={k: s.latency_ms["tbt"][k] for k in _STATS},
         local_hit_rate=local / prompt,
         global_hit_rate=(local + fetched) / prompt,
         fetched_tokens=fetched,

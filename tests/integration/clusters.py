@@ -1,15 +1,28 @@
-"""Real in-process nodes joined into one cluster on loopback (gossip, HTTP, transfer)."""
+"""Real in-process nodes joined into one cluster on loopback (gossip, HTTP, transfer).
+
+In process, so that a test can reach into each node's engine; what makes a
+node one of a local cluster (``node_config``) and the wait until every node
+sees all the others alive (``wait_joined``) are those ``mooncakectl up`` uses.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from mooncakectl.local.config import merge_sections, node_config
+from mooncakectl.local.plan import LOOPBACK, NodePlan
+from mooncakectl.local.process import wait_joined
 from mooncaked.daemon import Node
-from tests.conftest import make_config, wait_until
+from tests.conftest import make_config
+
+JOIN_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -18,21 +31,6 @@ class Cluster:
 
     def entry(self, i: int) -> Node:
         return self.nodes[i % len(self.nodes)]
-
-    def converged(self) -> bool:
-        ids = {n.node_id for n in self.nodes}
-        for n in self.nodes:
-            service = n.cluster
-            if service is None:
-                return False
-            alive = {
-                nid
-                for nid, m in service.view.members.items()
-                if m.status.value == "alive" and m.state is not None and m.state.model_id
-            }
-            if not ids <= alive:
-                return False
-        return True
 
     def assert_clean(self) -> None:
         for n in self.nodes:
@@ -45,33 +43,41 @@ ClusterFactory = Callable[..., Awaitable[Cluster]]
 
 
 @pytest.fixture
-async def cluster_factory() -> AsyncIterator[ClusterFactory]:
+async def cluster_factory(tmp_path: Path) -> AsyncIterator[ClusterFactory]:
     started: list[Node] = []
 
     async def make(
         roles: list[str], transports: list[str] | None = None, **extra: dict[str, Any]
     ) -> Cluster:
         nodes: list[Node] = []
-        seed: str | None = None
+        seeds: list[str] = []
         for i, role in enumerate(roles):
-            sections: dict[str, dict[str, Any]] = {
-                "node": {"id": f"{role}-{i}-{len(started)}", "role": role},
-                "store": {"dram_bytes": 16 << 20},
-                "cluster": {"seeds": [seed] if seed else []},
-                **extra,
-            }
+            plan = NodePlan(f"{role}-{i}-{len(started)}", role, 0, 0)
+            own: dict[str, dict[str, Any]] = {"store": {"dram_bytes": 16 << 20}}
             if transports is not None:
-                sections["transfer"] = {"transports": transports}
+                own["transfer"] = {"transports": transports}
+            sections = node_config(
+                merge_sections(own, extra),
+                plan,
+                cluster=True,
+                seeds=seeds,
+                # The default: tests sign the RPCs they make up with it.
+                secret=make_config().node.cluster_secret,
+                model=None,
+                data_dir=tmp_path / plan.node_id,
+            )
             node = Node(make_config(**sections))
             await node.start()
             started.append(node)
             nodes.append(node)
-            if seed is None:
+            if not seeds:
+                # The first node's gossip port is known once it listens: everyone's seed.
                 assert node.cluster is not None
-                seed = f"127.0.0.1:{node.cluster.gossip_port}"
-        cluster = Cluster(nodes)
-        await wait_until(cluster.converged, "every node alive in every view", 60)
-        return cluster
+                seeds = [f"{LOOPBACK}:{node.cluster.gossip_port}"]
+        members = [(n.node_id, n.url) for n in nodes]
+        # The nodes answer on this loop: the blocking wait runs in a thread.
+        await asyncio.to_thread(wait_joined, members, time.monotonic() + JOIN_TIMEOUT_S)
+        return Cluster(nodes)
 
     try:
         yield make

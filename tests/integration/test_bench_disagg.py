@@ -1,37 +1,31 @@
-"""The disaggregation benchmark, run with tiny settings so it cannot rot."""
+"""``mooncakectl bench disagg``, run with tiny settings so it cannot rot."""
 
 from __future__ import annotations
 
+import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+from mooncakectl.cli import run
+from mooncakectl.registry import Env
 from mooncaked.engine.loader import builtin_arch
-from tests.conftest import REPO_ROOT, _env
-
-TOOL = REPO_ROOT / "tools" / "bench_disagg.py"
 
 
-def run_tool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(TOOL), *args],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=540,
-    )
+def bench_disagg(*args: str) -> tuple[int, str, str]:
+    env = Env(stdout=io.StringIO(), stderr=io.StringIO(), environ={})
+    status = run(["bench", "disagg", *args], env)
+    return status, env.stdout.getvalue(), env.stderr.getvalue()  # type: ignore[attr-defined]
 
 
 def test_bench_disagg_smoke(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    done = run_tool(
+    status, stdout, stderr = bench_disagg(
         "--prompt-lens", "32,96", "--hop-prompt", "8", "--reps", "2",
         "--streams", "2", "--stream-prompt", "16", "--stream-tokens", "8",
         "--long-prompt", "64", "--long-every-s", "0.5", "--window-s", "1",
-        "--json", str(out),
+        "--result-json", str(out),
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert status == 0, stderr[-4000:]
     figures = json.loads(out.read_text())
 
     # The builtin model's KV (float32 on CPU): K and V rows of every layer.
@@ -65,15 +59,15 @@ def test_bench_disagg_smoke(tmp_path: Path) -> None:
     assert m["status_steps"] >= 3 * 3  # warm-up and two reps, three prompt lengths
 
     # The printed table names the goals next to the ratios.
-    assert "exposed / raw" in done.stdout and "goal <= 0.2" in done.stdout
-    assert "1P+1D / 2x both" in done.stdout and "goal <= 0.5" in done.stdout
-    assert "fixed cost of the extra hop" in done.stdout
+    assert "exposed / raw" in stdout and "goal <= 0.2" in stdout
+    assert "1P+1D / 2x both" in stdout and "goal <= 0.5" in stdout
+    assert "fixed cost of the extra hop" in stdout
 
 
 def test_bench_disagg_rejects_bad_arguments() -> None:
-    done = run_tool("--prompt-lens", "1024,abc")
-    assert done.returncode == 2
-    assert "'1024,abc'" in done.stderr
-    done = run_tool("--reps", "0")
-    assert done.returncode == 2
-    assert "--reps must be >= 1, got 0" in done.stderr
+    status, _, stderr = bench_disagg("--prompt-lens", "1024,abc")
+    assert status == 2
+    assert "'1024,abc'" in stderr
+    status, _, stderr = bench_disagg("--reps", "0")
+    assert status == 2
+    assert "--reps must be >= 1, got 0" in stderr

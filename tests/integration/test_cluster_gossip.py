@@ -33,7 +33,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -48,6 +47,9 @@ from typing import Any
 import pytest
 
 from mooncakectl.cli import run as ctl_run
+from mooncakectl.local.config import merge_sections, to_toml
+from mooncakectl.local.plan import NodePlan, free_port
+from mooncakectl.local.process import spawn, stop_nodes
 from mooncakectl.registry import Env
 from mooncaked.cache.hashing import block_hashes
 
@@ -95,63 +97,6 @@ DRAIN_SEEN_BOUND_S = 4.0
 pytestmark = pytest.mark.timeout(240)
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(udp_too: bool) -> int:
-    """A port free now, outside the ephemeral range when there is room below it.
-
-    A port the OS handed out for port 0 can be handed out again to any
-    process's port-0 bind or outgoing connection (our own daemons make
-    plenty) before the node starts and binds it; ports below the ephemeral
-    range are only ever taken on purpose.
-    """
-    low = _ephemeral_low()
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, low) if low > 21000 else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
-            try:
-                tcp.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            port = tcp.getsockname()[1]
-            if not udp_too:
-                return port
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-                try:
-                    udp.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no free port found for a test node")
-
-
-def toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    raise TypeError(v)
-
-
-@dataclass(slots=True)
-class NodeSpec:
-    node_id: str
-    http_port: int
-    gossip_port: int
-    config: Path
-    log: Path
-
-
 @dataclass(frozen=True, slots=True)
 class NodeKind:
     name: str
@@ -177,28 +122,24 @@ def node_kinds() -> list[NodeKind]:
 
 
 class Cluster:
+    """``num_nodes`` nodes of ``kind`` on fixed ports, so that a node restarts
+    where it was; each joins through the first two."""
+
     def __init__(self, root: Path, num_nodes: int, kind: NodeKind) -> None:
         self.root = root
         self.kind = kind
         self.template = kind.template
-        self.specs = [
-            NodeSpec(
-                f"g{i}",
-                free_port(udp_too=False),
-                free_port(udp_too=True),
-                root / f"g{i}.toml",
-                root / f"g{i}.log",
-            )
-            for i in range(num_nodes)
+        self.plans = [
+            NodePlan(f"g{i}", "both", free_port(), free_port(udp=True)) for i in range(num_nodes)
         ]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        seeds = [f"127.0.0.1:{s.gossip_port}" for s in self.specs[:2]]
-        for spec in self.specs:
+        seeds = [f"127.0.0.1:{p.gossip_port}" for p in self.plans[:2]]
+        for plan in self.plans:
             sections: dict[str, dict[str, Any]] = {
-                "node": {"id": spec.node_id, "cluster_secret": SECRET},
-                "server": {"host": "127.0.0.1", "port": spec.http_port},
+                "node": {"id": plan.node_id, "cluster_secret": SECRET},
+                "server": {"host": "127.0.0.1", "port": plan.port},
                 "cluster": {
-                    "gossip_port": spec.gossip_port,
+                    "gossip_port": plan.gossip_port,
                     "seeds": seeds,
                     "test_hooks": True,
                     **CLUSTER,
@@ -207,39 +148,36 @@ class Cluster:
                 # The cost profile's prompts would add blocks to the index.
                 "conductor": {"profile": False},
             }
-            for name, table in kind.sections.items():
-                sections[name] = {**sections.get(name, {}), **table}
-            text = "".join(
-                f"[{name}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in table.items())
-                for name, table in sections.items()
+            self.config_path(plan.node_id).write_text(
+                to_toml(merge_sections(sections, kind.sections))
             )
-            spec.config.write_text(text)
+
+    def config_path(self, node_id: str) -> Path:
+        return self.root / f"{node_id}.toml"
+
+    def log_path(self, node_id: str) -> Path:
+        return self.root / f"{node_id}.log"
 
     @property
     def ids(self) -> list[str]:
-        return [s.node_id for s in self.specs]
+        return [p.node_id for p in self.plans]
 
-    def spec(self, node_id: str) -> NodeSpec:
-        return next(s for s in self.specs if s.node_id == node_id)
+    def plan(self, node_id: str) -> NodePlan:
+        return next(p for p in self.plans if p.node_id == node_id)
 
     def start(self, node_id: str) -> None:
-        spec = self.spec(node_id)
+        plan = self.plan(node_id)
         argv = shlex.split(
             self.template.format(
                 python=shlex.quote(sys.executable),
-                config=shlex.quote(str(spec.config)),
-                node_id=spec.node_id,
-                http_port=spec.http_port,
-                gossip_port=spec.gossip_port,
+                config=shlex.quote(str(self.config_path(node_id))),
+                node_id=plan.node_id,
+                http_port=plan.port,
+                gossip_port=plan.gossip_port,
             )
         )
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        with spec.log.open("ab") as log:
-            self.procs[node_id] = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root
-            )
+        root = Path(__file__).resolve().parents[2]
+        self.procs[node_id] = spawn(argv, self.log_path(node_id), cwd=root)
 
     def signal(self, node_id: str, sig: int) -> subprocess.Popen[bytes]:
         proc = self.procs[node_id]
@@ -247,19 +185,11 @@ class Cluster:
         return proc
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        records = [{"pid": p.pid, "url": self.url(i), "node_id": i} for i, p in self.procs.items()]
+        stop_nodes(records, 10.0, {p.pid: p for p in self.procs.values()})
 
     def url(self, node_id: str) -> str:
-        return f"http://127.0.0.1:{self.spec(node_id).http_port}"
+        return self.plan(node_id).url
 
     def view(self, node_id: str) -> dict[str, Any] | None:
         try:
@@ -327,14 +257,15 @@ class Cluster:
 
     def logs_tail(self, lines: int = 15) -> str:
         out = []
-        for spec in self.specs:
-            proc = self.procs.get(spec.node_id)
+        for plan in self.plans:
+            proc = self.procs.get(plan.node_id)
             rc = None if proc is None else proc.poll()
             state = "running" if rc is None else f"exited with {rc}"
-            head = f"--- {spec.node_id} ({state}; http {spec.http_port}, gossip {spec.gossip_port}) ---"
+            head = f"--- {plan.node_id} ({state}; http {plan.port}, gossip {plan.gossip_port}) ---"
             tail = []
-            if spec.log.exists():
-                tail = spec.log.read_text(errors="replace").splitlines()[-lines:]
+            log = self.log_path(plan.node_id)
+            if log.exists():
+                tail = log.read_text(errors="replace").splitlines()[-lines:]
             out.append(head + "\n" + "\n".join(tail))
         return "\n".join(out)
 
@@ -583,7 +514,7 @@ def test_daemon_reports_the_cluster_in_status_and_metrics(cluster: Cluster) -> N
     status = cluster.get("g3", "/admin/status")["cluster"]
     assert status["members"] == {"alive": NUM_NODES, "suspect": 0, "dead": 0, "left": 0}
     assert status["node_id"] == "g3"
-    assert status["gossip_addr"] == f"127.0.0.1:{cluster.spec('g3').gossip_port}"
+    assert status["gossip_addr"] == f"127.0.0.1:{cluster.plan('g3').gossip_port}"
     with urllib.request.urlopen(cluster.url("g3") + "/metrics", timeout=5) as resp:
         metrics = resp.read().decode()
     assert f'mooncaked_cluster_members{{status="alive"}} {NUM_NODES}.0' in metrics
@@ -596,8 +527,7 @@ def test_daemon_reports_the_cluster_in_status_and_metrics(cluster: Cluster) -> N
     assert 'mooncaked_gossip_packets_dropped_total{reason="forged"} 0.0' in metrics
     entry = cluster.node_entry("g0", "g3")
     assert (
-        entry is not None
-        and entry["state"]["api_addr"] == f"127.0.0.1:{cluster.spec('g3').http_port}"
+        entry is not None and entry["state"]["api_addr"] == f"127.0.0.1:{cluster.plan('g3').port}"
     )
 
     def g0_has_g3_segments() -> bool:

@@ -8,7 +8,6 @@ import ctypes
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,13 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from mooncakectl.local.plan import free_port
 from mooncaked.engine.bundled import SMOLLM2_INSTALL, smollm2_gguf_path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ctl(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,7 @@ from mooncakectl.bench.trace import read_trace
 from mooncakectl.bench.workloads import TraceScale
 from mooncakectl.simulate.cluster import Shape, SimConfig, simulate
 from mooncakectl.simulate.costs import preset_node
-from mooncakectl.simulate.results import request_json, summarize
+from mooncakectl.simulate.results import request_json, sim_summary
 from mooncaked.cluster.conductor import Decision
 from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy, Reject
 from mooncaked.cluster.slo import Slo
@@ -83,7 +83,7 @@ def test_the_simulator_gives_the_same_numbers_whatever_ran_before() -> None:
 
     def outcome() -> tuple[object, list[dict[str, object]]]:
         res = simulate(cfg, records)
-        s = summarize(res)
+        s = sim_summary(res)
         return (
             (s.rejected, s.rejections, s.late_failures, s.ttft_ms, s.tbt_ms, s.bytes_moved),
             [request_json(r) for r in res.requests],

@@ -1,29 +1,26 @@
-"""The figures bench_disagg derives from its measurements."""
+"""The figures ``mooncakectl bench disagg`` derives from its measurements."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from tests.conftest import load_tool
-
-bench = load_tool("bench_disagg")
+from mooncakectl.bench.disagg_report import HandoffRow, InterferenceRow, Results, percentile
+from mooncakectl.local.config import to_toml
 
 
 def test_percentile_nearest_rank() -> None:
     values = [float(v) for v in range(10, 0, -1)]
-    assert bench.percentile(values, 50) == 5.0
-    assert bench.percentile(values, 99) == 10.0
-    assert bench.percentile(values, 0) == 1.0
+    assert percentile(values, 50) == 5.0
+    assert percentile(values, 99) == 10.0
+    assert percentile(values, 0) == 1.0
     with pytest.raises(ValueError, match="no values"):
-        bench.percentile([], 99)
+        percentile([], 99)
 
 
-def results(*rows: tuple[int, bool, float]) -> Any:
-    res = bench.Results()
+def results(*rows: tuple[int, bool, float]) -> Results:
+    res = Results()
     for n, layerwise, exposed in rows:
-        res.handoff.append(bench.HandoffRow(n, layerwise, 2048.0 * n, 1.0, 2.0, exposed, 1, 1))
+        res.handoff.append(HandoffRow(n, layerwise, 2048.0 * n, 1.0, 2.0, exposed, 1, 1))
     return res
 
 
@@ -37,10 +34,10 @@ def test_exposed_ratio_against_the_after_step_run() -> None:
 
 
 def test_interference_ratio_and_hop() -> None:
-    res = bench.Results()
-    res.interference.append(bench.InterferenceRow("1P+1D", 100, 10.0, 40.0, 3, 100.0))
+    res = Results()
+    res.interference.append(InterferenceRow("1P+1D", 100, 10.0, 40.0, 3, 100.0))
     assert res.interference_ratio() is None
-    res.interference.append(bench.InterferenceRow("2x both", 100, 10.0, 160.0, 3, 100.0))
+    res.interference.append(InterferenceRow("2x both", 100, 10.0, 160.0, 3, 100.0))
     assert res.interference_ratio() == 0.25
     res.ttft_disagg[16] = 30.0
     assert res.hop_ms(16) is None
@@ -49,11 +46,12 @@ def test_interference_ratio_and_hop() -> None:
 
 
 def test_toml_of_a_daemon_config() -> None:
-    text = bench.render_toml(
+    # The daemons' configs are written by the one TOML writer.
+    text = to_toml(
         {"node": {"id": "p", "role": "prefill"}, "cluster": {"seeds": ["127.0.0.1:7"], "x": True}}
     )
     assert text == (
-        '[node]\nid = "p"\nrole = "prefill"\n[cluster]\nseeds = ["127.0.0.1:7"]\nx = true\n'
+        '[node]\nid = "p"\nrole = "prefill"\n\n[cluster]\nseeds = ["127.0.0.1:7"]\nx = true\n'
     )
     with pytest.raises(ValueError, match="None"):
-        bench.render_toml({"a": {"b": None}})
+        to_toml({"a": {"b": None}})

@@ -1,4 +1,5 @@
-"""tools/bench_engine.py, the pure parts: the trace-shaped output lengths and the workload."""
+"""The engine benchmark's inputs (``mooncakectl.bench.engine_bench``, for
+tools/bench_engine.py): the trace-shaped output lengths, the workload, the anchor."""
 
 from __future__ import annotations
 
@@ -6,19 +7,15 @@ import json
 import random
 import statistics
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.conftest import REPO_ROOT, load_tool
+from mooncakectl.bench import engine_bench as bench
+from mooncakectl.bench.engine_bench import AnchorError
+from tests.conftest import REPO_ROOT
 
 
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    return load_tool("bench_engine")
-
-
-def test_built_in_quantiles_follow_the_trace_fixture(bench: ModuleType) -> None:
+def test_built_in_quantiles_follow_the_trace_fixture() -> None:
     # The fixture is the trace's first 200 requests: its median output length
     # lies near the built-in distribution's (both around 350 tokens).
     lines = (REPO_ROOT / "tests/fixtures/conversation_trace_head200.jsonl").read_text()
@@ -29,7 +26,7 @@ def test_built_in_quantiles_follow_the_trace_fixture(bench: ModuleType) -> None:
     assert abs(statistics.median(head) - statistics.median(quantiles)) < 60
 
 
-def test_output_lengths_are_scaled_to_the_longest(bench: ModuleType) -> None:
+def test_output_lengths_are_scaled_to_the_longest() -> None:
     lengths = bench.trace_output_lengths(2000, 256, random.Random(0))
     assert min(lengths) >= 1 and max(lengths) <= 256 * 1249 // 2000 + 1
     # Scaled by 256 / 2000: the trace's median (~350) becomes ~45.
@@ -38,7 +35,7 @@ def test_output_lengths_are_scaled_to_the_longest(bench: ModuleType) -> None:
     assert min(lengths) <= 2 and max(lengths) >= 100
 
 
-def test_workload_is_reproducible(bench: ModuleType) -> None:
+def test_workload_is_reproducible() -> None:
     a = bench.make_workload(16, 8, 40, 128, seed=3, vocab=384)
     b = bench.make_workload(16, 8, 40, 128, seed=3, vocab=384)
     assert a.prompts == b.prompts and a.output_lens == b.output_lens
@@ -46,7 +43,7 @@ def test_workload_is_reproducible(bench: ModuleType) -> None:
     assert a.num_output_tokens == sum(a.output_lens)
 
 
-def test_llamacpp_anchor_file_is_read(bench: ModuleType, tmp_path: Path) -> None:
+def test_llamacpp_anchor_file_is_read(tmp_path: Path) -> None:
     tool = tmp_path / "llama-bench"
     tool.write_text("#!/bin/sh\n")
     tool.chmod(0o755)
@@ -61,20 +58,20 @@ def test_llamacpp_anchor_file_is_read(bench: ModuleType, tmp_path: Path) -> None
     assert anchor.version == "llama-cpp-python 0.3.36, llama.cpp abc123"
 
 
-def test_llamacpp_anchor_errors_name_the_problem(bench: ModuleType, tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="cannot read the anchor file"):
+def test_llamacpp_anchor_errors_name_the_problem(tmp_path: Path) -> None:
+    with pytest.raises(AnchorError, match="cannot read the anchor file"):
         bench.read_anchor(str(tmp_path / "missing.env"))
     env = tmp_path / "anchor.env"
     env.write_text(f"LLAMACPP_ANCHOR_DIR={tmp_path}\nLLAMACPP_BENCH={tmp_path}/nope\n")
-    with pytest.raises(SystemExit, match="LLAMACPP_QUANTIZE"):
+    with pytest.raises(AnchorError, match="LLAMACPP_QUANTIZE"):
         bench.read_anchor(str(env))
     env.write_text(
         f"LLAMACPP_ANCHOR_DIR={tmp_path}\nLLAMACPP_BENCH={tmp_path}/nope\n"
         f"LLAMACPP_QUANTIZE={tmp_path}/nope\n"
     )
-    with pytest.raises(SystemExit, match="not an executable"):
+    with pytest.raises(AnchorError, match="not an executable"):
         bench.read_anchor(str(env))
 
 
-def test_every_precision_has_a_llamacpp_type(bench: ModuleType) -> None:
+def test_every_precision_has_a_llamacpp_type() -> None:
     assert set(bench.LLAMACPP_TYPES) == set(bench.PRECISIONS)

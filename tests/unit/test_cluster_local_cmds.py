@@ -12,16 +12,9 @@ from typing import Any
 import pytest
 
 from mooncakectl.cluster_cmds import request_rows, resolve_node
-from mooncakectl.local import (
-    NodePlan,
-    choose_model,
-    entry_index,
-    node_config,
-    node_cpus,
-    plan_nodes,
-    read_base_config,
-    to_toml,
-)
+from mooncakectl.local.commands import choose_model
+from mooncakectl.local.config import node_config, read_base_config, to_toml
+from mooncakectl.local.plan import NodePlan, entry_index, node_cpus, plan_nodes
 from mooncaked.config import Config, config_from_dict, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +70,7 @@ def test_generated_config_is_valid_and_keeps_the_base(tmp_path: Path) -> None:
         base,
         plan,
         cluster=True,
-        seed="127.0.0.1:17946",
+        seeds=["127.0.0.1:17946"],
         secret="s" * 43,
         # A --config was given: its model (none here: the builtin default).
         model=choose_model(None, str(base_path), io.StringIO()),
@@ -171,7 +164,7 @@ def _cluster_node_config(tmp_path: Path, base: dict[str, dict[str, Any]], **kw: 
         base,
         NodePlan("prefill-0", "prefill", 18000, 0),
         cluster=True,
-        seed="127.0.0.1:17946",
+        seeds=["127.0.0.1:17946"],
         secret="s" * 43,
         model=None,
         data_dir=tmp_path / "data",
@@ -181,9 +174,9 @@ def _cluster_node_config(tmp_path: Path, base: dict[str, dict[str, Any]], **kw: 
 
 
 def test_local_nodes_share_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import mooncakectl.local as local
+    import mooncakectl.local.config as local_config
 
-    monkeypatch.setattr(local, "cores", lambda: 8)
+    monkeypatch.setattr(local_config, "cores", lambda: 8)
 
     def threads(base: dict[str, dict[str, Any]], num_nodes: int) -> int:
         return _cluster_node_config(tmp_path, base, num_nodes=num_nodes).model.cpu_threads

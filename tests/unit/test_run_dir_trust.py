@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from mooncakectl.cli import run
+from mooncakectl.local.plan import free_port
 from mooncakectl.registry import Env
 from mooncakectl.rundir import (
     STATE_FILE,
@@ -138,12 +138,6 @@ def test_run_dir_of_another_user_is_refused(tmp_path: Path) -> None:
     os.chown(theirs, 65534, 65534)
     with pytest.raises(UntrustedPath, match="belongs to uid 65534"):
         open_run_dir(theirs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_up_refuses_to_write_the_secret_into_a_readable_file(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from mooncakectl.simulate.costs import (
 from mooncakectl.simulate.events import EventQueue
 from mooncakectl.simulate.network import Flow, Network
 from mooncakectl.simulate.node import SimRequest
-from mooncakectl.simulate.results import summarize
+from mooncakectl.simulate.results import sim_summary
 from mooncaked.cluster.costs import NodeCosts, StepCost, StepFeatures, prefill_pairs
 from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy
 from mooncaked.cluster.slo import Slo, tbt_s
@@ -121,7 +121,7 @@ def test_chunked_prefill_ttft_tbt_and_cache_hit_by_hand() -> None:
     assert a.done_s == pytest.approx(1.23 + 2 * 0.012)
     assert a.tbt_s == pytest.approx(0.012)
     assert b.done_s == pytest.approx(1.54) and c.done_s == pytest.approx(2.31)
-    s = summarize(res)
+    s = sim_summary(res)
     assert s.completed == 3 and s.rejected == 0
     assert s.local_hit_rate == pytest.approx(500 / 2300)
     # KV moved to d0 for A only (B and C produce one token, on the prefill node).
@@ -141,7 +141,7 @@ def test_early_rejection_on_the_ttft_slo_only_when_enabled() -> None:
     # and C finds nothing cached: 400 + 400 tokens, 0.82 s.
     assert on.requests[1].ttft_s == pytest.approx(0.52)
     assert on.requests[2].ttft_s == pytest.approx(0.82)
-    s = summarize(on)
+    s = sim_summary(on)
     assert s.rejected == 1 and s.rejections == {"ttft_slo": 1}
     # B and C met the 1 s SLO; A was rejected: two of three, both admitted.
     assert s.slo_attainment == pytest.approx(2 / 3)
@@ -166,7 +166,7 @@ def test_a_request_over_the_slo_even_alone_is_served_when_it_need_not_wait() -> 
     assert [r.reject_code for r in res.requests] == [None, "ttft_slo", None]
     assert res.requests[0].ttft_s == pytest.approx(1.03)
     assert res.requests[2].local_cached_tokens == 500
-    s = summarize(res)
+    s = sim_summary(res)
     assert s.late_failures == 1 and s.rejected == 1
 
 
@@ -202,7 +202,7 @@ def test_policies_place_by_their_own_rules_by_hand() -> None:
     assert (cd.prefill_node, cd.local_cached_tokens, cd.fetched_tokens) == ("p1", 0, 1000)
     assert cd.ttft_s == pytest.approx(0.525)
     assert cd.predicted_ttft_s == pytest.approx(0.525)
-    s = summarize(res)
+    s = sim_summary(res)
     assert s.global_hit_rate == pytest.approx(1000 / 3300) and s.local_hit_rate == 0.0
     assert s.bytes_moved["fetch"] == 1000 * 1000
 
@@ -224,7 +224,7 @@ def test_colocated_nodes_serve_what_enters_them() -> None:
     res = run_sim(chunked_trace(), Shape(num_both=3), node(chunk=400))
     for r in res.requests:
         assert r.prefill_node == r.decode_node == r.entry
-    assert summarize(res).bytes_moved == {}
+    assert sim_summary(res).bytes_moved == {}
 
 
 def test_trace_requests_scale_and_clip_as_the_bench_does() -> None:

