@@ -73,8 +73,8 @@ from mooncakectl.local.cluster import LocalCluster
 from mooncakectl.local.plan import NodePlan, plan_cluster
 from mooncakectl.local.process import NodeProcess
 from mooncakectl.registry import Env, ExitStatus
+from mooncaked.wire.headers import PREFILL_NODE_HEADER
 
-PREFILL_NODE_HEADER = "x-mooncaked-prefill-node"
 _START_TIMEOUT_S = 120.0
 # The builtin model's byte tokens; ids below 32 hold its special tokens.
 _TOKEN_LO, _TOKEN_HI = 32, 256
