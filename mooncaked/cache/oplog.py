@@ -50,7 +50,7 @@ import contextlib
 import os
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +59,7 @@ from typing import Any
 import structlog
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES, BlockHash
+from mooncaked.cache.slab import SlabIndex
 from mooncaked.tasks import TaskSet
 
 log = structlog.get_logger(__name__)
@@ -184,30 +185,25 @@ class OpLog:
     """The live log file of one tier: appends on the loop, and a task of its own
     that compacts it and runs fsyncs in the log thread, one job at a time.
 
-    The tier hands it what only the tier knows: its live blocks as
-    ``(slot, hash, data crc)`` least recent first (a compaction's snapshot),
-    how many there are (when to compact), and an fsync of its slab.
+    It reads the tier's slot index (a compaction's snapshot is one PUT per
+    live block, and its size says when to compact) and is handed an fsync of
+    the tier's slab.
     """
 
     def __init__(
         self,
+        slots: SlabIndex,
         path: Path,
         header: bytes,
-        *,
-        live: Callable[[], Iterable[tuple[int, BlockHash, int]]],
-        num_live: Callable[[], int],
         sync_slab: Callable[[], None],
+        *,
         compact_ratio: float,
         compact_min_bytes: int,
         on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
-        self.path = path
-        self.header = header
-        self.compact_ratio = compact_ratio
-        self.compact_min_bytes = compact_min_bytes
-        self._live = live
-        self._num_live = num_live
-        self._sync_slab = sync_slab
+        self._slots, self._sync_slab = slots, sync_slab
+        self.path, self.header = path, header
+        self.compact_ratio, self.compact_min_bytes = compact_ratio, compact_min_bytes
         # Appends, syncs and compactions: one thread of their own, so records
         # never queue behind slab writes (a REMOVE that waits is a crash away
         # from being lost, which costs a block's CRC check later).
@@ -322,12 +318,12 @@ class OpLog:
     def _snapshot(self) -> bytes:
         """The compacted log: header, then one PUT per live block, least recent first."""
         parts = [self.header]
-        for slot, h, crc in self._live():
+        for slot, h, crc in self._slots.live_entries():
             parts.append(encode_record(OP_PUT, slot, h, crc))
         return b"".join(parts)
 
     def _needs_compaction(self) -> bool:
-        live = HEADER_SIZE + self._num_live() * REC_SIZE
+        live = HEADER_SIZE + len(self._slots) * REC_SIZE
         return self.num_bytes > max(self.compact_min_bytes, self.compact_ratio * live)
 
     # -- compaction ----------------------------------------------------------

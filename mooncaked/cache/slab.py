@@ -13,7 +13,7 @@ states and writes the record of each change itself.
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from mooncaked.cache.hashing import BlockHash
 
@@ -82,8 +82,8 @@ class SlabIndex:
             out.append((slot, h, self._slot_crc[slot]))
         return out
 
-    @property
-    def num_blocks(self) -> int:
+    def __len__(self) -> int:
+        """How many blocks are stored."""
         return len(self._index)
 
     @property
@@ -105,6 +105,12 @@ class SlabIndex:
 
     def take_free(self) -> int | None:
         return self._free.pop() if self._free else None
+
+    def _free_slot(self, slot: int) -> None:
+        self._state[slot] = SlotState.FREE
+        self._slot_hash[slot] = None
+        self._slot_crc[slot] = 0
+        self._free.append(slot)
 
     def victim(self) -> int | None:
         """The slot of the least recently used block nobody reads; None if none."""
@@ -167,19 +173,11 @@ class SlabIndex:
             self._free_slot(slot)
         return block_hash
 
-    def _free_slot(self, slot: int) -> None:
-        self._state[slot] = SlotState.FREE
-        self._slot_hash[slot] = None
-        self._slot_crc[slot] = 0
-        self._free.append(slot)
-
     # -- self-check ----------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if the bookkeeping disagrees with itself."""
-        counts = dict.fromkeys(SlotState, 0)
-        for s in self._state:
-            counts[s] += 1
+        counts = Counter(self._state)
         problems: list[str] = []
         if counts[SlotState.FREE] != len(self._free) or len(set(self._free)) != len(self._free):
             problems.append(f"{counts[SlotState.FREE]} free slots, free list {len(self._free)}")

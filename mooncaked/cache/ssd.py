@@ -207,11 +207,10 @@ class SsdTier:
         self._slab_fd = -1
         self._slots = SlabIndex(num_slots)
         self._log = OpLog(
+            self._slots,
             self.path,
             encode_header(block_bytes, self.slot_stride, num_slots, self.layout_tag),
-            live=self._slots.live_entries,
-            num_live=lambda: self._slots.num_blocks,
-            sync_slab=self._sync_slab,
+            self._sync_slab,
             compact_ratio=compact_ratio,
             compact_min_bytes=compact_min_bytes,
             on_failure=on_failure,
@@ -261,7 +260,7 @@ class SsdTier:
             raise
         self._opened = True
         self._log.start()
-        self.report.blocks = self._slots.num_blocks
+        self.report.blocks = len(self._slots)
         log.info(
             "ssd.opened",
             path=str(self.path),
@@ -356,7 +355,7 @@ class SsdTier:
 
     @property
     def num_blocks(self) -> int:
-        return self._slots.num_blocks
+        return len(self._slots)
 
     @property
     def num_free(self) -> int:
@@ -368,13 +367,14 @@ class SsdTier:
         return self._log.num_bytes
 
     @property
-    def num_compactions(self) -> int:
-        return self._log.num_compactions
-
-    @property
     def num_io_errors(self) -> int:
         """Failed slot reads and writes, and failed log appends, compactions and syncs."""
         return self._slot_io_errors + self._log.num_io_errors
+
+    @property
+    def num_compactions(self) -> int:
+        """Log compactions so far; open and close run one each."""
+        return self._log.num_compactions
 
     # -- put / get / remove ------------------------------------------------
 
