@@ -16,6 +16,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mooncaked.cluster.block_index import PrefixMatch
 from mooncaked.cluster.costs import NodeCosts, predicted_tbt_s
 from mooncaked.cluster.holders import LEASABLE_TIERS
 from mooncaked.cluster.placement import (
@@ -43,7 +44,7 @@ from mooncaked.cluster.ranking import (
     tbt_retry_after,
 )
 from mooncaked.cluster.slo import Slo
-from mooncaked.cluster.state import ClusterView, MemberStatus, PrefixMatch
+from mooncaked.cluster.state import ClusterView, MemberStatus
 
 
 @dataclass(frozen=True, slots=True)

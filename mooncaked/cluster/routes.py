@@ -29,8 +29,8 @@ from aiohttp import web
 
 from mooncaked.api.limits import read_json_object
 from mooncaked.cache.hashing import parse_hex_hashes
+from mooncaked.cluster.block_index import ALL_TIERS_MASK, BlockOp, tier_mask
 from mooncaked.cluster.gossip.service import ClusterService, DropPeers
-from mooncaked.cluster.state import ALL_TIERS_MASK, BlockOp, tier_mask
 
 _MAX_HASHES = 1 << 20
 
