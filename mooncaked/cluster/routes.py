@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from mooncaked.api.limits import read_json_object
+from mooncaked.bounds import read_json_object
 from mooncaked.cache.hashing import parse_hex_hashes
 from mooncaked.cluster.block_index import ALL_TIERS_MASK, BlockOp, tier_mask
 from mooncaked.cluster.gossip.service import ClusterService, DropPeers
