@@ -97,30 +97,6 @@ class Pools:
     colocated: bool = False
 
 
-def place(
-    view: ClusterView,
-    request: PlacementRequest,
-    *,
-    rng: random.Random,
-    exclude: frozenset[str] = frozenset(),
-    max_prefill: int | None = None,
-    params: ConductorParams | None = None,
-    slo: Slo | None = None,
-    pending: Mapping[str, PendingLoad] | None = None,
-) -> Placement | Reject:
-    """``decide(...).result``: where to run ``request``, or why not."""
-    return decide(
-        view,
-        request,
-        rng=rng,
-        exclude=exclude,
-        max_prefill=max_prefill,
-        params=params,
-        slo=slo,
-        pending=pending,
-    ).result
-
-
 def decide(
     view: ClusterView,
     request: PlacementRequest,
