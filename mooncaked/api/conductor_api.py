@@ -16,8 +16,8 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mooncaked.api.admin import prompt_token_ids
+from mooncaked.api.limits import BadBody, read_json_object
 from mooncaked.api.openai import ApiError, json_response, parse_slo
-from mooncaked.bounds import BadBody, read_json_object
 from mooncaked.cache.hashing import block_hashes
 from mooncaked.router import RouteError, Router
 
