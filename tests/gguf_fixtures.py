@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.hf_fixtures import perturb, tiny_config
+
 # The 256 byte tokens in GPT-2's printable spelling, then merges, then control tokens.
 MERGES = [
     ("Ġ", "t"),
@@ -79,18 +81,8 @@ def make_hf(kind: str, seed: int) -> Any:
     """A small random transformers model with non-trivial norms and biases."""
     import transformers
 
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        initializer_range=0.1,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
+    common = tiny_config(
+        vocab_size=VOCAB_SIZE, rms_norm_eps=1e-5, bos_token_id=BOS_ID, eos_token_id=EOS_ID
     )
     torch.manual_seed(seed)
     if kind == "llama":
@@ -103,13 +95,7 @@ def make_hf(kind: str, seed: int) -> Any:
         )
     else:
         raise ValueError(f"unknown kind {kind!r}")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    perturb(model, seed)
     return model.eval()
 
 

@@ -29,6 +29,12 @@ CHAT_TEMPLATE = (
 )
 
 
+def plain_prompt(seed: int, n: int) -> list[int]:
+    """``n`` seeded random token ids past 0..5 (unk, bos, eos, role words)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(6, VOCAB_SIZE, (n,), generator=g).tolist()
+
+
 def word_vocab(vocab_size: int = VOCAB_SIZE) -> dict[str, int]:
     words = [UNK, BOS, EOS, "user:", "assistant:", "system:"]
     words += [f"w{i}" for i in range(vocab_size - len(words))]
@@ -60,7 +66,27 @@ def write_tokenizer(model_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
     )
 
 
-def _perturb(model: torch.nn.Module, seed: int) -> None:
+def tiny_config(
+    *, vocab_size: int, rms_norm_eps: float, bos_token_id: int, eos_token_id: int
+) -> dict[str, Any]:
+    """The transformers config fields every tiny test model shares: two layers
+    of width 64, four query heads on two KV heads."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": rms_norm_eps,
+        "initializer_range": 0.1,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+    }
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
     """HF initialises norms to 1 and biases to 0; make them random so loading them counts."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -79,19 +105,7 @@ def make_hf_model(kind: str, model_dir: Path, *, sharded: bool = False, seed: in
     """
     import transformers
 
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    common = tiny_config(vocab_size=VOCAB_SIZE, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     if kind == "llama":
         config = transformers.LlamaConfig(
@@ -121,7 +135,7 @@ def make_hf_model(kind: str, model_dir: Path, *, sharded: bool = False, seed: in
         model = transformers.MistralForCausalLM(config)
     else:
         raise ValueError(f"unknown kind {kind!r}")
-    _perturb(model, seed)
+    perturb(model, seed)
     model.eval()
     model_dir.mkdir(parents=True, exist_ok=True)
     kwargs: dict[str, Any] = {"max_shard_size": "60KB"} if sharded else {}

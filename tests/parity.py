@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mooncaked.engine.loader import LoadedModel
@@ -10,6 +12,12 @@ from mooncaked.engine.runner import ModelRunner
 from mooncaked.request import Request, SamplingParams
 
 BLOCK = 16
+
+
+def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' logits [len(ids), vocab] over one sequence, in float32."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
 
 
 def greedy_logits(

@@ -87,46 +87,73 @@ def _forbidden(message: str, code: str) -> ApiError:
     return ApiError(403, message, type="permission_error", code=code)
 
 
-def browser_guard_middleware(server: ServerConfig, *, node_hosts: Iterable[str] = ()) -> Any:
-    """The checks of the module docstring; ``node_hosts``: more names this node
-    is reached by (the address it announces to its cluster)."""
-    names = set(_LOCAL_NAMES)
-    names.add(socket.gethostname().lower())
-    # A wildcard bind's own address too: the daemon's URL says http://0.0.0.0:port,
-    # and DNS rebinding can only make a browser name a domain.
-    names.update(h.strip("[]").lower() for h in (server.host, *node_hosts) if h)
-    node_names = frozenset(names)
-    allowed_origins = frozenset(split_origin(o) for o in server.allowed_origins)
-    # A Host with no port matches an allowed origin on its scheme's default
-    # port (a proxy in front: https://ops.example.com sends Host ops.example.com).
-    allowed_hosts = frozenset(
-        (host, None if port == ORIGIN_DEFAULT_PORTS[scheme] else port)
-        for scheme, host, port in allowed_origins
-    ) | frozenset((host, port) for _, host, port in allowed_origins)
-    admin_open = not server.admin_token
-    v1_open = not server.api_keys
+class _BrowserGuard:
+    """The checks of the module docstring, with what they compare against."""
 
-    def names_this_node(host: str, port: int | None, request: web.Request) -> bool:
-        if (host, port) in allowed_hosts:
+    __slots__ = ("admin_open", "allowed_hosts", "allowed_origins", "node_names", "v1_open")
+
+    def __init__(self, server: ServerConfig, node_hosts: Iterable[str]) -> None:
+        names = set(_LOCAL_NAMES)
+        names.add(socket.gethostname().lower())
+        # A wildcard bind's own address too: the daemon's URL says http://0.0.0.0:port,
+        # and DNS rebinding can only make a browser name a domain.
+        names.update(h.strip("[]").lower() for h in (server.host, *node_hosts) if h)
+        self.node_names = frozenset(names)
+        allowed_origins = frozenset(split_origin(o) for o in server.allowed_origins)
+        self.allowed_origins = allowed_origins
+        # A Host with no port matches an allowed origin on its scheme's default
+        # port (a proxy in front: https://ops.example.com sends Host ops.example.com).
+        self.allowed_hosts = frozenset(
+            (host, None if port == ORIGIN_DEFAULT_PORTS[scheme] else port)
+            for scheme, host, port in allowed_origins
+        ) | frozenset((host, port) for _, host, port in allowed_origins)
+        self.admin_open = not server.admin_token
+        self.v1_open = not server.api_keys
+
+    def check(self, request: web.Request) -> None:
+        """Raise the ApiError a request gets, if it is one this node refuses."""
+        path = request.path
+        admin = path.startswith("/admin/")
+        if admin and self.admin_open and not is_loopback_peer(request.remote):
+            raise _forbidden(
+                "/admin/ answers other hosts only with an admin token: set "
+                "server.admin_token or MOONCAKED_ADMIN_TOKEN on this node",
+                "admin_not_local",
+            )
+        if admin or path == "/ui" or path.startswith("/ui/"):
+            self.check_host(request)
+        if request.method not in _SAFE_METHODS:
+            if admin or (self.v1_open and path.startswith("/v1/")):
+                self.check_origin(request)
+            if admin and request.content_type != "application/json":
+                raise ApiError(
+                    415,
+                    f"{request.method} {path} needs a JSON body: send 'Content-Type: "
+                    "application/json' (e.g. curl -H 'Content-Type: application/json' -d '{}')",
+                    code="unsupported_media_type",
+                )
+
+    def names_this_node(self, host: str, port: int | None, request: web.Request) -> bool:
+        if (host, port) in self.allowed_hosts:
             return True
         local = _local_address(request)
         if local is None or (80 if port is None else port) != local[1]:
             return False
-        return host in node_names or host == local[0]
+        return host in self.node_names or host == local[0]
 
-    def check_host(request: web.Request) -> None:
+    def check_host(self, request: web.Request) -> None:
         value = request.headers.get("Host")
         if value is None:
             return  # HTTP/1.0 without Host: not a browser
         split = _split_host(value)
-        if split is None or not names_this_node(split[0], split[1], request):
+        if split is None or not self.names_this_node(split[0], split[1], request):
             raise _forbidden(
                 f"Host {ascii(value)[1:-1]!r} does not name this node; address it by its own "
                 "host name or address, or add the origin to server.allowed_origins",
                 "host_not_allowed",
             )
 
-    def check_origin(request: web.Request) -> None:
+    def check_origin(self, request: web.Request) -> None:
         if request.headers.get("Sec-Fetch-Site", "").lower() == "cross-site":
             raise _forbidden(
                 f"{request.method} {request.path} is refused from a cross-site page",
@@ -139,9 +166,9 @@ def browser_guard_middleware(server: ServerConfig, *, node_hosts: Iterable[str] 
             scheme, host, port = split_origin(origin)
         except ValueError:
             scheme, host, port = "", "", -1
-        if (scheme, host, port) in allowed_origins:
+        if (scheme, host, port) in self.allowed_origins:
             return
-        if scheme == "http" and names_this_node(host, port, request):
+        if scheme == "http" and self.names_this_node(host, port, request):
             return
         raise _forbidden(
             f"{request.method} {request.path} is refused from origin {ascii(origin)[1:-1]!r}, "
@@ -149,30 +176,17 @@ def browser_guard_middleware(server: ServerConfig, *, node_hosts: Iterable[str] 
             "cross_origin_request",
         )
 
+
+def browser_guard_middleware(server: ServerConfig, *, node_hosts: Iterable[str] = ()) -> Any:
+    """The checks of the module docstring; ``node_hosts``: more names this node
+    is reached by (the address it announces to its cluster)."""
+    guard = _BrowserGuard(server, node_hosts)
+
     @web.middleware
     async def middleware(
         request: web.Request, handler: Callable[[web.Request], Any]
     ) -> web.StreamResponse:
-        path = request.path
-        admin = path.startswith("/admin/")
-        if admin and admin_open and not is_loopback_peer(request.remote):
-            raise _forbidden(
-                "/admin/ answers other hosts only with an admin token: set "
-                "server.admin_token or MOONCAKED_ADMIN_TOKEN on this node",
-                "admin_not_local",
-            )
-        if admin or path == "/ui" or path.startswith("/ui/"):
-            check_host(request)
-        if request.method not in _SAFE_METHODS:
-            if admin or (v1_open and path.startswith("/v1/")):
-                check_origin(request)
-            if admin and request.content_type != "application/json":
-                raise ApiError(
-                    415,
-                    f"{request.method} {path} needs a JSON body: send 'Content-Type: "
-                    "application/json' (e.g. curl -H 'Content-Type: application/json' -d '{}')",
-                    code="unsupported_media_type",
-                )
+        guard.check(request)
         return await handler(request)
 
     return middleware

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from mooncaked.api.limits import BadQuery, query_int
+from mooncaked.bounds import BadQuery, query_int
 
 DEFAULT_CAPACITY = 128
 # Largest ?limit= taken; any limit past the ring's capacity returns it all.

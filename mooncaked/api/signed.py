@@ -14,7 +14,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from mooncaked.api.limits import MAX_JSON_DEPTH, BadBody, read_body, too_deep
+from mooncaked.bounds import MAX_JSON_DEPTH, BadBody, read_body, too_deep
 from mooncaked.rpc import Verifier
 from mooncaked.wire.errors import ErrorAnswer
 

@@ -15,7 +15,6 @@ SSD writes finish, the SSD log is appended and synced).
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import structlog
@@ -75,12 +74,7 @@ class KVCache:
         await self.store.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         try:
             await self.fetcher.close()
             self.desk.close()

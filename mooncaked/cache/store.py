@@ -10,15 +10,20 @@ lacks:
   blocks it loaded: a block can vanish between lookup and load, and the
   caller computes the rest.
 - ``offload(hashes, src)``: device -> DRAM in the background after a prefill
-  or when a request finishes. The queue is bounded: a full queue drops the
-  request (counted) and returns None, so the engine never waits on the cache.
-  The returned future resolves once the source blocks have been copied: only
-  then may the engine reuse them.
+  or when a request finishes (``cache/offload.py``). The queue is bounded: a
+  full queue drops the request (counted) and returns None, so the engine never
+  waits on the cache. The returned future resolves once the source blocks have
+  been copied: only then may the engine reuse them.
 
 Blocks move down on their own: with ``ssd_write_through`` every block stored in
 DRAM is also written to the SSD in the background, and a block evicted from
 DRAM that the SSD lacks is copied out (demoted) before its slot is reused.
-Both go through one bounded SSD write queue; a full queue drops (and counts).
+Both go through one bounded SSD write queue (``cache/ssd_writer.py``); a full
+queue drops (and counts).
+
+Sources and targets (``DeviceBlocks`` or host rows) and the copies between
+them and DRAM slots are ``cache/buffers.py``'s; the counters are
+``cache/stats.py``'s. This module re-exports the names its callers use.
 
 Every tier change is reported to ``on_block_event(hash, tier, stored)`` (the
 cluster-wide block index listens).
@@ -38,36 +43,41 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
 import structlog
 import torch
 
+from mooncaked.cache.buffers import (
+    BlockBuffer,
+    DeviceBlocks,
+    Source,
+    check_buffer,
+    copy_out,
+)
 from mooncaked.cache.dram import (
     BlockLayout,
     Clock,
     DramPool,
-    KVCaches,
     Lease,
     gather_blocks,
     physical_memory_bytes,
     scatter_blocks,
 )
 from mooncaked.cache.hashing import BlockHash
+from mooncaked.cache.offload import Offloader
 from mooncaked.cache.ssd import SsdTier
+from mooncaked.cache.ssd_writer import NO_DEADLINE, SsdWriter
+from mooncaked.cache.stats import StoreStats, TierStats
 from mooncaked.cache.tiers import Tier
 from mooncaked.config import StoreConfig
 from mooncaked.tasks import TaskSet
 
 log = structlog.get_logger(__name__)
-
-_J = TypeVar("_J")
 
 __all__ = [
     "BlockEventListener",
@@ -89,22 +99,6 @@ BlockEventListener = Callable[[BlockHash, Tier, bool], None]
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceBlocks:
-    """Blocks of a device KV cache: the source of an offload or the target of a load.
-
-    ``block_ids[i]`` pairs with ``hashes[i]`` of the call it is passed to.
-    """
-
-    kv_caches: KVCaches
-    block_ids: Sequence[int]
-
-
-# A uint8 [n, block_bytes] host tensor works as a source or target too (row i
-# pairs with hashes[i]).
-BlockBuffer = DeviceBlocks | torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
 class StoreHit:
     """The longest cached prefix of a lookup: ``tiers[i]`` holds block ``i``."""
 
@@ -116,46 +110,6 @@ class StoreHit:
 
     def num_in(self, tier: Tier) -> int:
         return sum(1 for t in self.tiers if t is tier)
-
-
-@dataclass(slots=True)
-class TierStats:
-    # Lookups: blocks of the usable prefix found here / looked for here and not found.
-    hits: int = 0
-    misses: int = 0
-    # Loads: bytes served out of this tier; stores: bytes written into it.
-    bytes_read: int = 0
-    bytes_written: int = 0
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    evictions: int = 0
-    # Gauges, filled by stats().
-    used_blocks: int = 0
-    capacity_blocks: int = 0
-    block_bytes: int = 0
-
-    @property
-    def hit_ratio(self) -> float:
-        asked = self.hits + self.misses
-        return self.hits / asked if asked else 0.0
-
-
-@dataclass(slots=True)
-class StoreStats:
-    dram: TierStats = field(default_factory=TierStats)
-    ssd: TierStats = field(default_factory=TierStats)
-    loads: int = 0
-    blocks_loaded: int = 0
-    offloads: int = 0
-    offloads_dropped: int = 0
-    ssd_writes_queued: int = 0
-    ssd_writes_dropped: int = 0
-    ssd_demotions: int = 0
-    ssd_corrupt_dropped: int = 0
-    ssd_io_errors: int = 0
-    dram_leases: int = 0
-    dram_expired_leases: int = 0
-    event_listener_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,27 +127,6 @@ class Reservation:
     @property
     def num_blocks(self) -> int:
         return len(self.slots)
-
-
-@dataclass(slots=True)
-class _OffloadJob:
-    hashes: list[BlockHash]
-    src: BlockBuffer
-    future: asyncio.Future[int]
-    generation: int
-
-
-@dataclass(slots=True)
-class _SsdJob:
-    block_hash: BlockHash
-    # None: read the bytes from the block's DRAM slot when the job runs. An
-    # eviction before then attaches a copy here (the slot is about to be reused).
-    data: torch.Tensor | None = None
-
-
-# Internal readers (local loads, the SSD writer) end their leases in `finally`;
-# only peers need a deadline.
-_NO_DEADLINE = math.inf
 
 
 class TieredStore:
@@ -241,10 +174,10 @@ class TieredStore:
                 on_removed=self._ssd_removed,
                 on_failure=on_failure,
             )
-        self._offload_q: asyncio.Queue[_OffloadJob | None] = asyncio.Queue(config.offload_queue)
-        self._ssd_q: asyncio.Queue[_SsdJob | None] = asyncio.Queue(config.ssd_write_queue)
-        # Queued SSD writes by hash: dedupes them, and lets an eviction attach bytes.
-        self._ssd_jobs: dict[BlockHash, _SsdJob] = {}
+        self._ssd_writer = SsdWriter(self.dram, self.ssd, self._stats, config)
+        self._offloader = Offloader(
+            self.dram, self._ssd_writer, self._stats, config.offload_queue, self._run_copy
+        )
         self._tasks = TaskSet("store", on_failure=on_failure)
         self._workers: list[asyncio.Task[None]] = []
         self._copy_executor: ThreadPoolExecutor | None = None
@@ -270,10 +203,10 @@ class TieredStore:
         if self.ssd is not None:
             await self.ssd.open()
         self._copy_executor = ThreadPoolExecutor(2, thread_name_prefix="store-copy")
-        self._workers.append(self._spawn(self._offload_loop(), "store-offload"))
+        self._workers.append(self._spawn(self._offloader.serve(), "store-offload"))
         if self.ssd is not None:
             for i in range(max(1, self.config.ssd_io_threads // 2)):
-                self._workers.append(self._spawn(self._ssd_write_loop(), f"store-ssd-writer-{i}"))
+                self._workers.append(self._spawn(self._ssd_writer.serve(), f"store-ssd-writer-{i}"))
         self._started = True
         log.info(
             "store.started",
@@ -294,11 +227,11 @@ class TieredStore:
             return
         self._closing = True
         try:
-            await self._offload_q.put(None)
+            await self._offloader.stop_one()
             if self._workers:
                 await self._workers[0]
             for _ in self._workers[1:]:
-                await self._ssd_q.put(None)
+                await self._ssd_writer.stop_one()
             for task in self._workers[1:]:
                 await task
         finally:
@@ -366,7 +299,7 @@ class TieredStore:
         are untouched. If the caller is cancelled, ``dst`` is undefined.
         """
         self._check_started()
-        self._check_buffer(dst, len(hashes), "dst")
+        check_buffer(dst, len(hashes), "dst", self.layout)
         if not hashes:
             return 0
         dram = self.dram
@@ -375,19 +308,14 @@ class TieredStore:
         plan = self._tiers_of_prefix(hashes)
         if not plan:
             return 0
-        dram_hashes = [h for h, t in zip(hashes, plan, strict=False) if t is Tier.DRAM]
         leases: list[Lease] = []
-        if dram_hashes:
-            lease = dram.lease(dram_hashes, owner, _NO_DEADLINE)
-            if lease is None or lease.num_blocks != len(dram_hashes):
-                raise RuntimeError("DRAM blocks vanished between the check and the lease")
-            leases.append(lease)
+        self._lease_in_dram(hashes, plan, owner, leases)
         try:
             sources = await self._promote_from_ssd(hashes, plan, leases, owner)
             n = len(sources)
             if n == 0:
                 return 0
-            await self._run_copy(self._copy_out, sources, dst)
+            await self._run_copy(copy_out, sources, dram, dst)
         finally:
             for lease in leases:
                 dram.release(lease)
@@ -405,14 +333,14 @@ class TieredStore:
         plan: list[Tier],
         leases: list[Lease],
         owner: str,
-    ) -> list[tuple[Tier, int | torch.Tensor]]:
+    ) -> list[Source]:
         """Read the plan's SSD blocks; each block's source: (tier it came from,
         DRAM slot or staging row). Cut at the first block that failed."""
         dram, ssd = self.dram, self.ssd
         dram_slots = iter(leases[0].slot_ids) if leases else iter(())
         # (index in hashes, hash, DRAM slot or None, buffer read into)
         reads: list[tuple[int, BlockHash, int | None, torch.Tensor]] = []
-        sources: list[tuple[Tier, int | torch.Tensor]] = []
+        sources: list[Source] = []
         for i, (h, tier) in enumerate(zip(hashes, plan, strict=False)):
             if tier is Tier.DRAM:
                 sources.append((Tier.DRAM, next(dram_slots)))
@@ -470,39 +398,32 @@ class TieredStore:
                 committed.append(h)
             else:
                 self.dram.abort(slot)
-        if leases is not None and committed:
-            lease = self.dram.lease(committed, owner, _NO_DEADLINE)
-            if lease is None or lease.num_blocks != len(committed):
-                raise RuntimeError("promoted DRAM blocks vanished before their lease")
-            leases.append(lease)
+        if leases is not None:
+            self._lease_all(
+                committed, owner, leases, "promoted DRAM blocks vanished before their lease"
+            )
         return cut
 
-    def _copy_out(self, sources: list[tuple[Tier, int | torch.Tensor]], dst: BlockBuffer) -> None:
-        """Worker thread: sources (DRAM slots or staging buffers) -> dst rows 0..n-1."""
-        slot_pos: list[int] = []
-        slot_ids: list[int] = []
-        staged_pos: list[int] = []
-        staged_bufs: list[torch.Tensor] = []
-        for i, (_, src) in enumerate(sources):
-            if isinstance(src, int):
-                slot_pos.append(i)
-                slot_ids.append(src)
-            else:
-                staged_pos.append(i)
-                staged_bufs.append(src)
-        staged = torch.stack(staged_bufs) if staged_bufs else None
-        if isinstance(dst, DeviceBlocks):
-            if slot_pos:
-                scatter_blocks(
-                    dst.kv_caches, [dst.block_ids[i] for i in slot_pos], self.dram.slots, slot_ids
-                )
-            if staged is not None:
-                scatter_blocks(dst.kv_caches, [dst.block_ids[i] for i in staged_pos], staged)
+    def _lease_in_dram(
+        self, hashes: Sequence[BlockHash], plan: list[Tier], owner: str, leases: list[Lease]
+    ) -> None:
+        """Lease the blocks ``plan`` finds in DRAM into ``leases``."""
+        dram_hashes = [h for h, t in zip(hashes, plan, strict=False) if t is Tier.DRAM]
+        self._lease_all(
+            dram_hashes, owner, leases, "DRAM blocks vanished between the check and the lease"
+        )
+
+    def _lease_all(
+        self, hashes: list[BlockHash], owner: str, leases: list[Lease], vanished: str
+    ) -> None:
+        """Lease every one of ``hashes`` (all checked in DRAM, in this step on the
+        loop) into ``leases``; RuntimeError ``vanished`` if one is not there."""
+        if not hashes:
             return
-        if slot_pos:
-            _copy_rows(self.dram.slots, slot_ids, dst, slot_pos)
-        if staged is not None:
-            _copy_rows(staged, list(range(len(staged_pos))), dst, staged_pos)
+        lease = self.dram.lease(hashes, owner, NO_DEADLINE)
+        if lease is None or lease.num_blocks != len(hashes):
+            raise RuntimeError(vanished)
+        leases.append(lease)
 
     async def promote(self, hashes: Sequence[BlockHash], *, owner: str = "promote") -> int:
         """Read the SSD blocks of the cached prefix of ``hashes`` into DRAM; how
@@ -519,12 +440,7 @@ class TieredStore:
         if Tier.SSD in plan:
             # Leased while the SSD reads run, so allocating slots for them
             # cannot evict the DRAM blocks of the same prefix.
-            dram_hashes = [h for h, t in zip(hashes, plan, strict=False) if t is Tier.DRAM]
-            if dram_hashes:
-                lease = dram.lease(dram_hashes, owner, _NO_DEADLINE)
-                if lease is None or lease.num_blocks != len(dram_hashes):
-                    raise RuntimeError("DRAM blocks vanished between the check and the lease")
-                leases.append(lease)
+            self._lease_in_dram(hashes, plan, owner, leases)
             try:
                 await self._promote_from_ssd(hashes, plan, leases, owner)
             finally:
@@ -573,8 +489,8 @@ class TieredStore:
                 continue
             h = self.dram.commit(slot)
             self._stats.dram.bytes_written += self.block_bytes
-            if self.config.ssd_write_through and not self._closing:
-                self._queue_ssd_write(h, None)
+            if not self._closing:
+                self._ssd_writer.stored_in_dram(h)
         return num_filled
 
     def abort_reserved(self, reservation: Reservation) -> None:
@@ -591,146 +507,13 @@ class TieredStore:
         already cached are only marked as recently used.
         """
         self._check_started()
-        self._check_buffer(src, len(hashes), "src")
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[int] = loop.create_future()
-        todo = [h for h in hashes if not self.dram.has(h)]
-        self.dram.touch(hashes)
-        if not todo:
-            fut.set_result(0)
-            return fut
-        job = _OffloadJob(list(hashes), src, fut, self._generation)
-        try:
-            self._offload_q.put_nowait(job)
-        except asyncio.QueueFull:
-            self._stats.offloads_dropped += 1
-            return None
-        self._stats.offloads += 1
-        return fut
-
-    async def _offload_loop(self) -> None:
-        await _serve_queue(self._offload_q, self._offload_job, "store.offload_failed")
-
-    async def _offload_job(self, job: _OffloadJob) -> None:
-        try:
-            stored = await self._offload_one(job)
-        except Exception as exc:
-            if not job.future.done():
-                job.future.set_exception(exc)
-                # Retrieved here: a caller may have dropped the future.
-                job.future.exception()
-            raise
-        if not job.future.done():
-            job.future.set_result(stored)
-
-    async def _offload_one(self, job: _OffloadJob) -> int:
-        dram, ssd = self.dram, self.ssd
-        rows: list[int] = []
-        slots: list[int] = []
-        # Blocks that found no DRAM slot (every slot leased or being filled, or
-        # no DRAM tier): written straight to the SSD from a staging copy, so a
-        # prefix longer than DRAM keeps its head in DRAM and its tail on SSD.
-        overflow: list[int] = []
-        seen: set[BlockHash] = set()
-        for i, h in enumerate(job.hashes):
-            if h in seen or dram.has(h):
-                continue
-            seen.add(h)
-            slot = dram.allocate(h) if not overflow else None
-            if slot is not None:
-                rows.append(i)
-                slots.append(slot)
-            elif ssd is not None and not ssd.has(h) and h not in self._ssd_jobs:
-                overflow.append(i)
-        staged = torch.empty((len(overflow), self.block_bytes), dtype=torch.uint8)
-        try:
-            await self._run_copy(self._copy_in, job.src, rows, slots, overflow, staged)
-        except BaseException:
-            for slot in slots:
-                dram.abort(slot)
-            raise
-        if job.generation != self._generation:
-            # clear() ran while the bytes were copied.
-            for slot in slots:
-                dram.abort(slot)
-            return 0
-        for slot in slots:
-            h = dram.commit(slot)
-            self._stats.dram.bytes_written += self.block_bytes
-            if self.config.ssd_write_through:
-                self._queue_ssd_write(h, None)
-        queued = sum(
-            self._queue_ssd_write(job.hashes[i], staged[j]) for j, i in enumerate(overflow)
-        )
-        return len(slots) + queued
-
-    def _copy_in(
-        self,
-        src: BlockBuffer,
-        rows: list[int],
-        slots: list[int],
-        overflow: list[int],
-        staged: torch.Tensor,
-    ) -> None:
-        """Worker thread: src rows -> DRAM slots, overflow rows -> staging rows."""
-        for src_rows, out, out_rows in ((rows, self.dram.slots, slots), (overflow, staged, None)):
-            if not src_rows:
-                continue
-            if isinstance(src, DeviceBlocks):
-                gather_blocks(src.kv_caches, [src.block_ids[i] for i in src_rows], out, out_rows)
-            else:
-                _copy_rows(src, src_rows, out, out_rows or list(range(len(src_rows))))
+        check_buffer(src, len(hashes), "src", self.layout)
+        return self._offloader.submit(hashes, src)
 
     async def _run_copy(self, fn: Callable[..., None], *args: Any) -> None:
         if self._copy_executor is None:
             raise RuntimeError("TieredStore is not running")
         await asyncio.get_running_loop().run_in_executor(self._copy_executor, fn, *args)
-
-    # -- SSD writes --------------------------------------------------------
-
-    def _queue_ssd_write(self, block_hash: BlockHash, data: torch.Tensor | None) -> bool:
-        ssd = self.ssd
-        if ssd is None or ssd.has(block_hash):
-            return False
-        job = self._ssd_jobs.get(block_hash)
-        if job is not None:
-            if job.data is None and data is not None:
-                job.data = data
-            return True
-        job = _SsdJob(block_hash, data)
-        try:
-            self._ssd_q.put_nowait(job)
-        except asyncio.QueueFull:
-            self._stats.ssd_writes_dropped += 1
-            return False
-        self._ssd_jobs[block_hash] = job
-        self._stats.ssd_writes_queued += 1
-        return True
-
-    async def _ssd_write_loop(self) -> None:
-        # One failed write loses one block; the writer keeps going.
-        await _serve_queue(self._ssd_q, self._ssd_job, "store.ssd_write_failed")
-
-    async def _ssd_job(self, job: _SsdJob) -> None:
-        if self._ssd_jobs.get(job.block_hash) is not job:
-            return  # dropped by clear()
-        del self._ssd_jobs[job.block_hash]
-        await self._write_to_ssd(job)
-
-    async def _write_to_ssd(self, job: _SsdJob) -> None:
-        ssd = self.ssd
-        if ssd is None or ssd.has(job.block_hash):
-            return
-        if job.data is not None:
-            await ssd.put(job.block_hash, job.data)
-            return
-        lease = self.dram.lease([job.block_hash], "ssd-writer", _NO_DEADLINE)
-        if lease is None:
-            return  # removed from DRAM (not evicted: that would have attached a copy)
-        try:
-            await ssd.put(job.block_hash, self.dram.slot(lease.slot_ids[0]))
-        finally:
-            self.dram.release(lease)
 
     # -- tier events -------------------------------------------------------
 
@@ -742,24 +525,8 @@ class TieredStore:
         self._stats.dram.blocks_removed += 1
         if evicted:
             self._stats.dram.evictions += 1
-            self._demote(block_hash, slot)
+            self._ssd_writer.demote(block_hash, slot)
         self._emit(block_hash, Tier.DRAM, False)
-
-    def _demote(self, block_hash: BlockHash, slot: int) -> None:
-        """An evicted DRAM block the SSD lacks: copy it out before its slot is reused."""
-        ssd = self.ssd
-        if ssd is None or ssd.has(block_hash):
-            return
-        job = self._ssd_jobs.get(block_hash)
-        if job is not None and job.data is not None:
-            return
-        if job is None and self._ssd_q.full():
-            self._stats.ssd_writes_dropped += 1
-            return
-        # A synchronous copy of one block: the slot is reused right after this
-        # returns, and a copy is cheaper than making the allocator wait.
-        if self._queue_ssd_write(block_hash, self.dram.slot(slot).clone()):
-            self._stats.ssd_demotions += 1
 
     def _ssd_stored(self, block_hash: BlockHash) -> None:
         self._stats.ssd.blocks_stored += 1
@@ -789,13 +556,8 @@ class TieredStore:
         write; how many blocks were dropped. Offloads in flight store nothing."""
         self._check_started()
         self._generation += 1
-        while not self._offload_q.empty():
-            job = self._offload_q.get_nowait()
-            self._offload_q.task_done()
-            if job is not None and not job.future.done():
-                job.future.set_result(0)
-        # Queued SSD jobs are skipped by the writers once unregistered.
-        self._ssd_jobs.clear()
+        self._offloader.clear()
+        self._ssd_writer.clear()
         removed = self.dram.clear()
         if self.ssd is not None:
             removed += await self.ssd.clear()
@@ -826,63 +588,12 @@ class TieredStore:
         self.dram.check_integrity()
         if self.ssd is not None:
             self.ssd.check_integrity()
-        if len(self._ssd_jobs) > self._ssd_q.qsize():
-            raise RuntimeError(
-                f"{len(self._ssd_jobs)} SSD jobs registered but {self._ssd_q.qsize()} queued"
-            )
+        self._ssd_writer.check_integrity()
 
     async def flush(self) -> None:
         """Wait until every queued offload is in DRAM and every queued SSD write is
         on the SSD (in its log, not yet fsynced: ``ssd.sync()`` does that)."""
         self._check_started()
         # Offloads first: they queue SSD writes.
-        await self._offload_q.join()
-        await self._ssd_q.join()
-
-    # -- helpers -------------------------------------------------------------
-
-    def _check_buffer(self, buf: BlockBuffer, n: int, name: str) -> None:
-        if isinstance(buf, DeviceBlocks):
-            if len(buf.block_ids) != n:
-                raise ValueError(f"{name} has {len(buf.block_ids)} block ids for {n} hashes")
-            self.layout.check_kv_caches(buf.kv_caches)
-            return
-        if not isinstance(buf, torch.Tensor):
-            raise ValueError(f"{name} must be DeviceBlocks or a uint8 tensor, got {type(buf)}")
-        if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != self.block_bytes:
-            raise ValueError(
-                f"{name} must be a uint8 tensor [n, {self.block_bytes}], "
-                f"got {buf.dtype} {tuple(buf.shape)}"
-            )
-        if buf.shape[0] != n:
-            raise ValueError(f"{name} has {buf.shape[0]} rows for {n} hashes")
-        if buf.device.type != "cpu":
-            raise ValueError(f"{name} as a tensor must be on the CPU; use DeviceBlocks otherwise")
-
-
-async def _serve_queue(
-    queue: asyncio.Queue[_J | None], handle: Callable[[_J], Awaitable[None]], event: str
-) -> None:
-    """A worker: handle each job until a None arrives; a failed job is logged and
-    the worker goes on (``queue.join()`` counts every job, failed or not)."""
-    while True:
-        job = await queue.get()
-        try:
-            if job is None:
-                return
-            await handle(job)
-        except Exception as exc:
-            log.error(event, error=repr(exc), exc_info=exc)
-        finally:
-            queue.task_done()
-
-
-def _copy_rows(
-    src: torch.Tensor, src_rows: list[int], dst: torch.Tensor, dst_rows: list[int]
-) -> None:
-    """dst[dst_rows] = src[src_rows] for uint8 [n, block_bytes] host tensors."""
-    # numpy's fancy indexing copies rows at memcpy speed; torch's index ops
-    # are several times slower on CPU (tools/bench_cache.py).
-    s = src.numpy()
-    d = dst.numpy()
-    d[np.asarray(dst_rows, dtype=np.intp)] = s[np.asarray(src_rows, dtype=np.intp)]
+        await self._offloader.join()
+        await self._ssd_writer.join()

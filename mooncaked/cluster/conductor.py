@@ -16,6 +16,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from mooncaked.cluster.block_index import PrefixMatch
 from mooncaked.cluster.costs import NodeCosts, predicted_tbt_s
 from mooncaked.cluster.holders import LEASABLE_TIERS
 from mooncaked.cluster.placement import (
@@ -43,7 +44,7 @@ from mooncaked.cluster.ranking import (
     tbt_retry_after,
 )
 from mooncaked.cluster.slo import Slo
-from mooncaked.cluster.state import ClusterView, MemberStatus, PrefixMatch
+from mooncaked.cluster.state import ClusterView, MemberStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,30 +95,6 @@ class Pools:
     prefill: list[CandidateNode]
     decode: list[CandidateNode]
     colocated: bool = False
-
-
-def place(
-    view: ClusterView,
-    request: PlacementRequest,
-    *,
-    rng: random.Random,
-    exclude: frozenset[str] = frozenset(),
-    max_prefill: int | None = None,
-    params: ConductorParams | None = None,
-    slo: Slo | None = None,
-    pending: Mapping[str, PendingLoad] | None = None,
-) -> Placement | Reject:
-    """``decide(...).result``: where to run ``request``, or why not."""
-    return decide(
-        view,
-        request,
-        rng=rng,
-        exclude=exclude,
-        max_prefill=max_prefill,
-        params=params,
-        slo=slo,
-        pending=pending,
-    ).result
 
 
 def decide(

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from mooncaked.cluster.state import BlockEvent, BlockOp
+from mooncaked.cluster.block_index import BlockEvent, BlockOp
 
 if TYPE_CHECKING:
     from mooncaked.cache.hashing import BlockHash

@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from mooncaked.cache.tiers import Tier
-from mooncaked.cluster.state import ClusterView, MemberStatus, tier_mask
+from mooncaked.cluster.block_index import tier_mask
+from mooncaked.cluster.state import ClusterView, MemberStatus
 
 if TYPE_CHECKING:
     from mooncaked.cache.hashing import BlockHash

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from mooncaked.cluster.block_index import BlockEvent, BlockOp
 from mooncaked.cluster.events import BlockEventBatcher
 from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.load import LoadMeter
-from mooncaked.cluster.state import BlockEvent, BlockOp, ClusterView
+from mooncaked.cluster.state import ClusterView
 from mooncaked.cluster.status import ClusterSnapshot, cluster_snapshot
 from mooncaked.config import ClusterConfig
 
@@ -79,12 +79,7 @@ class ClusterMember:
             raise
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self._detach_block_events()
         try:
             await self.service.leave()

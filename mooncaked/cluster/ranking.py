@@ -14,6 +14,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from mooncaked.cluster.block_index import PrefixMatch
 from mooncaked.cluster.costs import NodeCosts, predicted_tbt_s, transfer_s
 from mooncaked.cluster.forecast import DecodeForecast
 from mooncaked.cluster.placement import (
@@ -25,7 +26,7 @@ from mooncaked.cluster.placement import (
     Policy,
 )
 from mooncaked.cluster.slo import Slo
-from mooncaked.cluster.state import ClusterView, MemberStatus, NodeLoad, PrefixMatch
+from mooncaked.cluster.state import ClusterView, MemberStatus, NodeLoad
 
 
 def _fields_json(obj: object) -> dict[str, object]:

@@ -21,16 +21,16 @@ With ``test_hooks`` (off unless a flag asks for them; never in production):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from mooncaked.api.limits import read_json_object
+from mooncaked.bounds import read_json_object
 from mooncaked.cache.hashing import parse_hex_hashes
+from mooncaked.cluster.block_index import ALL_TIERS_MASK, BlockOp, tier_mask
 from mooncaked.cluster.gossip.service import ClusterService, DropPeers
-from mooncaked.cluster.state import ALL_TIERS_MASK, BlockOp, tier_mask
 
 _MAX_HASHES = 1 << 20
 
@@ -76,20 +76,26 @@ def _unavailable() -> web.Response:
 ServiceRef = ClusterService | Callable[[], ClusterService | None]
 
 
-def cluster_routes(service: ServiceRef, *, test_hooks: bool = False) -> list[web.RouteDef]:
-    def get_service() -> ClusterService | None:
-        return service if isinstance(service, ClusterService) else service()
+# A route's handler, given the running service.
+ServiceHandler = Callable[[web.Request, ClusterService], Awaitable[web.Response]]
 
-    async def cluster(_request: web.Request) -> web.Response:
-        svc = get_service()
-        if svc is None:
-            return _unavailable()
+
+def cluster_routes(service: ServiceRef, *, test_hooks: bool = False) -> list[web.RouteDef]:
+    def with_service(handler: ServiceHandler) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """``handler`` with the running service, or a 503 while there is none."""
+
+        async def route(request: web.Request) -> web.Response:
+            svc = service if isinstance(service, ClusterService) else service()
+            if svc is None:
+                return _unavailable()
+            return await handler(request, svc)
+
+        return route
+
+    async def cluster(_request: web.Request, svc: ClusterService) -> web.Response:
         return _json(svc.view.to_json())
 
-    async def prefix(request: web.Request) -> web.Response:
-        svc = get_service()
-        if svc is None:
-            return _unavailable()
+    async def prefix(request: web.Request, svc: ClusterService) -> web.Response:
         try:
             data = await _body(request)
             hashes = _hashes(data, "hashes")
@@ -104,10 +110,7 @@ def cluster_routes(service: ServiceRef, *, test_hooks: bool = False) -> list[web
             }
         )
 
-    async def test_blocks(request: web.Request) -> web.Response:
-        svc = get_service()
-        if svc is None:
-            return _unavailable()
+    async def test_blocks(request: web.Request, svc: ClusterService) -> web.Response:
         try:
             data = await _body(request)
             tier = data.get("tier", "dram")
@@ -120,10 +123,7 @@ def cluster_routes(service: ServiceRef, *, test_hooks: bool = False) -> list[web
             return _bad(str(exc))
         return _json({"changed": changed})
 
-    async def test_drop_peers(request: web.Request) -> web.Response:
-        svc = get_service()
-        if svc is None:
-            return _unavailable()
+    async def test_drop_peers(request: web.Request, svc: ClusterService) -> web.Response:
         try:
             data = await _body(request)
         except ValueError as exc:
@@ -135,12 +135,12 @@ def cluster_routes(service: ServiceRef, *, test_hooks: bool = False) -> list[web
         return _json({"blocked": sorted(peers)})
 
     routes = [
-        web.get("/admin/cluster", cluster),
-        web.post("/admin/cluster/prefix", prefix),
+        web.get("/admin/cluster", with_service(cluster)),
+        web.post("/admin/cluster/prefix", with_service(prefix)),
     ]
     if test_hooks:
         routes += [
-            web.post("/admin/test/blocks", test_blocks),
-            web.post("/admin/test/drop_peers", test_drop_peers),
+            web.post("/admin/test/blocks", with_service(test_blocks)),
+            web.post("/admin/test/drop_peers", with_service(test_drop_peers)),
         ]
     return routes

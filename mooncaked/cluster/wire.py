@@ -32,9 +32,10 @@ from typing import Any
 import orjson
 
 from mooncaked.cache.hashing import BLOCK_HASH_BYTES
+from mooncaked.cluster.block_index import ALL_TIERS_MASK, BlockDelta
 from mooncaked.cluster.costs import MAX_LINKS, NodeCosts, StepCost
 from mooncaked.cluster.forecast import FORECAST_HORIZONS_S, DecodeForecast
-from mooncaked.cluster.state import ALL_TIERS_MASK, BlockDelta, NodeLoad, NodeState
+from mooncaked.cluster.state import NodeLoad, NodeState
 
 MAC_BYTES = 16
 MAGIC = b"MG"

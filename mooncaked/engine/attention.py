@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -224,24 +224,46 @@ def _decode_group(
     )
 
 
-class AttentionBackend(Protocol):
+class PagedKV(NamedTuple):
+    """One layer's K/V in a step: its new rows ([T, KVH, D]) and the layer's
+    paged cache ([num_blocks, block_size, KVH, D]) they are written into."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+class AttentionBackend:
+    """A kernel of attention over the paged cache. Every backend writes the
+    step's new K/V into their slots first (``forward``), then attends the
+    queries over the cache (``attend``, what a backend implements)."""
+
     name: str
     # True when a step of decodes reads only the metadata's device tensors
     # (slot_mapping, block_tables, context_lens_tensor, keep), never its host
     # lists, so the step can be captured in a CUDA graph (engine/graphs.py).
     static_decode: bool
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; writes k/v into the caches."""
-        ...
+    def forward(self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D]; writes the step's new K/V into the cache first."""
+        write_kv(kv.k, kv.v, kv.k_cache, kv.v_cache, meta.slot_mapping, meta.keep)
+        return self.attend(q, kv, meta)
+
+    def attend(self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D] over the cache, the step's new K/V in it."""
+        raise NotImplementedError
+
+
+class _HeadedBackend(AttentionBackend):
+    """A backend that knows the model's attention heads."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = 1.0 / math.sqrt(head_dim)
 
 
 def write_kv(
@@ -268,7 +290,7 @@ def write_kv(
     v_flat.index_copy_(0, slot_mapping, v)
 
 
-class SdpaBackend:
+class SdpaBackend(_HeadedBackend):
     """torch SDPA on any device: decodes batched in one call, prefills one call each.
 
     Decodes are padded to the longest context of the batch and masked. GQA
@@ -280,23 +302,8 @@ class SdpaBackend:
     name = "sdpa"
     static_decode = False
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.group = num_heads // num_kv_heads
-        self.head_dim = head_dim
-        self.scale = 1.0 / math.sqrt(head_dim)
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.keep)
+    def attend(self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
+        k, v, k_cache, v_cache = kv
         kvh, hd, g = self.num_kv_heads, self.head_dim, self.group
         out = torch.empty_like(q)
 
@@ -344,7 +351,7 @@ class SdpaBackend:
         return out
 
 
-class FlashBackend:
+class FlashBackend(_HeadedBackend):
     """flash-attn 2.6+ on CUDA, reading K/V straight from the paged cache.
 
     A step of decodes only goes through ``flash_attn_with_kvcache``; any step
@@ -363,21 +370,10 @@ class FlashBackend:
 
         self._varlen = flash_attn_varlen_func
         self._kvcache = flash_attn_with_kvcache
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = 1.0 / math.sqrt(head_dim)
+        super().__init__(num_heads, num_kv_heads, head_dim)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.keep)
+    def attend(self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv.k_cache, kv.v_cache
         if meta.is_all_decode:
             out = self._kvcache(
                 q.unsqueeze(1),  # [B, 1, H, D]
@@ -448,15 +444,9 @@ def select_backend(
     raise ValueError(f"unknown attention backend {requested!r}; use auto, sdpa or flash")
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-) -> torch.Tensor:
-    """One layer's attention through the step's backend; writes k/v into the caches."""
+def paged_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
+    """One layer's attention through the step's backend; writes kv's new rows
+    into its cache."""
     if meta.backend is None:
         raise RuntimeError("attention metadata was built without a backend")
-    return meta.backend.forward(q, k, v, k_cache, v_cache, meta)
+    return meta.backend.forward(q, kv, meta)

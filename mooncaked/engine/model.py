@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mooncaked.engine.attention import AttentionMetadata, paged_attention
+from mooncaked.engine.attention import AttentionMetadata, PagedKV, paged_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -269,6 +269,13 @@ class _FusedLinear:
         return self.project(x).split(self.sizes, dim=-1)
 
 
+# (cos, sin) of the step's positions, [T, 1, head_dim] each: the rotary
+# embedding every layer applies to q and k.
+Rope = tuple[torch.Tensor, torch.Tensor]
+# One layer's (K, V) cache, [num_blocks, block_size, kv_heads, head_dim] each.
+LayerCache = tuple[torch.Tensor, torch.Tensor]
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -291,14 +298,10 @@ class Attention(nn.Module):
         self.qkv.fuse([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        self, x: torch.Tensor, rope: Rope, kv_cache: LayerCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
+        cos, sin = rope
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv.active:
             # Fused: q and k are adjacent columns of one output, rotated in one
@@ -314,7 +317,7 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(t, kvh, d)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        out = paged_attention(q, PagedKV(k, v, *kv_cache), meta)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -346,14 +349,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
+        self, x: torch.Tensor, rope: Rope, kv_cache: LayerCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -453,9 +451,7 @@ class CausalLM(nn.Module):
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def _rope(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq_cpu.to(positions.device)
@@ -469,7 +465,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerCache],
         meta: AttentionMetadata,
         layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
@@ -479,9 +475,9 @@ class CausalLM(nn.Module):
         leave the device while the next layers compute.
         """
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self._rope(positions, x.dtype)
+        rope = self._rope(positions, x.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
             if layer_done is not None:
                 layer_done(i)
         return self.model.norm(x)

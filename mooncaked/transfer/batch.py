@@ -34,6 +34,11 @@ class OpStatus(enum.Enum):
     FAILED = "failed"
 
 
+# The fields of a TransferOp after its kind: (local segment, local offset,
+# remote node, remote segment, remote offset, length).
+OpRange = tuple[str, int, str, str, int, int]
+
+
 @dataclass(frozen=True, slots=True)
 class TransferOp:
     """Move ``length`` bytes between a local segment and a remote node's segment."""
@@ -47,44 +52,14 @@ class TransferOp:
     length: int
 
     @classmethod
-    def read(
-        cls,
-        local_segment: str,
-        local_offset: int,
-        remote_node: str,
-        remote_segment: str,
-        remote_offset: int,
-        length: int,
-    ) -> TransferOp:
-        return cls(
-            OpKind.READ,
-            local_segment,
-            local_offset,
-            remote_node,
-            remote_segment,
-            remote_offset,
-            length,
-        )
+    def read(cls, *where: *OpRange) -> TransferOp:
+        """``length`` bytes of the remote segment into the local one."""
+        return cls(OpKind.READ, *where)
 
     @classmethod
-    def write(
-        cls,
-        local_segment: str,
-        local_offset: int,
-        remote_node: str,
-        remote_segment: str,
-        remote_offset: int,
-        length: int,
-    ) -> TransferOp:
-        return cls(
-            OpKind.WRITE,
-            local_segment,
-            local_offset,
-            remote_node,
-            remote_segment,
-            remote_offset,
-            length,
-        )
+    def write(cls, *where: *OpRange) -> TransferOp:
+        """``length`` bytes of the local segment into the remote one."""
+        return cls(OpKind.WRITE, *where)
 
 
 class TransferError(RuntimeError):

@@ -21,23 +21,24 @@ available on both ends and the segment has a memory region; else ``tcp``.
 A caller's mistake about its own side (unknown local segment, range outside
 it) raises ValueError at submit; anything about the remote side fails the op
 with a reason, so a batch spanning peers is never all-or-nothing by accident.
+
+Peers and the setup of their transports are ``transfer/peers.py``'s; the
+copies that cross no socket (local and shm) are ``transfer/copies.py``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from mooncaked.config import TransferConfig
-from mooncaked.transfer import protocol as p
 from mooncaked.transfer.access import Access, GrantTable, WriteGrant
 from mooncaked.transfer.batch import (
     Batch,
@@ -46,67 +47,20 @@ from mooncaked.transfer.batch import (
     TransferMetrics,
     TransferOp,
 )
+from mooncaked.transfer.copies import Copy, CopyPool, copy_item, copy_local
+from mooncaked.transfer.peers import Peer, PeerSetup
 from mooncaked.transfer.segment import (
     Segment,
     SegmentDescriptor,
     SegmentError,
     SegmentTable,
     SharedBuffer,
-    memmove,
 )
 from mooncaked.transfer.server import TransferServer
-from mooncaked.transfer.shm import ShmMapping, ShmPeer, ShmRegistry, boot_id, copy_slice
-from mooncaked.transfer.tcp import PeerLink, RemoteSegment, TcpPeer, parse_address
+from mooncaked.transfer.shm import ShmMapping, ShmRegistry, boot_id
+from mooncaked.transfer.tcp import PeerLink, TcpPeer, parse_address
 
 log = structlog.get_logger(__name__)
-
-# Copies (shm, local) run in this many worker threads.
-COPY_WORKERS = 2
-# One copy job moves at most this much, so a big batch spreads over workers.
-COPY_JOB_BYTES = 16 * 1024 * 1024
-
-
-# A whole op moved by one memcpy: (op index, destination, source, length),
-# with raw addresses into memory the job keeps referenced.
-_Copy = tuple[int, int, int, int]
-
-
-def _copy_item(index: int, kind: OpKind, here: int, there: int, length: int) -> _Copy:
-    """A READ copies there -> here, a WRITE here -> there."""
-    return (index, here, there, length) if kind is OpKind.READ else (index, there, here, length)
-
-
-def _copy_ops(
-    batch: Batch, items: list[_Copy], shm: ShmPeer | None, mapping: ShmMapping | None
-) -> None:
-    """Worker thread: memcpy whole ops of one batch, report them at once.
-
-    ``mapping`` (a peer's segment, held here so its addresses stay mapped) is
-    checked for revocation once per job; ops cancelled meanwhile are skipped.
-    """
-    indices = [item[0] for item in items]
-    if shm is not None and mapping is not None:
-        reason = shm.check_live(mapping)
-        if reason is not None:
-            batch.ops_failed(indices, reason)
-            return
-    pending = batch.is_pending
-    for i, dst, src, length in items:
-        if pending(i):
-            memmove(dst, src, length)
-    batch.ops_done(indices)
-
-
-@dataclass(slots=True, eq=False)
-class _Peer:
-    link: PeerLink
-    tcp: TcpPeer
-    shm: ShmPeer | None = None
-    # Why shared memory is off for this peer (logged once), "" if untried.
-    shm_off: str = ""
-    rdma: Any = None
-    rdma_off: str = ""
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class TransferEngine:
@@ -136,9 +90,10 @@ class TransferEngine:
         self._rdma: Any = None
         self._rdma_qps: dict[str, Any] = {}
         self._server: TransferServer | None = None
-        self._peers: dict[str, _Peer] = {}
-        self._pool: ThreadPoolExecutor | None = None
-        self._jobs: set[Future[None]] = set()
+        self._peers: dict[str, Peer] = {}
+        # Set up at start, once this node's transports are known.
+        self._setup: PeerSetup | None = None
+        self._copies = CopyPool()
         self._batches: set[Batch] = set()
         self._timers: dict[Batch, asyncio.TimerHandle] = {}
         # Segments each live batch holds busy (its local ones, and for ops to
@@ -162,7 +117,8 @@ class TransferEngine:
                 self._start_rdma()
             for name in self._table.names():  # registered before start()
                 self._attach(self._table.get(name))  # type: ignore[arg-type]
-            self._pool = ThreadPoolExecutor(COPY_WORKERS, thread_name_prefix="xfer-copy")
+            self._setup = PeerSetup(self._registry, self._boot_id, self._rdma, self._on_failure)
+            self._copies.start()
             self._server = TransferServer(
                 self._table,
                 self._grants,
@@ -194,16 +150,11 @@ class TransferEngine:
         for batch in list(self._batches):
             batch.cancel("transfer engine closed")
         for peer in list(self._peers.values()):
-            await self._close_peer(peer)
+            await peer.close()
         self._peers.clear()
         if self._server is not None:
             await self._server.close()
-        if self._jobs:
-            await asyncio.gather(
-                *(asyncio.wrap_future(j) for j in list(self._jobs)), return_exceptions=True
-            )
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        await self._copies.close()
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
@@ -266,14 +217,7 @@ class TransferEngine:
 
     def unregister(self, name: str) -> None:
         """Withdraw a segment: peers' later ops on it fail as unknown segment."""
-        segment = self._table.get(name)
-        if segment is None:
-            raise SegmentError(f"segment {name!r} is not registered")
-        if segment.busy:
-            raise SegmentError(
-                f"segment {name!r} has {segment.busy} local batch(es) in flight; "
-                "await or cancel them before unregistering"
-            )
+        segment = self._table.removable(name)
         if self._registry is not None:
             self._registry.release(segment.seg_id)
         if self._rdma is not None:
@@ -356,18 +300,10 @@ class TransferEngine:
         peer = self._peers.get(node_id)
         if peer is not None:
             if address != peer.link.address:
-                # Moved (or restarted elsewhere): nothing open to the old
-                # address is any use.
-                peer.link.set_address(address)
-                peer.link.invalidate()
-                peer.tcp.disconnect()
-                if peer.shm is not None:
-                    peer.shm.close()
-                    peer.shm = None
-                peer.shm_off = ""
+                peer.move(address)
             return
         link = PeerLink(node_id, address, self.node_id, self._secret, self._metrics)
-        self._peers[node_id] = _Peer(link=link, tcp=TcpPeer(link, self.config, self._metrics))
+        self._peers[node_id] = Peer(link=link, tcp=TcpPeer(link, self.config, self._metrics))
 
     def add_descriptor(self, descriptor: SegmentDescriptor) -> None:
         self.add_peer(descriptor.node_id, descriptor.address)
@@ -375,7 +311,7 @@ class TransferEngine:
     async def remove_peer(self, node_id: str) -> None:
         peer = self._peers.pop(node_id, None)
         if peer is not None:
-            await self._close_peer(peer)
+            await peer.close()
 
     def peers(self) -> list[str]:
         return list(self._peers)
@@ -388,14 +324,6 @@ class TransferEngine:
                 peer.tcp.disconnect()
         if node_id is None and self._server is not None:
             self._server.drop_connections()
-
-    async def _close_peer(self, peer: _Peer) -> None:
-        await peer.tcp.close()
-        if peer.shm is not None:
-            peer.shm.close()
-        if peer.rdma is not None:
-            await peer.rdma.close()
-        peer.link.close()
 
     # -- transfers ---------------------------------------------------------
 
@@ -500,7 +428,7 @@ class TransferEngine:
 
     def _dispatch_local(self, batch: Batch, indices: list[int]) -> None:
         slices: list[Slice] = []
-        copies: list[_Copy] = []
+        copies: list[Copy] = []
         for i in indices:
             op = batch.ops[i]
             remote = self._table.get(op.remote_segment)
@@ -521,91 +449,18 @@ class TransferEngine:
             if remote.is_host and local.is_host and op.length <= self.config.slice_bytes:  # type: ignore[union-attr]
                 there = remote.address + op.remote_offset
                 here = local.address + op.local_offset  # type: ignore[union-attr]
-                copies.append(_copy_item(i, op.kind, here, there, op.length))
+                copies.append(copy_item(i, op.kind, here, there, op.length))
             else:
                 slices.extend(self._slices(batch, i, "local", local))  # type: ignore[arg-type]
         if copies:
-            self._run_op_copies(batch, copies, "local", None, None)
+            self._copies.run_ops(batch, copies, "local", None, None)
         if slices:
-            self._run_copies(slices, self._copy_local)
-
-    def _copy_local(self, slices: list[Slice]) -> None:
-        for s in slices:
-            if not s.live:
-                s.batch.slice_dropped(s)
-                continue
-            remote = self._table.get(s.remote_name)
-            if remote is None:
-                s.batch.slice_failed(s, f"segment {s.remote_name!r} was unregistered")
-                continue
-            try:
-                if remote.is_host:
-                    copy_slice(s, remote.address + s.remote_offset)
-                elif s.kind is OpKind.READ:
-                    view, commit = s.local.destination(s.local_offset, s.length)
-                    view[:] = remote.source(s.remote_offset, s.length)
-                    if commit is not None:
-                        commit()
-                else:
-                    view, commit = remote.destination(s.remote_offset, s.length)
-                    view[:] = s.local.source(s.local_offset, s.length)
-                    if commit is not None:
-                        commit()
-            except Exception as exc:
-                s.batch.slice_failed(s, f"local copy failed: {exc!r}")
-                continue
-            s.batch.slice_done(s)
-
-    def _run_copies(self, slices: list[Slice], fn: Any) -> None:
-        """Split slices into jobs of about COPY_JOB_BYTES and run them in the pool."""
-        if self._pool is None:
-            raise RuntimeError("the transfer engine is not running")
-        job: list[Slice] = []
-        size = 0
-        for s in slices:
-            job.append(s)
-            size += s.length
-            if size >= COPY_JOB_BYTES:
-                self._submit_job(fn, job)
-                job, size = [], 0
-        if job:
-            self._submit_job(fn, job)
-
-    def _run_op_copies(
-        self,
-        batch: Batch,
-        items: list[_Copy],
-        transport: str,
-        shm: ShmPeer | None,
-        mapping: ShmMapping | None,
-    ) -> None:
-        """Whole-op memcpys in jobs of about COPY_JOB_BYTES (see ``_copy_ops``)."""
-        if self._pool is None:
-            raise RuntimeError("the transfer engine is not running")
-        batch._add_ops([item[0] for item in items], transport)
-        job: list[_Copy] = []
-        size = 0
-        for item in items:
-            job.append(item)
-            size += item[3]
-            if size >= COPY_JOB_BYTES:
-                self._submit_job(_copy_ops, batch, job, shm, mapping)
-                job, size = [], 0
-        if job:
-            self._submit_job(_copy_ops, batch, job, shm, mapping)
-
-    def _submit_job(self, fn: Any, *args: Any) -> None:
-        future = self._pool.submit(fn, *args)  # type: ignore[union-attr]
-        self._jobs.add(future)
-        future.add_done_callback(self._job_done)
-
-    def _job_done(self, future: Future[None]) -> None:
-        self._jobs.discard(future)
-        exc = future.exception()
-        if exc is not None:
-            log.error("transfer copy job failed", error=repr(exc))
+            self._copies.run_slices(slices, functools.partial(copy_local, self._table))
 
     async def _dispatch_remote(self, batch: Batch, node: str, indices: list[int]) -> None:
+        setup, table = self._setup, self._table
+        if setup is None:
+            raise RuntimeError("the transfer engine is not running")
         peer = self._peers.get(node)
         if peer is None:
             for i in indices:
@@ -614,13 +469,13 @@ class TransferEngine:
                 )
             return
         names = {batch.ops[i].remote_segment for i in indices}
-        reason = await self._prepare(peer, names)
+        reason = await setup.prepare(peer, names)
         if reason is not None:
             for i in indices:
                 batch.fail_op(i, reason)
             return
         by_transport: dict[str, list[Slice]] = defaultdict(list)
-        copies: dict[ShmMapping, list[_Copy]] = {}
+        copies: dict[ShmMapping, list[Copy]] = {}
         step = self.config.slice_bytes
         # (remote name, local name) -> remote, local, transport, shm mapping:
         # resolved once per pair, not once per op.
@@ -631,7 +486,7 @@ class TransferEngine:
             key = (op.remote_segment, op.local_segment)
             route = routes.get(key)
             if route is None:
-                route = routes[key] = self._route(peer, op)
+                route = routes[key] = setup.route(peer, op, table.get(op.local_segment))
             remote, local, transport, mapping = route
             if remote is None:
                 batch.fail_op(i, f"segment {op.remote_segment!r} is not registered on node {node}")
@@ -659,161 +514,18 @@ class TransferEngine:
                 items = copies.get(mapping)
                 if items is None:
                     items = copies[mapping] = []
-                items.append(_copy_item(i, op.kind, here, there, op.length))
+                items.append(copy_item(i, op.kind, here, there, op.length))
                 continue
             by_transport[transport].extend(self._slices(batch, i, transport, local))
         for mapping, items in copies.items():
-            self._run_op_copies(batch, items, "shm", peer.shm, mapping)
+            self._copies.run_ops(batch, items, "shm", peer.shm, mapping)
         for transport, slices in by_transport.items():
             if transport == "shm":
-                self._run_copies(slices, peer.shm.copy)  # type: ignore[union-attr]
+                self._copies.run_slices(slices, peer.shm.copy)  # type: ignore[union-attr]
             elif transport == "rdma":
                 peer.rdma.post(slices)
             else:
                 peer.tcp.submit(slices)
-
-    def _route(self, peer: _Peer, op: TransferOp) -> tuple[Any, ...]:
-        """(remote segment or None, local segment, transport, shm mapping for the
-        whole-op memcpy path or None)."""
-        remote = peer.link.cached(op.remote_segment)
-        local = self._table.get(op.local_segment)
-        if remote is None or local is None:
-            return (None, local, "", None)
-        transport = self._choose(peer, remote, local)
-        mapping = None
-        if transport == "shm" and local.is_host and peer.shm is not None:
-            mapping = peer.shm.mapping(remote)
-        return (remote, local, transport, mapping)
-
-    def _choose(self, peer: _Peer, remote: RemoteSegment, local: Segment) -> str:
-        if peer.shm is not None and remote.shm and peer.shm.mapping(remote) is not None:
-            return "shm"
-        if peer.rdma is not None and remote.rdma is not None and local.is_host:
-            return "rdma"
-        return "tcp"
-
-    async def _prepare(self, peer: _Peer, names: set[str]) -> str | None:
-        """Resolve segment names and set up shm/rdma for the peer; the reason
-        it cannot be reached, or None."""
-        async with peer.lock:
-            if peer.shm is not None and not peer.shm.alive():
-                # The peer hung up its unix endpoint: it exited or restarted.
-                peer.shm.close()
-                peer.shm = None
-                peer.shm_off = ""
-                peer.link.invalidate()
-                peer.link.drop_control()
-            if peer.shm is not None:
-                # A mapped segment the peer has since unregistered (maybe to
-                # register another under the name): look the name up afresh.
-                for n in names:
-                    r = peer.link.cached(n)
-                    m = peer.shm.mapping(r) if r is not None and r.shm else None
-                    if m is not None and not peer.shm.is_live(m):
-                        peer.shm.forget(m)
-                        peer.link.invalidate(n)
-            missing = [n for n in names if peer.link.cached(n) is None]
-            if missing or not peer.link.info:
-                try:
-                    await asyncio.to_thread(peer.link.lookup, missing)
-                except p.AuthError as exc:
-                    return f"cannot authenticate to node {peer.link.node_id}: {exc}"
-                except (OSError, p.ProtocolError) as exc:
-                    return f"cannot reach node {peer.link.node_id} at {peer.link.address}: {exc}"
-            if peer.shm is not None and peer.shm.instance != peer.link.instance:
-                peer.shm.close()
-                peer.shm = None
-                peer.shm_off = ""
-            if peer.shm is None and not peer.shm_off:
-                await self._try_shm(peer)
-            if peer.shm is not None:
-                want = [
-                    r
-                    for n in names
-                    if (r := peer.link.cached(n)) is not None
-                    and r.shm
-                    and peer.shm.mapping(r) is None
-                ]
-                if want:
-                    await self._open_shm(peer, want)
-            if self._rdma is not None and peer.rdma is None and not peer.rdma_off:
-                await self._try_rdma(peer)
-        return None
-
-    async def _open_shm(self, peer: _Peer, remotes: list[RemoteSegment]) -> None:
-        shm = peer.shm
-        if shm is None:
-            return
-        shm.unwatch()  # the replies make the socket readable
-        try:
-            for remote in remotes:
-                await asyncio.to_thread(shm.open, remote)
-        except (OSError, p.ProtocolError, SegmentError) as exc:
-            log.warning(
-                "shared-memory open failed; using tcp", peer=peer.link.node_id, error=str(exc)
-            )
-            shm.close()
-            peer.shm = None
-            return
-        shm.watch(asyncio.get_running_loop())
-
-    async def _try_shm(self, peer: _Peer) -> None:
-        info = peer.link.info
-        if self._registry is None:
-            peer.shm_off = "shm is not among this node's transports"
-        elif not info.get("shm"):
-            peer.shm_off = "the peer offers no shared memory"
-        elif not self._boot_id or info.get("boot_id") != self._boot_id:
-            peer.shm_off = "the peer runs on another host"
-        else:
-            try:
-                peer.shm = await asyncio.to_thread(ShmPeer.connect, peer.link)
-                peer.shm.watch(asyncio.get_running_loop())
-                log.info("shared memory with peer", peer=peer.link.node_id)
-                return
-            except (OSError, p.AuthError) as exc:
-                # Same boot id but unreachable socket: another network or IPC
-                # namespace (a container) on the same kernel.
-                peer.shm_off = f"unix endpoint unreachable: {exc}"
-        log.info("no shared memory with peer", peer=peer.link.node_id, reason=peer.shm_off)
-
-    async def _try_rdma(self, peer: _Peer) -> None:
-        from mooncaked.transfer.rdma import QpInfo, RdmaPeer, RemoteRegion
-
-        if not peer.link.info.get("rdma"):
-            peer.rdma_off = "the peer offers no rdma"
-            return
-
-        def connect() -> Any:
-            qp, local = self._rdma.create_qp()
-            sock = peer.link.connect()
-            try:
-                p.send_control(sock, p.FrameKind.RDMA_CONNECT, {"qp": local.to_dict()})
-                reply = p.recv_control(sock, p.FrameKind.RDMA_CONNECT)
-            finally:
-                sock.close()
-            remote = QpInfo.from_dict(reply.get("qp") if isinstance(reply, dict) else None)
-            self._rdma.connect_qp(qp, local, remote)
-            return qp
-
-        def region_of(name: str) -> RemoteRegion | None:
-            seg = peer.link.cached(name)
-            if seg is None or seg.rdma is None:
-                return None
-            return RemoteRegion(seg.rdma[0], seg.rdma[1], seg.length)
-
-        try:
-            qp = await asyncio.to_thread(connect)
-        except Exception as exc:
-            peer.rdma_off = f"rdma connect failed: {exc}"
-            log.warning(
-                "rdma unavailable with peer; using tcp", peer=peer.link.node_id, error=str(exc)
-            )
-            return
-        peer.rdma = RdmaPeer(
-            self._rdma, qp, region_of, peer.link.node_id, on_failure=self._on_failure
-        )
-        peer.rdma.start()
 
     def _expire(self, batch: Batch, wait: float) -> None:
         self._timers.pop(batch, None)

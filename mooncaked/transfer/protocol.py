@@ -137,15 +137,7 @@ def recv_into_views(sock: socket.socket, views: Sequence[memoryview]) -> None:
         n = sock.recvmsg_into(batch)[0]
         if n == 0:
             raise ConnectionResetError("peer closed the connection")
-        # Advance past fully filled views; trim a partly filled one.
-        while n and i < len(pending):
-            size = len(pending[i])
-            if n >= size:
-                n -= size
-                i += 1
-            else:
-                pending[i] = pending[i][n:]
-                n = 0
+        i = _advance(pending, i, n)
 
 
 def send_views(sock: socket.socket, views: Sequence[bytes | bytearray | memoryview]) -> None:
@@ -153,15 +145,21 @@ def send_views(sock: socket.socket, views: Sequence[bytes | bytearray | memoryvi
     pending: list[memoryview] = [memoryview(v) for v in views if len(v)]
     i = 0
     while i < len(pending):
-        n = sock.sendmsg(pending[i : i + _IOV_CHUNK])
-        while n and i < len(pending):
-            size = len(pending[i])
-            if n >= size:
-                n -= size
-                i += 1
-            else:
-                pending[i] = pending[i][n:]
-                n = 0
+        i = _advance(pending, i, sock.sendmsg(pending[i : i + _IOV_CHUNK]))
+
+
+def _advance(pending: list[memoryview], i: int, n: int) -> int:
+    """After ``n`` bytes moved from ``pending[i:]``: past the views moved whole,
+    a partly moved one trimmed to its rest; the index of the next view."""
+    while n and i < len(pending):
+        size = len(pending[i])
+        if n >= size:
+            n -= size
+            i += 1
+        else:
+            pending[i] = pending[i][n:]
+            n = 0
+    return i
 
 
 def drain(sock: socket.socket, n: int, scratch: memoryview) -> None:

@@ -400,7 +400,9 @@ class SegmentTable:
         self._by_id[seg_id] = segment
         return segment
 
-    def unregister(self, name: str) -> Segment:
+    def removable(self, name: str) -> Segment:
+        """The segment ``unregister`` would take away; SegmentError if it is not
+        registered or a local batch still holds it."""
         segment = self._by_name.get(name)
         if segment is None:
             raise SegmentError(f"segment {name!r} is not registered")
@@ -409,6 +411,10 @@ class SegmentTable:
                 f"segment {name!r} has {segment.busy} local batch(es) in flight; "
                 "await or cancel them before unregistering"
             )
+        return segment
+
+    def unregister(self, name: str) -> Segment:
+        segment = self.removable(name)
         del self._by_name[name]
         del self._by_id[segment.seg_id]
         if segment.shm_ro_fd >= 0:

@@ -18,6 +18,7 @@ import contextlib
 import socket
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -38,6 +39,23 @@ _SCRATCH_BYTES = 1024 * 1024
 
 # SHM_OPEN reply: status, registry slot, segment length, registry slots.
 SHM_REPLY = struct.Struct("<HxxIQI")
+
+
+@dataclass(slots=True)
+class _Frame:
+    """One data frame being served: its status records, the views its payload
+    lands in and its reply is sent from, and what it adds to the counters."""
+
+    statuses: bytearray
+    write_views: list[memoryview] = field(default_factory=list)
+    read_views: list[memoryview] = field(default_factory=list)
+    commits: list[Callable[[], None]] = field(default_factory=list)
+    write_total: int = 0
+    read_total: int = 0
+    errors: int = 0
+    # The first op refused by access rights, logged once per frame.
+    refused: tuple[Segment, str, int, int] | None = None
+    num_refused: int = 0
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -280,84 +298,89 @@ class TransferServer:
         if count == 0 or count > p.MAX_FRAME_OPS:
             raise p.ProtocolError(f"data frame with {count} ops")
         raw = p.recv_exact(conn, count * p.OP_RECORD.size)
-        statuses = bytearray(p.FRAME.size + count * p.STATUS_RECORD.size)
-        p.FRAME.pack_into(statuses, 0, p.FrameKind.DATA, count, 0, 0)
-        write_views: list[memoryview] = []
-        read_views: list[memoryview] = []
-        commits = []
-        write_total = 0
-        read_total = 0
-        errors = 0
-        # The first op refused by access rights, logged once per frame.
-        refused: tuple[Segment, str, int, int] | None = None
-        num_refused = 0
-        table = self._table
+        frame = _Frame(bytearray(p.FRAME.size + count * p.STATUS_RECORD.size))
+        p.FRAME.pack_into(frame.statuses, 0, p.FrameKind.DATA, count, 0, 0)
         for i, (op, seg_id, offset, length) in enumerate(p.OP_RECORD.iter_unpack(raw)):
-            if length > p.MAX_RECORD_BYTES:
-                raise p.ProtocolError(f"op of {length} bytes exceeds {p.MAX_RECORD_BYTES}")
-            status = p.Status.OK
-            aux = 0
-            seg = table.by_id(seg_id)
-            if op != p.OpCode.READ and op != p.OpCode.WRITE:
-                raise p.ProtocolError(f"unknown op code {op}")
-            if seg is None:
-                status = p.Status.UNKNOWN_SEGMENT
-            elif offset + length > seg.length:
-                status = p.Status.OUT_OF_RANGE
-                aux = seg.length
-            elif not self._allowed(seg, peer, op, offset, length):
-                status = p.Status.FORBIDDEN
-                if refused is None:
-                    refused = (seg, p.OpCode(op).name, offset, length)
-                num_refused += 1
-            if op == p.OpCode.WRITE:
-                write_total += length
-                if status is p.Status.OK:
-                    try:
-                        view, commit = seg.destination(offset, length)  # type: ignore[union-attr]
-                    except ValueError:
-                        # Unregistered between the lookup and here (view released).
-                        status = p.Status.UNKNOWN_SEGMENT
-                    else:
-                        write_views.append(view)
-                        if commit is not None:
-                            commits.append(commit)
-                if status is not p.Status.OK:
-                    # Keep the stream in step: swallow the refused payload.
-                    left = length
-                    while left:
-                        chunk = min(left, len(scratch))
-                        write_views.append(scratch[:chunk])
-                        left -= chunk
-            elif status is p.Status.OK:
-                try:
-                    read_views.append(seg.source(offset, length))  # type: ignore[union-attr]
-                    read_total += length
-                except ValueError:
-                    status = p.Status.UNKNOWN_SEGMENT
-                except Exception as exc:
-                    log.warning("reading a device segment failed", error=str(exc))
-                    status = p.Status.DEVICE_ERROR
+            status, aux = self._serve_op(frame, peer, op, seg_id, offset, length, scratch)
             if status is not p.Status.OK:
-                errors += 1
+                frame.errors += 1
             p.STATUS_RECORD.pack_into(
-                statuses, p.FRAME.size + i * p.STATUS_RECORD.size, status, aux
+                frame.statuses, p.FRAME.size + i * p.STATUS_RECORD.size, status, aux
             )
-        if write_total != payload:
+        if frame.write_total != payload:
             raise p.ProtocolError(
-                f"frame announces {payload} payload bytes, ops need {write_total}"
+                f"frame announces {payload} payload bytes, ops need {frame.write_total}"
             )
-        if refused is not None:
-            self._forbidden(peer, *refused, count=num_refused)
-        if write_views:
-            p.recv_into_views(conn, write_views)
-        for commit in commits:
+        if frame.refused is not None:
+            self._forbidden(peer, *frame.refused, count=frame.num_refused)
+        if frame.write_views:
+            p.recv_into_views(conn, frame.write_views)
+        for commit in frame.commits:
             commit()
-        p.FRAME.pack_into(statuses, 0, p.FrameKind.DATA, count, 0, read_total)
-        p.send_views(conn, [statuses, *read_views])
+        p.FRAME.pack_into(frame.statuses, 0, p.FrameKind.DATA, count, 0, frame.read_total)
+        p.send_views(conn, [frame.statuses, *frame.read_views])
         m = self._metrics
         with m.lock:
             m.served_ops += count
-            m.served_errors += errors
-            m.served_bytes_read += read_total
-            m.served_bytes_written += write_total
+            m.served_errors += frame.errors
+            m.served_bytes_read += frame.read_total
+            m.served_bytes_written += frame.write_total
+
+    def _serve_op(
+        self,
+        frame: _Frame,
+        peer: str,
+        op: int,
+        seg_id: int,
+        offset: int,
+        length: int,
+        scratch: memoryview,
+    ) -> tuple[p.Status, int]:
+        """Check one op of a data frame and add its views to ``frame``; its status
+        record (status, aux: the segment's length when out of range)."""
+        if length > p.MAX_RECORD_BYTES:
+            raise p.ProtocolError(f"op of {length} bytes exceeds {p.MAX_RECORD_BYTES}")
+        status = p.Status.OK
+        aux = 0
+        seg = self._table.by_id(seg_id)
+        if op != p.OpCode.READ and op != p.OpCode.WRITE:
+            raise p.ProtocolError(f"unknown op code {op}")
+        if seg is None:
+            status = p.Status.UNKNOWN_SEGMENT
+        elif offset + length > seg.length:
+            status = p.Status.OUT_OF_RANGE
+            aux = seg.length
+        elif not self._allowed(seg, peer, op, offset, length):
+            status = p.Status.FORBIDDEN
+            if frame.refused is None:
+                frame.refused = (seg, p.OpCode(op).name, offset, length)
+            frame.num_refused += 1
+        if op == p.OpCode.WRITE:
+            frame.write_total += length
+            if status is p.Status.OK:
+                try:
+                    view, commit = seg.destination(offset, length)  # type: ignore[union-attr]
+                except ValueError:
+                    # Unregistered between the lookup and here (view released).
+                    status = p.Status.UNKNOWN_SEGMENT
+                else:
+                    frame.write_views.append(view)
+                    if commit is not None:
+                        frame.commits.append(commit)
+            if status is not p.Status.OK:
+                # Keep the stream in step: swallow the refused payload.
+                left = length
+                while left:
+                    chunk = min(left, len(scratch))
+                    frame.write_views.append(scratch[:chunk])
+                    left -= chunk
+        elif status is p.Status.OK:
+            try:
+                frame.read_views.append(seg.source(offset, length))  # type: ignore[union-attr]
+                frame.read_total += length
+            except ValueError:
+                status = p.Status.UNKNOWN_SEGMENT
+            except Exception as exc:
+                log.warning("reading a device segment failed", error=str(exc))
+                status = p.Status.DEVICE_ERROR
+        return status, aux

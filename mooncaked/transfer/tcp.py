@@ -449,6 +449,13 @@ class TcpPeer:
 
     def _exchange(self, sock: socket.socket, frame: list[Slice]) -> list[Slice]:
         """Send one frame and land its response; returns slices to retry."""
+        ids = self._send_frame(sock, frame)
+        statuses = self._land_response(sock, frame)
+        return self._report(frame, ids, statuses)
+
+    def _send_frame(self, sock: socket.socket, frame: list[Slice]) -> list[int]:
+        """Send a frame's op records and WRITE payloads; the segment id of each op
+        (0 where the name is unknown to the peer)."""
         link = self.link
         ids: list[int] = []
         missing = [s.remote_name for s in frame if link.cached(s.remote_name) is None]
@@ -469,7 +476,11 @@ class TcpPeer:
                 write_total += s.length
         views[0] = p.FRAME.pack(p.FrameKind.DATA, len(frame), 0, write_total)
         p.send_views(sock, views)
+        return ids
 
+    def _land_response(self, sock: socket.socket, frame: list[Slice]) -> list[tuple[int, int]]:
+        """Receive a frame's status records and READ payloads; the (status, aux)
+        of each op."""
         head = p.recv_exact(sock, p.FRAME.size + len(frame) * p.STATUS_RECORD.size)
         kind, count, _reserved, read_total = p.FRAME.unpack_from(head, 0)
         if kind != p.FrameKind.DATA or count != len(frame):
@@ -491,7 +502,13 @@ class TcpPeer:
             p.recv_into_views(sock, dests)
         for commit in commits:
             commit()
+        return statuses
 
+    def _report(
+        self, frame: list[Slice], ids: list[int], statuses: list[tuple[int, int]]
+    ) -> list[Slice]:
+        """Report each slice of an answered frame to its batch; the ones to retry."""
+        link = self.link
         retry: list[Slice] = []
         done: list[Slice] = []
         for s, seg_id, (status, aux) in zip(frame, ids, statuses, strict=True):

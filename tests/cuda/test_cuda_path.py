@@ -24,7 +24,7 @@ from mooncaked.engine.plan import StepPlan, chunk_of
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.request import Request, SamplingParams
 from tests.conftest import make_config, wait_until
-from tests.hf_fixtures import VOCAB_SIZE, make_hf_model
+from tests.hf_fixtures import make_hf_model, plain_prompt
 from tests.parity import check_greedy_parity, greedy_logits
 
 pytestmark = [
@@ -36,11 +36,6 @@ needs_flash = pytest.mark.skipif(
 )
 
 BF16_TOL = 0.125
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(6, VOCAB_SIZE, (n,), generator=g).tolist()
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -59,7 +54,7 @@ def _parity(hf: Any, d: Path, backend: str, cuda_graphs: str = "off") -> None:
     # backend="flash" raises rather than fall back to SDPA.
     block = FLASH_BLOCK_SIZE_MULTIPLE if backend == "flash" else 16
     for seed, n in ((3, 21), (4, 40)):
-        prompt, new_tokens = _prompt(seed, n), 24
+        prompt, new_tokens = plain_prompt(seed, n), 24
         # One prefill, then decode steps reading the paged cache in place.
         ours = greedy_logits(
             loaded, prompt, new_tokens, block_size=block, backend=backend, cuda_graphs=cuda_graphs
@@ -112,7 +107,7 @@ def test_cuda_graph_buckets_match_eager_as_the_batch_shrinks(cuda_case: Any) -> 
 
     eager, graphed = runner("off"), runner("on")
     assert graphed.graphs is not None and graphed.graphs.sizes == [1, 2, 4, 8]
-    prompts = [_prompt(10 + i, 17 + 9 * i) for i in range(5)]
+    prompts = [plain_prompt(10 + i, 17 + 9 * i) for i in range(5)]
     # Blocks 6 and 7 belong to no sequence.
     tables = [[i] for i in range(5)]
     reqs = [Request(f"r{i}", p, SamplingParams(temperature=0.0)) for i, p in enumerate(prompts)]

@@ -16,46 +16,20 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
 from mooncaked.cluster import wire
 from mooncaked.cluster.gossip.service import ClusterService, DropPeers
 from mooncaked.cluster.state import LocalState, MemberStatus
-from mooncaked.config import ClusterConfig
+from tests.gossip_nodes import FAST, seeded, wait_for
 
 SECRET = b"forgery-test-cluster-secret"
-FAST = ClusterConfig(
-    probe_interval_s=0.2,
-    probe_timeout_s=0.1,
-    suspect_timeout_s=1.0,
-    gossip_interval_s=0.05,
-    sync_interval_s=0.5,
-    sync_timeout_s=1.0,
-)
 # What the restarted node must meet: back in every view within this.
 RECOVERY_BOUND_S = 10.0
 
 pytestmark = pytest.mark.timeout(120)
-
-
-async def wait_for(cond: Callable[[], bool], limit: float) -> float:
-    """Waits until ``cond()`` holds (a correctness bound); returns the seconds it took."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    while not cond():
-        if loop.time() - start > limit:
-            raise AssertionError(f"condition not met within {limit} s")
-        await asyncio.sleep(0.02)
-    return loop.time() - start
-
-
-def with_seeds(*services: ClusterService) -> ClusterConfig:
-    fields = {name: getattr(FAST, name) for name in FAST.__slots__}  # type: ignore[attr-defined]
-    return ClusterConfig(
-        **{**fields, "seeds": tuple(f"127.0.0.1:{s.gossip_port}" for s in services)}
-    )
 
 
 def seen_by_all(services: list[ClusterService], node: ClusterService) -> bool:
@@ -80,7 +54,7 @@ async def trio() -> AsyncIterator[list[ClusterService]]:
         await first.start()
         services.append(first)
         for i in (1, 2):
-            s = ClusterService(with_seeds(first), f"s{i}", SECRET, local_state=LocalState)
+            s = ClusterService(seeded(first), f"s{i}", SECRET, local_state=LocalState)
             assert await s.start() == 1
             services.append(s)
         await wait_for(lambda: all(seen_by_all(services, s) for s in services), 10)
@@ -110,7 +84,7 @@ async def restart(trio: list[ClusterService], which: str, label: str) -> Cluster
     old, s1, s2 = trio
     await old.close()
     started = time.monotonic()
-    new = ClusterService(with_seeds(s1, s2), "s0", SECRET, local_state=LocalState)
+    new = ClusterService(seeded(s1, s2), "s0", SECRET, local_state=LocalState)
     trio[0] = new
     await new.start()
     await wait_for(lambda: seen_by_all(trio, new), RECOVERY_BOUND_S)

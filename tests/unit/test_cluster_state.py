@@ -6,23 +6,20 @@ import random
 
 import pytest
 
+from mooncaked.cache.tiers import Tier
 from mooncaked.cluster import wire
-from mooncaked.cluster.state import (
+from mooncaked.cluster.block_index import (
     ApplyResult,
     BlockDelta,
     BlockLog,
     BlockOp,
-    ClusterView,
-    Member,
-    MemberStatus,
     NodeBlocks,
-    NodeLoad,
-    NodeState,
-    Tier,
     join_chunks,
     merge_deltas,
     tier_mask,
 )
+from mooncaked.cluster.state import ClusterView, Member, MemberStatus, NodeLoad
+from tests.cluster_views import member
 
 GEN = 5
 
@@ -197,33 +194,31 @@ def test_record_rejects_bad_events() -> None:
 
 
 def _member(node_id: str, status: MemberStatus = MemberStatus.ALIVE) -> Member:
-    st = NodeState(
+    return member(
         node_id,
-        1,
-        3,
-        "127.0.0.1:1",
         "decode",
-        "m",
-        "127.0.0.1:8000",
-        False,
-        NodeLoad(10, 2, 0.5, 0.1),
-        0,
-        0,
-        0,
+        status=status,
+        version=3,
+        api_addr="127.0.0.1:8000",
+        load=NodeLoad(10, 2, 0.5, 0.1),
     )
-    return Member(node_id, ("127.0.0.1", 1), 1, 1, status, 0.0, 0.0, st)
+
+
+def _replica(masks: dict[bytes, int]) -> NodeBlocks:
+    blocks = NodeBlocks(1)
+    blocks.masks.update(masks)
+    return blocks
 
 
 def test_longest_prefix_counts_leading_blocks_and_tiers() -> None:
     view = ClusterView("a", clock=lambda: 10.0)
     seq = [h(i) for i in range(6)]
-    a = NodeBlocks(1)
-    a.masks.update({seq[0]: 0b001, seq[1]: 0b011, seq[2]: 0b100, seq[4]: 0b001})
-    b = NodeBlocks(1)
-    b.masks.update({seq[0]: 0b100, seq[1]: 0b100, seq[2]: 0b110, seq[3]: 1, seq[4]: 1, seq[5]: 1})
-    c = NodeBlocks(1)
-    c.masks.update({seq[1]: 1, seq[2]: 1})  # no first block: no prefix at all
-    view.blocks.update({"a": a, "b": b, "c": c})
+    view.blocks["a"] = _replica({seq[0]: 0b001, seq[1]: 0b011, seq[2]: 0b100, seq[4]: 0b001})
+    view.blocks["b"] = _replica(
+        {seq[0]: 0b100, seq[1]: 0b100, seq[2]: 0b110, seq[3]: 1, seq[4]: 1, seq[5]: 1}
+    )
+    # No first block: no prefix at all.
+    view.blocks["c"] = _replica({seq[1]: 1, seq[2]: 1})
     m = view.longest_prefix(seq)
     assert sorted(m) == ["a", "b"]
     assert (m["a"].num_blocks, m["a"].tier_blocks) == (3, (2, 0, 1))
@@ -235,12 +230,10 @@ def test_longest_prefix_counts_leading_blocks_and_tiers() -> None:
 def test_longest_prefix_in_some_tiers_only() -> None:
     view = ClusterView("a", clock=lambda: 10.0)
     seq = [h(i) for i in range(4)]
-    a = NodeBlocks(1)
     # Device and DRAM, DRAM only, device only, SSD: a lease reaches two.
-    a.masks.update({seq[0]: 0b011, seq[1]: 0b010, seq[2]: 0b001, seq[3]: 0b100})
-    b = NodeBlocks(1)
-    b.masks.update({seq[0]: 0b001, seq[1]: 0b110})  # first block on the device only
-    view.blocks.update({"a": a, "b": b})
+    view.blocks["a"] = _replica({seq[0]: 0b011, seq[1]: 0b010, seq[2]: 0b001, seq[3]: 0b100})
+    # The first block on the device only.
+    view.blocks["b"] = _replica({seq[0]: 0b001, seq[1]: 0b110})
     leasable = tier_mask("dram", "ssd")
     assert leasable == tier_mask(Tier.DRAM, Tier.SSD) == 0b110
     m = view.longest_prefix(seq, tiers=leasable)

@@ -1,60 +1,20 @@
-"""``conductor.place`` on constructed gossip views: exact choices, every branch."""
+"""``conductor.decide`` on constructed gossip views: exact choices, every branch."""
 
 from __future__ import annotations
 
-import hashlib
 import random
+from typing import Any
 
-from mooncaked.cluster.conductor import place
-from mooncaked.cluster.placement import ConductorParams, Placement, PlacementRequest, Reject
-from mooncaked.cluster.state import (
-    ClusterView,
-    Member,
-    MemberStatus,
-    NodeBlocks,
-    NodeLoad,
-    NodeState,
-)
-
-MODEL = "m"
-
-# The best alone, ties by node id, no late binding: the orders these tests assert.
-EXACT = ConductorParams(spread=0.0, decode_spread=0.0, late_binding=False)
+from mooncaked.cluster.conductor import decide
+from mooncaked.cluster.placement import Placement, PlacementRequest, Reject
+from mooncaked.cluster.state import ClusterView, MemberStatus, NodeLoad
+from tests.cluster_views import EXACT, MODEL, h
+from tests.cluster_views import add_node as add
 
 
-def h(i: int) -> bytes:
-    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
-
-
-def add(
-    view: ClusterView,
-    node_id: str,
-    role: str,
-    *,
-    status: MemberStatus = MemberStatus.ALIVE,
-    load: NodeLoad | None = None,
-    draining: bool = False,
-    model: str = MODEL,
-    cached: int = 0,
-) -> None:
-    st = NodeState(
-        node_id,
-        1,
-        1,
-        "127.0.0.1:1",
-        role,
-        model,
-        f"{node_id}:80",
-        draining,
-        load or NodeLoad(),
-        0,
-        0,
-        0,
-    )
-    view.members[node_id] = Member(node_id, ("127.0.0.1", 1), 1, 1, status, 0.0, 0.0, st)
-    blocks = NodeBlocks(1)
-    blocks.masks.update({h(i): 0b010 for i in range(cached)})
-    view.blocks[node_id] = blocks
+def place(view: ClusterView, request: PlacementRequest, **options: Any) -> Placement | Reject:
+    """Where ``decide`` runs ``request``, or why not."""
+    return decide(view, request, **options).result
 
 
 def request(n: int = 4) -> PlacementRequest:

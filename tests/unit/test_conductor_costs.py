@@ -7,18 +7,16 @@ context token), KV is 1,000 bytes a token, blocks are 16 tokens.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import random
+from typing import Any
 
 import pytest
 
 from mooncaked.cluster.admission import PendingLedger
-from mooncaked.cluster.conductor import decide
+from mooncaked.cluster.conductor import Decision, decide
 from mooncaked.cluster.costs import NodeCosts, StepCost
 from mooncaked.cluster.forecast import DecodeForecast
 from mooncaked.cluster.placement import (
-    ConductorParams,
     EarlyReject,
     PendingLoad,
     Placement,
@@ -27,66 +25,20 @@ from mooncaked.cluster.placement import (
     Reject,
 )
 from mooncaked.cluster.slo import Slo
-from mooncaked.cluster.state import (
-    ClusterView,
-    Member,
-    MemberStatus,
-    NodeBlocks,
-    NodeLoad,
-    NodeState,
-)
+from mooncaked.cluster.state import ClusterView, NodeLoad, NodeState
+from tests.cluster_views import EXACT, MODEL, add_node, exact, h
 
-MODEL = "m"
 COSTS = NodeCosts(
     step=StepCost(base_s=0.010, token_s=1e-3, pair_s=0.0, seq_s=1e-3, ctx_s=1e-6),
     kv_bytes_per_token=1000,
     chunk_tokens=4096,
     max_batch=64,
 )
-DRAM = 0b010
-
-# The best alone, ties by node id, no late binding: the orders these tests assert.
-EXACT = ConductorParams(spread=0.0, decode_spread=0.0, late_binding=False)
 
 
-def h(i: int) -> bytes:
-    return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
-
-
-def add(
-    view: ClusterView,
-    node_id: str,
-    role: str,
-    *,
-    load: NodeLoad | None = None,
-    cached: int = 0,
-    costs: NodeCosts = COSTS,
-    forecast: DecodeForecast | None = None,
-    version: int = 1,
-    model: str = MODEL,
-) -> None:
-    st = NodeState(
-        node_id,
-        1,
-        version,
-        "127.0.0.1:1",
-        role,
-        model,
-        f"{node_id}:80",
-        False,
-        load or NodeLoad(),
-        0,
-        0,
-        0,
-        costs=costs,
-        forecast=forecast or DecodeForecast(),
-    )
-    view.members[node_id] = Member(
-        node_id, ("127.0.0.1", 1), 1, 1, MemberStatus.ALIVE, 0.0, 0.0, st
-    )
-    blocks = NodeBlocks(1)
-    blocks.masks.update({h(i): DRAM for i in range(cached)})
-    view.blocks[node_id] = blocks
+def add(view: ClusterView, node_id: str, role: str, **fields: Any) -> None:
+    """``add_node`` with the round costs of the module docstring unless told otherwise."""
+    add_node(view, node_id, role, **{"costs": COSTS, **fields})
 
 
 def request(blocks: int = 64, max_tokens: int = 100, slo: Slo | None = None) -> PlacementRequest:
@@ -94,11 +46,6 @@ def request(blocks: int = 64, max_tokens: int = 100, slo: Slo | None = None) -> 
     return PlacementRequest(
         MODEL, tuple(h(i) for i in range(blocks)), blocks * 16 + 1, max_tokens, 100.0, slo
     )
-
-
-def params(**kw: object) -> ConductorParams:
-    """The exact ranking (no spread, no late binding) with ``kw`` changed."""
-    return dataclasses.replace(EXACT, **kw)  # type: ignore[arg-type]
 
 
 def placed(d: object) -> Placement:
@@ -137,7 +84,7 @@ def test_remote_hit_worth_fetching() -> None:
     # The same view under local_cache: nobody fetches, recompute on the idle node.
     lc = placed(
         decide(
-            view, request(), rng=random.Random(0), params=params(policy=Policy.LOCAL_CACHE)
+            view, request(), rng=random.Random(0), params=exact(policy=Policy.LOCAL_CACHE)
         ).result
     )
     assert lc.prefill[0].node_id == "p1" and not lc.fetch
@@ -162,19 +109,14 @@ def test_remote_hit_not_worth_fetching_over_a_slow_link_or_below_the_threshold()
     assert not placed(dec2.result).fetch and dec2.prefill[0].transfer_s == 0.0
     # With the threshold at 1.0 the 4 extra blocks are worth a fetch (64 ms
     # of compute against a 5 ms round trip).
-    dec3 = decide(view2, request(), rng=random.Random(0), params=params(balancing_threshold=1.0))
+    dec3 = decide(view2, request(), rng=random.Random(0), params=exact(balancing_threshold=1.0))
     assert placed(dec3.result).fetch
 
 
 def test_a_busy_holder_makes_an_idle_node_replicate_its_prefix() -> None:
     view = ClusterView("p2", clock=lambda: 0.0)
-    add(
-        view,
-        "p1",
-        "prefill",
-        cached=48,
-        load=NodeLoad(queued_prefill_tokens=3000, predicted_queue_s=3.0),
-    )
+    busy = NodeLoad(queued_prefill_tokens=3000, predicted_queue_s=3.0)
+    add(view, "p1", "prefill", cached=48, load=busy)
     add(view, "p2", "prefill")
     add(view, "d1", "decode")
     dec = decide(view, request(), rng=random.Random(0), params=EXACT)
@@ -202,7 +144,7 @@ def test_copies_are_capped_per_prefix() -> None:
         add(view, f"p{i}", "prefill", cached=48, load=busy)
     add(view, "p4", "prefill")
     add(view, "d1", "decode")
-    dec = decide(view, request(), rng=random.Random(0), params=params(max_replicas=3))
+    dec = decide(view, request(), rng=random.Random(0), params=exact(max_replicas=3))
     p = placed(dec.result)
     # Three copies exist: p4 may not become a fourth; it recomputes (1.035 s
     # beats a holder's 3 s queue).
@@ -210,7 +152,7 @@ def test_copies_are_capped_per_prefix() -> None:
     assert next(s for s in dec.prefill if s.node_id == "p4").note == "3 copies already"
     # One more replica allowed: p4 fetches.
     assert placed(
-        decide(view, request(), rng=random.Random(0), params=params(max_replicas=4)).result
+        decide(view, request(), rng=random.Random(0), params=exact(max_replicas=4)).result
     ).fetch
 
 
@@ -229,7 +171,7 @@ def test_reject_when_the_best_ttft_misses_the_slo() -> None:
         decide(view, request(slo=Slo(ttft_s=5.0)), rng=random.Random(0), slo=Slo(1.0)).result,
         Placement,
     )
-    off = params(early_reject=EarlyReject.OFF)
+    off = exact(early_reject=EarlyReject.OFF)
     assert isinstance(
         decide(view, request(), rng=random.Random(0), slo=Slo(1.0), params=off).result, Placement
     )
@@ -248,12 +190,12 @@ def test_admission_allows_for_the_margin_recent_requests_needed() -> None:
         Placement,
     )
     r = decide(
-        view, request(), rng=random.Random(0), slo=Slo(ttft_s=3.5), params=params(ttft_margin=1.2)
+        view, request(), rng=random.Random(0), slo=Slo(ttft_s=3.5), params=exact(ttft_margin=1.2)
     ).result
     assert isinstance(r, Reject) and r.code == "ttft_slo"
     assert "3.04 s, 1.20x with the margin" in r.reason and r.retry_after_s == 1.0
     # A margin below 1 (forecasts that ran long) admits what the forecast alone would not.
-    low = params(ttft_margin=0.8)
+    low = exact(ttft_margin=0.8)
     assert isinstance(
         decide(view, request(), rng=random.Random(0), slo=Slo(ttft_s=3.0), params=low).result,
         Placement,
@@ -262,10 +204,10 @@ def test_admission_allows_for_the_margin_recent_requests_needed() -> None:
     add(view, "d1", "decode", load=NodeLoad(running_decode_batch=40, pending_decode=40))
     cur = EarlyReject.CURRENT
     ok = decide(
-        view, request(), rng=random.Random(0), slo=Slo(tbt_s=0.060), params=params(early_reject=cur)
+        view, request(), rng=random.Random(0), slo=Slo(tbt_s=0.060), params=exact(early_reject=cur)
     )
     assert isinstance(ok.result, Placement)
-    tight = params(early_reject=cur, tbt_margin=1.3)
+    tight = exact(early_reject=cur, tbt_margin=1.3)
     r = decide(view, request(), rng=random.Random(0), slo=Slo(tbt_s=0.060), params=tight).result
     assert isinstance(r, Reject) and r.code == "tbt_slo"
     assert "1.30x with the margin" in r.reason and "on d1 at batch 40" in r.reason
@@ -292,7 +234,7 @@ def test_no_decode_node_within_the_tbt_slo() -> None:
         request(),
         rng=random.Random(0),
         slo=Slo(tbt_s=0.050),
-        params=params(early_reject=EarlyReject.CURRENT),
+        params=exact(early_reject=EarlyReject.CURRENT),
     ).result
     assert isinstance(r, Reject) and r.code == "tbt_slo" and r.status == 429
     # The message gives the best node's forecast, the one closest to the SLO.
@@ -305,34 +247,29 @@ def test_no_decode_node_within_the_tbt_slo() -> None:
     assert p.predicted_tbt_s == pytest.approx(0.010 + 41e-3 + (1025 + 50) * 1e-6)
 
 
-def test_early_rejection_judges_the_load_when_the_prefill_ends() -> None:
+def _behind_a_queue(running: int, forecast: DecodeForecast) -> ClusterView:
+    """A prefill node a second of queue behind, and a decode node with
+    ``running`` of the 40 requests it holds KV for (40,000 tokens) decoding."""
     view = ClusterView("p1", clock=lambda: 0.0)
     add(view, "p1", "prefill", load=NodeLoad(queued_prefill_tokens=1000, predicted_queue_s=1.0))
+    load = NodeLoad(running_decode_batch=running, pending_decode=40, decode_context_tokens=40000)
+    add(view, "d1", "decode", load=load, forecast=forecast)
+    return view
+
+
+def _judged(view: ClusterView, early_reject: EarlyReject) -> Decision:
+    """``decide`` against a TBT SLO of 30 ms, judging the decode load as told."""
+    params = exact(early_reject=early_reject)
+    return decide(view, request(), rng=random.Random(0), slo=Slo(tbt_s=0.030), params=params)
+
+
+def test_early_rejection_judges_the_load_when_the_prefill_ends() -> None:
     # 40 decoding now, but the node forecasts 2 left in a second, 1 in two.
     fc = DecodeForecast((20.0, 2.0, 1.0, 0.0, 0.0, 0.0), (2e4, 2e3, 1e3, 0.0, 0.0, 0.0))
-    add(
-        view,
-        "d1",
-        "decode",
-        load=NodeLoad(running_decode_batch=40, pending_decode=40, decode_context_tokens=40000),
-        forecast=fc,
-    )
-    slo = Slo(tbt_s=0.030)
-    now = decide(
-        view,
-        request(),
-        rng=random.Random(0),
-        slo=slo,
-        params=params(early_reject=EarlyReject.CURRENT),
-    )
+    view = _behind_a_queue(40, fc)
+    now = _judged(view, EarlyReject.CURRENT)
     assert isinstance(now.result, Reject) and now.result.code == "tbt_slo"
-    later = decide(
-        view,
-        request(),
-        rng=random.Random(0),
-        slo=slo,
-        params=params(early_reject=EarlyReject.PREDICTED),
-    )
+    later = _judged(view, EarlyReject.PREDICTED)
     p = placed(later.result)
     # The prefill ends in ~2 s (1 s queue + 1.035 s): about one request left.
     assert later.decode[0].batch_at_join < 2.0
@@ -340,40 +277,18 @@ def test_early_rejection_judges_the_load_when_the_prefill_ends() -> None:
 
 
 def test_current_load_is_blind_to_handoffs_and_the_forecast_is_not() -> None:
-    view = ClusterView("p1", clock=lambda: 0.0)
-    add(view, "p1", "prefill", load=NodeLoad(queued_prefill_tokens=1000, predicted_queue_s=1.0))
     # 2 decoding now, 38 handoffs whose prefills end within the second: the
     # forecast has all 40 decoding from 1 s on.
-    fc = DecodeForecast((2.0, *[40.0] * 5), (2e3, *[4e4] * 5))
-    add(
-        view,
-        "d1",
-        "decode",
-        load=NodeLoad(running_decode_batch=2, pending_decode=40, decode_context_tokens=40000),
-        forecast=fc,
-    )
-    slo = Slo(tbt_s=0.030)
+    view = _behind_a_queue(2, DecodeForecast((2.0, *[40.0] * 5), (2e3, *[4e4] * 5)))
     # The load now: a batch of 2 and its 2,000 tokens of context (a 40th of
     # the 40,000 that the handoffs hold too), well within 30 ms.
-    now = decide(
-        view,
-        request(),
-        rng=random.Random(0),
-        slo=slo,
-        params=params(early_reject=EarlyReject.CURRENT),
-    )
+    now = _judged(view, EarlyReject.CURRENT)
     assert now.decode[0].batch_at_join == 2.0
     assert placed(now.result).predicted_tbt_s == pytest.approx(
         0.010 + 3e-3 + (2000 + 1025 + 50) * 1e-6
     )
     # At the load forecast over its run: 40 others at every step.
-    later = decide(
-        view,
-        request(),
-        rng=random.Random(0),
-        slo=slo,
-        params=params(early_reject=EarlyReject.PREDICTED),
-    )
+    later = _judged(view, EarlyReject.PREDICTED)
     assert isinstance(later.result, Reject) and later.result.code == "tbt_slo"
     assert later.decode[0].batch_at_join == 40.0
 
@@ -407,20 +322,15 @@ def _fields(st: object) -> dict[str, object]:
 
 def test_policies_differ_as_documented() -> None:
     view = ClusterView("p1", clock=lambda: 0.0)
-    add(
-        view,
-        "p1",
-        "prefill",
-        cached=60,
-        load=NodeLoad(queued_prefill_tokens=300, predicted_queue_s=0.3),
-    )
+    queued = NodeLoad(queued_prefill_tokens=300, predicted_queue_s=0.3)
+    add(view, "p1", "prefill", cached=60, load=queued)
     add(view, "p2", "prefill", load=NodeLoad(queued_prefill_tokens=100, predicted_queue_s=0.1))
     add(view, "d1", "decode", load=NodeLoad(running_decode_batch=3, pending_decode=3))
     add(view, "d2", "decode", load=NodeLoad(running_decode_batch=1, pending_decode=1))
 
     def first(policy: Policy, seed: int = 0) -> tuple[str, str]:
         p = placed(
-            decide(view, request(), params=params(policy=policy), rng=random.Random(seed)).result
+            decide(view, request(), params=exact(policy=policy), rng=random.Random(seed)).result
         )
         return p.prefill[0].node_id, p.decode.node_id
 

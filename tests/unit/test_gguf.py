@@ -36,7 +36,7 @@ from tests.gguf_fixtures import (
     write_gguf,
     write_spm_gguf,
 )
-from tests.parity import check_greedy_parity, greedy_logits
+from tests.parity import check_greedy_parity, greedy_logits, hf_logits
 
 BLOCK = 16
 TOL = 1e-4
@@ -93,11 +93,6 @@ def _prompt(seed: int, n: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     # Byte and merge tokens only: no control tokens in the prompt.
     return torch.randint(0, BOS_ID - 1, (n,), generator=g).tolist()
-
-
-def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
 
 
 def _req(rid: str, prompt: list[int]) -> Request:
@@ -178,10 +173,10 @@ def test_logits_match_transformers(gguf_case: Any) -> None:
     (la2, lb2) = runner.forward_logits(
         StepPlan([chunk_of(ra, [a_next], 37, ta, True), chunk_of(rb, b[20:], 20, tb, True)])
     )
-    ref_a = _hf_logits(hf, [*a, a_next])
+    ref_a = hf_logits(hf, [*a, a_next])
     torch.testing.assert_close(la, ref_a[:37], atol=TOL, rtol=0)
     torch.testing.assert_close(la2, ref_a[37:], atol=TOL, rtol=0)
-    torch.testing.assert_close(torch.cat([lb1, lb2]), _hf_logits(hf, b), atol=TOL, rtol=0)
+    torch.testing.assert_close(torch.cat([lb1, lb2]), hf_logits(hf, b), atol=TOL, rtol=0)
 
 
 def test_greedy_64_tokens_match_transformers(gguf_case: Any) -> None:
@@ -368,7 +363,7 @@ def test_smollm2_logits_match_transformers(smollm2: Any) -> None:
     (logits,) = runner.forward_logits(
         StepPlan([chunk_of(_req("a", chat), chat, 0, [0, 1, 2, 3, 4], True)])
     )
-    torch.testing.assert_close(logits, _hf_logits(hf, chat), atol=TOL, rtol=0)
+    torch.testing.assert_close(logits, hf_logits(hf, chat), atol=TOL, rtol=0)
 
 
 @needs_smollm2
@@ -412,7 +407,7 @@ def test_smollm2_quantized_tracks_transformers_float32(smollm2: Any, quantizatio
     new_tokens = 16
     ours = greedy_logits(quantized, prompt, new_tokens)
     ids = prompt + ours[len(prompt) - 1 :].argmax(-1).tolist()[: new_tokens - 1]
-    theirs = _hf_logits(hf, ids)
+    theirs = hf_logits(hf, ids)
     if quantization == "int8":
         torch.testing.assert_close(ours, theirs, atol=2.0, rtol=0)
         check_greedy_parity(ours, theirs, 0.5)

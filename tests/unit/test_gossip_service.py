@@ -6,7 +6,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import orjson
 import pytest
@@ -14,27 +14,9 @@ import pytest
 from mooncaked.cluster import wire
 from mooncaked.cluster.gossip.service import ClusterService, DropPeers
 from mooncaked.cluster.state import BlockOp, LocalState, MemberStatus, NodeLoad, Tier
-from mooncaked.config import ClusterConfig
+from tests.gossip_nodes import FAST, seeded, wait_for
 
 SECRET = b"service-test-secret"
-FAST = ClusterConfig(
-    probe_interval_s=0.2,
-    probe_timeout_s=0.1,
-    suspect_timeout_s=1.0,
-    gossip_interval_s=0.05,
-    sync_interval_s=0.5,
-    sync_timeout_s=1.0,
-)
-
-
-async def wait_for(cond: Callable[[], bool], limit: float) -> None:
-    """A correctness bound, not a timing measurement."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not met within {limit} s")
-        await asyncio.sleep(0.02)
 
 
 def all_alive(services: list[ClusterService]) -> bool:
@@ -54,13 +36,9 @@ async def trio() -> AsyncIterator[list[ClusterService]]:
         first = ClusterService(FAST, "s0", SECRET, local_state=lambda: loads["s0"])
         await first.start()
         services.append(first)
-        seed = (f"127.0.0.1:{first.gossip_port}",)
         for i in (1, 2):
             s = ClusterService(
-                ClusterConfig(**{**_fields(FAST), "seeds": seed}),
-                f"s{i}",
-                SECRET,
-                local_state=lambda i=i: loads[f"s{i}"],
+                seeded(first), f"s{i}", SECRET, local_state=lambda i=i: loads[f"s{i}"]
             )
             assert await s.start() == 1
             services.append(s)
@@ -69,10 +47,6 @@ async def trio() -> AsyncIterator[list[ClusterService]]:
     finally:
         for s in services:
             await s.close()
-
-
-def _fields(config: ClusterConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in config.__slots__}  # type: ignore[attr-defined]
 
 
 async def test_blocks_segments_and_leave_over_real_sockets(trio: list[ClusterService]) -> None:
@@ -146,9 +120,7 @@ async def test_crashed_service_is_declared_dead_then_rejoins(
         FAST.probe_interval_s * 4 + FAST.suspect_timeout_s + 5,
     )
     again = ClusterService(
-        ClusterConfig(
-            **{**_fields(FAST), "seeds": (f"127.0.0.1:{s0.gossip_port}",), "gossip_port": port}
-        ),
+        seeded(s0, gossip_port=port),
         "s2",
         SECRET,
         local_state=lambda: LocalState(load=NodeLoad(queued_prefill_tokens=99)),

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from mooncaked.config import ModelConfig
-from mooncaked.engine.attention import AttentionMetadata, write_kv
+from mooncaked.engine.attention import AttentionBackend, AttentionMetadata, PagedKV, write_kv
 from mooncaked.engine.connector import KVConnector
 from mooncaked.engine.graphs import (
     MAX_GRAPH_BATCH,
@@ -35,7 +35,7 @@ BLOCK = 16
 NUM_BLOCKS = 48
 
 
-class PagedDecodeReference:
+class PagedDecodeReference(AttentionBackend):
     """What ``flash_attn_with_kvcache`` computes for one-token queries, in torch:
     each row attends to the first ``context_lens[i]`` keys its block table
     names. Reads only the metadata's tensors, like the kernel."""
@@ -43,21 +43,12 @@ class PagedDecodeReference:
     name = "paged-decode-reference"
     static_decode = True
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.keep)
+    def attend(self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
         b, w = meta.block_tables.shape
-        bs, kvh, d = k_cache.shape[1:]
+        bs, kvh, d = kv.k_cache.shape[1:]
         blocks = meta.block_tables.long().flatten()
-        keys = k_cache.index_select(0, blocks).view(b, w * bs, kvh, d).transpose(1, 2)
-        values = v_cache.index_select(0, blocks).view(b, w * bs, kvh, d).transpose(1, 2)
+        keys = kv.k_cache.index_select(0, blocks).view(b, w * bs, kvh, d).transpose(1, 2)
+        values = kv.v_cache.index_select(0, blocks).view(b, w * bs, kvh, d).transpose(1, 2)
         real = torch.arange(w * bs)[None, :] < meta.context_lens_tensor.long()[:, None]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, H, 1, D]

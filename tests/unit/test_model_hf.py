@@ -20,7 +20,8 @@ from mooncaked.engine.loader import LoadedModel, load_model
 from mooncaked.engine.plan import StepPlan, chunk_of
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.request import Request, SamplingParams
-from tests.hf_fixtures import EOS, VOCAB_SIZE, make_hf_model
+from tests.hf_fixtures import EOS, make_hf_model, plain_prompt
+from tests.parity import hf_logits
 
 BLOCK = 16
 TOL = 1e-4
@@ -36,17 +37,6 @@ def hf_case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     # float32 through F.linear: the reference arithmetic, compared at 1e-4.
     loaded = load_model(ModelConfig(path=str(d), dtype="float32", linear_kernel="dense"))
     return kind, sharded, d, hf, loaded
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    # Avoid 0..5 (unk, bos, eos, role words): plain tokens only.
-    return torch.randint(6, VOCAB_SIZE, (n,), generator=g).tolist()
-
-
-def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
 
 
 class Blocks:
@@ -108,10 +98,10 @@ def test_mixed_plan_logits_match_hf(hf_case: Any) -> None:
     runner = ModelRunner(loaded, num_blocks=64, block_size=BLOCK)
     blocks = Blocks()
 
-    a = _prompt(1, 37)  # full prefill in step 1, then a decode in step 2
-    b = _prompt(2, 45)  # chunked prefill: 16 + 20 + 9 tokens over three steps
-    c = _prompt(3, 5)  # short prefill
-    d = a[:32] + _prompt(4, 13)  # shares a's first two blocks: a prefix-cache hit
+    a = plain_prompt(1, 37)  # full prefill in step 1, then a decode in step 2
+    b = plain_prompt(2, 45)  # chunked prefill: 16 + 20 + 9 tokens over three steps
+    c = plain_prompt(3, 5)  # short prefill
+    d = a[:32] + plain_prompt(4, 13)  # shares a's first two blocks: a prefix-cache hit
     ta, tb, tc = blocks.take(3), blocks.take(3), blocks.take(1)
     # d reuses a's two full blocks and owns the rest.
     td = ta[:2] + blocks.take(1)
@@ -139,12 +129,12 @@ def test_mixed_plan_logits_match_hf(hf_case: Any) -> None:
     step3 = StepPlan([chunk_of(rb, b[36:], 36, tb, True)])
     (lb3,) = runner.forward_logits(step3)
 
-    ref_a = _hf_logits(hf, a_full)
-    ref_b = _hf_logits(hf, b)
+    ref_a = hf_logits(hf, a_full)
+    ref_b = hf_logits(hf, b)
     torch.testing.assert_close(la, ref_a[:37], atol=TOL, rtol=0)
     torch.testing.assert_close(la2, ref_a[37:38], atol=TOL, rtol=0)
-    torch.testing.assert_close(lc, _hf_logits(hf, c), atol=TOL, rtol=0)
-    torch.testing.assert_close(ld, _hf_logits(hf, d)[32:], atol=TOL, rtol=0)
+    torch.testing.assert_close(lc, hf_logits(hf, c), atol=TOL, rtol=0)
+    torch.testing.assert_close(ld, hf_logits(hf, d)[32:], atol=TOL, rtol=0)
     torch.testing.assert_close(torch.cat([lb1, lb2, lb3]), ref_b, atol=TOL, rtol=0)
     assert lb1.shape[0] == 16 and lb2.shape[0] == 20 and lb3.shape[0] == 9
 
@@ -152,7 +142,7 @@ def test_mixed_plan_logits_match_hf(hf_case: Any) -> None:
 def test_execute_samples_only_where_asked(hf_case: Any) -> None:
     _kind, _sharded, _d, hf, loaded = hf_case
     runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK)
-    a, b = _prompt(5, 20), _prompt(6, 33)
+    a, b = plain_prompt(5, 20), plain_prompt(6, 33)
     plan = StepPlan(
         [
             chunk_of(_req("a", a), a, 0, [0, 1], True),
@@ -162,7 +152,7 @@ def test_execute_samples_only_where_asked(hf_case: Any) -> None:
     out = runner.execute(plan)
     assert out[1] is None
     assert out[0] is not None
-    assert out[0].token_id == int(_hf_logits(hf, a)[-1].argmax())
+    assert out[0].token_id == int(hf_logits(hf, a)[-1].argmax())
 
 
 def test_greedy_generation_matches_hf_generate(hf_case: Any) -> None:
@@ -170,7 +160,7 @@ def test_greedy_generation_matches_hf_generate(hf_case: Any) -> None:
     runner = ModelRunner(loaded, num_blocks=64, block_size=BLOCK)
     blocks = Blocks()
     new_tokens = 64
-    prompts = [_prompt(10, 7), _prompt(11, 23), _prompt(12, 16)]
+    prompts = [plain_prompt(10, 7), plain_prompt(11, 23), plain_prompt(12, 16)]
     reqs = [_req(f"g{i}", p) for i, p in enumerate(prompts)]
     tables = [blocks.take((len(p) + new_tokens + BLOCK - 1) // BLOCK) for p in prompts]
 

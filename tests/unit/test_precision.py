@@ -30,31 +30,21 @@ from mooncaked.engine.loader import (
     resolve_dtype,
 )
 from mooncaked.engine.runner import ModelRunner
-from tests.hf_fixtures import VOCAB_SIZE, make_hf_model
-from tests.parity import check_greedy_parity, greedy_logits
+from tests.hf_fixtures import make_hf_model, plain_prompt
+from tests.parity import check_greedy_parity, greedy_logits, hf_logits
 
 BLOCK = 16
 BF16_TOL = 0.125
 CPU = torch.device("cpu")
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(6, VOCAB_SIZE, (n,), generator=g).tolist()
-
-
-def _hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
-
-
 def _assert_greedy_matches_hf(hf: Any, loaded: Any, tol: float, max_differ: int) -> None:
     """Greedy decoding of a fixed prompt, every step's logits within ``tol`` of
     transformers' over the same sequence; at most ``max_differ`` near ties."""
-    prompt, new_tokens = _prompt(3, 21), 24
+    prompt, new_tokens = plain_prompt(3, 21), 24
     ours = greedy_logits(loaded, prompt, new_tokens)
     ids = prompt + ours[len(prompt) - 1 :].argmax(-1).tolist()[: new_tokens - 1]
-    theirs = _hf_logits(hf, ids)
+    theirs = hf_logits(hf, ids)
     torch.testing.assert_close(ours, theirs, atol=tol, rtol=0)
     assert check_greedy_parity(ours, theirs, tol) <= max_differ
 
@@ -160,10 +150,10 @@ def _quantized_parity(hf: Any, d: Path, quantization: str, tol: float) -> None:
     loaded = load_model(ModelConfig(path=str(d), quantization=quantization))
     assert loaded.quantization == quantization
     assert loaded.model_id.endswith("#" + quantization)
-    prompt, new_tokens = _prompt(3, 21), 24
+    prompt, new_tokens = plain_prompt(3, 21), 24
     ours = greedy_logits(loaded, prompt, new_tokens)
     ids = prompt + ours[len(prompt) - 1 :].argmax(-1).tolist()[: new_tokens - 1]
-    theirs = _hf_logits(hf, ids)
+    theirs = hf_logits(hf, ids)
     torch.testing.assert_close(ours, theirs, atol=tol, rtol=0)
     assert check_greedy_parity(ours, theirs, tol) <= 2
 
@@ -301,7 +291,7 @@ def test_packed_float32_logits_and_greedy_match_hf_float32(fp32_case: Any) -> No
 @needs_bf16_packing
 def test_packed_bfloat16_matches_dense_bfloat16(fp32_case: Any) -> None:
     _hf, d = fp32_case
-    prompt, new_tokens = _prompt(5, 19), 12
+    prompt, new_tokens = plain_prompt(5, 19), 12
     runs = [
         greedy_logits(
             load_model(
@@ -408,7 +398,7 @@ def test_packed_layout_is_measured_at_load_unless_configured(fp32_case: Any) -> 
     layers = [m for m in fixed.model.modules() if isinstance(m, PackedLinear)]
     assert layers and {m.batch_hint for m in layers} == {16}
     # Another layout, the same numbers within the packed float32 bound.
-    prompt = _prompt(7, 13)
+    prompt = plain_prompt(7, 13)
     torch.testing.assert_close(
         greedy_logits(fixed, prompt, 6),
         greedy_logits(measured, prompt, 6),

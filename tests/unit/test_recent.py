@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -85,38 +87,9 @@ def test_bad_capacity_and_limit_name_the_value() -> None:
         ring(2).newest(-1)
 
 
-async def test_route_answers_json_and_rejects_a_bad_limit() -> None:
-    r = ring(8)
-    for i in range(3):
-        r.add(finished(i))
-    app = web.Application()
-    app.add_routes(r.routes())
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as s:
-            async with s.get("/admin/requests/recent") as resp:
-                assert resp.status == 200
-                body = await resp.json()
-            assert [x["request_id"] for x in body["requests"]] == ["cmpl-2", "cmpl-1", "cmpl-0"]
-            async with s.get("/admin/requests/recent", params={"limit": "1"}) as resp:
-                body = await resp.json()
-            assert [x["request_id"] for x in body["requests"]] == ["cmpl-2"]
-            for bad in ("ten", "-3", "1.5"):
-                async with s.get("/admin/requests/recent", params={"limit": bad}) as resp:
-                    assert resp.status == 400
-                    err = await resp.json()
-                assert repr(bad) in err["error"]["message"]
-    finally:
-        await runner.cleanup()
-
-
-async def test_route_refuses_limits_out_of_range_with_400() -> None:
-    r = ring(8)
-    r.add(finished(0))
+@contextlib.asynccontextmanager
+async def served(r: RecentRequests) -> AsyncIterator[aiohttp.ClientSession]:
+    """A client of ``r``'s routes, served on a real loopback socket."""
     app = web.Application()
     app.add_routes(r.routes())
     runner = web.AppRunner(app)
@@ -125,29 +98,55 @@ async def test_route_refuses_limits_out_of_range_with_400() -> None:
     await site.start()
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{site.port}") as s:
-            bad_limits = (
-                "9223372036854775808",  # past sys.maxsize: islice raised, a 500
-                str(10**400),
-                "1000001",
-                "NaN",
-                "inf",
-                "1e3",
-                "1_0",
-                "+5",
-                " 5",
-                "\u0663",  # a digit of another script, which int() takes
-                "",
-            )
-            for bad in bad_limits:
-                async with s.get("/admin/requests/recent", params={"limit": bad}) as resp:
-                    assert resp.status == 400, bad
-                    err = (await resp.json())["error"]
-                assert "0 to 1000000" in err["message"], bad
-                assert err["param"] == "limit" and err["type"] == "invalid_request_error"
-                assert set(err) == {"message", "type", "param", "code"}
-            for good, n in (("1000000", 1), ("0", 0), ("1", 1)):
-                async with s.get("/admin/requests/recent", params={"limit": good}) as resp:
-                    assert resp.status == 200, good
-                    assert len((await resp.json())["requests"]) == n
+            yield s
     finally:
         await runner.cleanup()
+
+
+async def test_route_answers_json_and_rejects_a_bad_limit() -> None:
+    r = ring(8)
+    for i in range(3):
+        r.add(finished(i))
+    async with served(r) as s:
+        async with s.get("/admin/requests/recent") as resp:
+            assert resp.status == 200
+            body = await resp.json()
+        assert [x["request_id"] for x in body["requests"]] == ["cmpl-2", "cmpl-1", "cmpl-0"]
+        async with s.get("/admin/requests/recent", params={"limit": "1"}) as resp:
+            body = await resp.json()
+        assert [x["request_id"] for x in body["requests"]] == ["cmpl-2"]
+        for bad in ("ten", "-3", "1.5"):
+            async with s.get("/admin/requests/recent", params={"limit": bad}) as resp:
+                assert resp.status == 400
+                err = await resp.json()
+            assert repr(bad) in err["error"]["message"]
+
+
+async def test_route_refuses_limits_out_of_range_with_400() -> None:
+    r = ring(8)
+    r.add(finished(0))
+    bad_limits = (
+        "9223372036854775808",  # past sys.maxsize: islice raised, a 500
+        str(10**400),
+        "1000001",
+        "NaN",
+        "inf",
+        "1e3",
+        "1_0",
+        "+5",
+        " 5",
+        "\u0663",  # a digit of another script, which int() takes
+        "",
+    )
+    async with served(r) as s:
+        for bad in bad_limits:
+            async with s.get("/admin/requests/recent", params={"limit": bad}) as resp:
+                assert resp.status == 400, bad
+                err = (await resp.json())["error"]
+            assert "0 to 1000000" in err["message"], bad
+            assert err["param"] == "limit" and err["type"] == "invalid_request_error"
+            assert set(err) == {"message", "type", "param", "code"}
+        for good, n in (("1000000", 1), ("0", 0), ("1", 1)):
+            async with s.get("/admin/requests/recent", params={"limit": good}) as resp:
+                assert resp.status == 200, good
+                assert len((await resp.json())["requests"]) == n

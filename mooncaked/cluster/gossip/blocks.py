@@ -17,16 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from mooncaked.cluster import wire
+from mooncaked.cluster.block_index import ApplyResult, BlockDelta, BlockLog, NodeBlocks, join_chunks
 from mooncaked.cluster.gossip.queue import BroadcastQueue
-from mooncaked.cluster.state import (
-    ApplyResult,
-    BlockDelta,
-    BlockLog,
-    ClusterView,
-    Member,
-    NodeBlocks,
-    join_chunks,
-)
+from mooncaked.cluster.state import ClusterView, Member
 from mooncaked.config import ClusterConfig
 
 Clock = Callable[[], float]

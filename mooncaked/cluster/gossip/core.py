@@ -34,6 +34,7 @@ from typing import Any
 import structlog
 
 from mooncaked.cluster import wire
+from mooncaked.cluster.block_index import BlockDelta, BlockEvent, BlockLog
 from mooncaked.cluster.gossip.blocks import BlockReplication
 from mooncaked.cluster.gossip.membership import (
     Membership,
@@ -42,16 +43,7 @@ from mooncaked.cluster.gossip.membership import (
     suspect_frame,
 )
 from mooncaked.cluster.gossip.queue import BroadcastQueue
-from mooncaked.cluster.state import (
-    BlockDelta,
-    BlockEvent,
-    BlockLog,
-    ClusterView,
-    LocalState,
-    Member,
-    MemberStatus,
-    NodeState,
-)
+from mooncaked.cluster.state import ClusterView, LocalState, Member, MemberStatus, NodeState
 from mooncaked.config import ClusterConfig
 
 log = structlog.get_logger(__name__)

@@ -24,9 +24,10 @@ import orjson
 import structlog
 
 from mooncaked.cluster import wire
+from mooncaked.cluster.block_index import BlockEvent
 from mooncaked.cluster.gossip.core import Addr, Clock, GossipCore, SyncTarget
 from mooncaked.cluster.gossip.membership import WallClock, wall_clock_ms
-from mooncaked.cluster.state import BlockEvent, ClusterCounters, ClusterView, LocalState
+from mooncaked.cluster.state import ClusterCounters, ClusterView, LocalState
 from mooncaked.config import ClusterConfig
 from mooncaked.tasks import TaskSet
 

@@ -1,0 +1,94 @@
+"""The data plane: the transfer engine and the host tiers of the KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mooncaked.config.errors import check
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    host: str = "127.0.0.1"
+    # 0: an ephemeral port, published through gossip.
+    port: int = 0
+    transports: tuple[str, ...] = ("shm", "tcp")
+    streams_per_peer: int = 4
+    slice_bytes: int = 4 * 1024 * 1024
+    op_timeout_s: float = 30.0
+    max_retries: int = 3
+    rdma_device: str = ""
+
+    def __post_init__(self) -> None:
+        check(0 <= self.port <= 65535, "port", f"must be in 0..65535, got {self.port}")
+        known = {"tcp", "shm", "rdma"}
+        bad = [t for t in self.transports if t not in known]
+        check(not bad, "transports", f"unknown transport(s) {bad}; known: {sorted(known)}")
+        check(self.streams_per_peer > 0, "streams_per_peer", "must be > 0")
+        check(self.slice_bytes >= 4096, "slice_bytes", "must be >= 4096")
+        check(self.op_timeout_s > 0, "op_timeout_s", "must be > 0")
+        check(self.max_retries >= 0, "max_retries", "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Host tiers of the KV block cache."""
+
+    # DRAM tier size: dram_bytes if > 0, else dram_fraction of physical RAM.
+    dram_bytes: int = 256 * 1024 * 1024
+    dram_fraction: float = 0.0
+    # SSD tier: empty path disables it.
+    ssd_path: str = ""
+    ssd_bytes: int = 1024 * 1024 * 1024
+    # Copy every block offloaded to DRAM on to the SSD in the background (so a
+    # restart finds it); off: only blocks evicted from DRAM are written.
+    ssd_write_through: bool = True
+    # Threads doing SSD reads, writes and log appends.
+    ssd_io_threads: int = 4
+    # Blocks waiting to be written to the SSD; beyond this, writes are dropped
+    # (and counted), never waited for.
+    ssd_write_queue: int = 64
+    # Read and check every SSD block on start instead of on its first load.
+    ssd_verify_on_start: bool = False
+    # Offload requests (device -> DRAM) waiting; beyond this they are dropped.
+    offload_queue: int = 64
+    # How long a peer may hold DRAM slots it reads before they can be reused.
+    lease_timeout_s: float = 30.0
+    # HTTP base URLs ("http://host:port") of nodes to fetch cached blocks
+    # from; the cluster's block index names holders once gossip runs.
+    peers: tuple[str, ...] = ()
+    # A fetch from peers that takes longer is given up and the prompt computed.
+    peer_fetch_timeout_s: float = 2.0
+    # Fetches from peers at once; beyond this a prompt is computed (counted).
+    peer_max_fetches: int = 8
+    # DRAM leases granted to peers at once; beyond this lookups find nothing.
+    peer_max_leases: int = 256
+    # Of those, leases one member of the cluster view may hold at once, so no
+    # peer takes them all.
+    peer_max_leases_per_reader: int = 32
+    # Leases all readers outside the cluster view (nodes that list this one
+    # in their store.peers without gossip) may hold together: any caller can
+    # name itself anything, so unverifiable names share one cap. 0: lease
+    # to cluster members only.
+    peer_max_leases_outside: int = 32
+
+    def __post_init__(self) -> None:
+        check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
+        check(0.0 <= self.dram_fraction < 1.0, "dram_fraction", "must be in [0, 1)")
+        check(self.ssd_bytes >= 0, "ssd_bytes", "must be >= 0")
+        check(
+            not (self.ssd_path and self.ssd_bytes == 0),
+            "ssd_bytes",
+            f"is 0 but ssd_path is {self.ssd_path!r}: give the SSD tier a size, or no ssd_path",
+        )
+        check(self.ssd_io_threads > 0, "ssd_io_threads", "must be > 0")
+        check(self.ssd_write_queue > 0, "ssd_write_queue", "must be > 0")
+        check(self.offload_queue > 0, "offload_queue", "must be > 0")
+        check(self.lease_timeout_s > 0, "lease_timeout_s", "must be > 0")
+        bad = [u for u in self.peers if not u.startswith(("http://", "https://"))]
+        check(not bad, "peers", f"must be http(s)://host:port URLs, got {bad}")
+        check(self.peer_fetch_timeout_s > 0, "peer_fetch_timeout_s", "must be > 0")
+        check(self.peer_max_fetches > 0, "peer_max_fetches", "must be > 0")
+        check(self.peer_max_leases > 0, "peer_max_leases", "must be > 0")
+        check(self.peer_max_leases_per_reader > 0, "peer_max_leases_per_reader", "must be > 0")
+        check(self.peer_max_leases_outside >= 0, "peer_max_leases_outside", "must be >= 0")

@@ -1,0 +1,110 @@
+"""What the engine runs: the model, the device KV block pool, the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mooncaked.config.errors import check
+
+# model.path of the seeded test models (engine/loader.py builds them).
+BUILTIN_PREFIX = "builtin:"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    # "builtin:tiny" (no download), a local Hugging Face model directory or a .gguf file.
+    path: str = "builtin:tiny"
+    # Name clients pass as "model"; empty: derived from the path.
+    served_name: str = ""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Weight-only quantized linear layers (CPU): weights stored in 8 or 4
+    # bits, read 4x or 8x faster than float32 in a bandwidth-bound decode.
+    quantization: Literal["none", "int8", "int4"] = "none"
+    # How unquantized linear layers multiply on the CPU. "packed": weights
+    # reordered once into oneDNN's blocked layout (torch's mkldnn ops), about
+    # 2x faster for decode than "dense" (F.linear, which reorders on every
+    # call in bf16 and is MKL's generic path in fp32 on some CPUs). bf16
+    # results are the same as dense; fp32 ones differ in the last bits (a
+    # different summation order), so "dense" gives bit-exact parity with HF.
+    # "auto": packed on the CPU wherever oneDNN runs, dense elsewhere (and for
+    # builtin:tiny, whose reference is F.linear in float32).
+    linear_kernel: Literal["auto", "packed", "dense"] = "auto"
+    # Packed: the rows oneDNN lays each weight out for. The fastest layout
+    # depends on the CPU (engine/quant.py pick_pack_hint); 0: measured at load
+    # on the model's own weights.
+    packed_layout_rows: int = 0
+    # Packed: one-row steps (a sequence decoding alone) through torch's native
+    # GEMV on a second, plain copy of each weight (engine/quant.py
+    # GemvPackedLinear). "auto": only where it measures at least 15% faster
+    # at load (bf16 on AVX-512: about 1.5x; float32 there: slower, so off);
+    # "on" keeps the copy regardless; "off" never (half the weight memory,
+    # and bf16 results that do not depend on the batch).
+    single_row_gemv: Literal["auto", "on", "off"] = "auto"
+    device: str = "auto"
+    # 0: the model's own limit.
+    max_model_len: int = 0
+    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    # Decode steps replayed from CUDA graphs, one per bucket of batch sizes up
+    # to scheduler.max_num_seqs (engine/graphs.py). "auto": on a CUDA device
+    # with flash-attn, running eagerly if capture fails; "on": an error where
+    # it cannot be had; "off": always eager (no capture time at start-up).
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"
+    seed: int = 0
+    # Threads of the engine step thread's OpenMP team for CPU inference (no
+    # other thread gets one: mooncaked/process.py). 0: measured at start-up,
+    # every core vs one per core but one (engine/threads.py); builtin:tiny,
+    # whose nodes must compute alike, keeps one per core but one.
+    cpu_threads: int = 0
+
+    @property
+    def is_builtin(self) -> bool:
+        return self.path.startswith(BUILTIN_PREFIX)
+
+    def __post_init__(self) -> None:
+        check(bool(self.path), "path", "must not be empty")
+        check(self.max_model_len >= 0, "max_model_len", "must be >= 0")
+        check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0")
+        check(self.packed_layout_rows >= 0, "packed_layout_rows", "must be >= 0")
+        check(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            f"must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KVConfig:
+    """The device KV block pool."""
+
+    block_size: int = 16
+    # 0: size the pool from memory_bytes (CPU) or gpu_memory_fraction (CUDA).
+    num_blocks: int = 0
+    memory_bytes: int = 512 * 1024 * 1024
+    gpu_memory_fraction: float = 0.85
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        check(
+            self.block_size > 0 and self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            f"must be a power of two, got {self.block_size}",
+        )
+        check(self.num_blocks >= 0, "num_blocks", "must be >= 0")
+        check(self.memory_bytes > 0, "memory_bytes", "must be > 0")
+        check(0.0 < self.gpu_memory_fraction <= 1.0, "gpu_memory_fraction", "must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    # Most requests decoding at once.
+    max_num_seqs: int = 64
+    # Token budget of one engine step (prefill chunks + decodes).
+    max_num_batched_tokens: int = 1024
+    # Requests waiting beyond this are rejected with 429.
+    max_waiting: int = 256
+
+    def __post_init__(self) -> None:
+        check(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
+        check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
+        check(self.max_waiting >= 0, "max_waiting", "must be >= 0")
