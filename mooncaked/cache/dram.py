@@ -330,6 +330,14 @@ class Lease:
         return len(self.slot_ids)
 
 
+def pop_expired(leases: dict[int, Lease], now: float) -> list[Lease]:
+    """Take the leases whose deadline passed out of ``leases`` (by lease id)."""
+    expired = [lease for lease in leases.values() if lease.deadline < now]
+    for lease in expired:
+        del leases[lease.lease_id]
+    return expired
+
+
 class DramPool:
     """Fixed-size block slots in one host buffer; hash -> slot, LRU, leases.
 
@@ -572,10 +580,8 @@ class DramPool:
 
     def reap_expired(self) -> int:
         """End the leases whose deadline has passed; how many ended."""
-        now = self._clock()
-        expired = [lease for lease in self._leases.values() if lease.deadline < now]
+        expired = pop_expired(self._leases, self._clock())
         for lease in expired:
-            del self._leases[lease.lease_id]
             self._drop_lease(lease)
             log.warning(
                 "dram.lease_expired",
