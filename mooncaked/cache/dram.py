@@ -144,10 +144,6 @@ def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _rows(rows: Sequence[int] | None, n: int) -> list[int]:
-    return list(range(n)) if rows is None else list(rows)
-
-
 def _host_rows(t: torch.Tensor) -> np.ndarray | None:
     """A contiguous CPU tensor's bytes as a ``[dim 0, rest]`` uint8 array (no copy)."""
     if t.device.type != "cpu" or not t.is_contiguous():
@@ -175,7 +171,7 @@ def _indices(values: Sequence[int], limit: int, what: str) -> np.ndarray:
 
 def _buffer_rows(block_ids: Sequence[int], rows: Sequence[int] | None, what: str) -> list[int]:
     """The buffer row of each block: ``rows``, or ``0..n-1`` when None."""
-    out = _rows(rows, len(block_ids))
+    out = list(range(len(block_ids))) if rows is None else list(rows)
     if len(out) != len(block_ids):
         raise ValueError(f"{len(block_ids)} block ids but {len(out)} {what}")
     return out
@@ -191,20 +187,13 @@ def _host_views(
     rows: Sequence[int],
     what: str,
 ) -> _HostViews | None:
-    """When the caches and ``buf`` are all contiguous CPU memory: the caches'
-    numpy rows, the block and buffer row indices, and ``buf`` as a
-    ``[rows, layer, K/V, bytes]`` array; None otherwise."""
-    host_buf = _host_rows(buf)
-    host_kv = _host_kv(kv_caches) if host_buf is not None else None
-    if host_buf is None or host_kv is None:
+    """With the caches and ``buf`` all contiguous CPU memory: the caches' numpy rows,
+    the block and row indices, ``buf`` as ``[rows, layer, K/V, bytes]``; else None."""
+    if (host_buf := _host_rows(buf)) is None or (host_kv := _host_kv(kv_caches)) is None:
         return None
     ids = _indices(block_ids, kv_caches[0][0].shape[0], "block ids")
     idx = _indices(rows, buf.shape[0], what)
     return host_kv, ids, idx, host_buf.reshape(buf.shape[0], len(host_kv), 2, -1)
-
-
-def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 # On CPU the copies go through numpy: one fancy-indexed assignment per layer
@@ -237,9 +226,9 @@ def gather_blocks(
             d[idx, layer, 1] = v[ids]
         return
     device = kv_caches[0][0].device
-    ids_t = _long(block_ids, device)
+    ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
     if device == out.device:
-        idx_t = _long(rows, device)
+        idx_t = torch.tensor(rows, dtype=torch.long, device=device)
         for layer, (k, v) in enumerate(kv_caches):
             dst[:, layer, 0].index_copy_(0, idx_t, k.index_select(0, ids_t))
             dst[:, layer, 1].index_copy_(0, idx_t, v.index_select(0, ids_t))
@@ -280,9 +269,9 @@ def scatter_blocks(
             v[ids] = s[idx, layer, 1]
         return
     device = kv_caches[0][0].device
-    ids_t = _long(block_ids, device)
+    ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
     if device == src.device:
-        idx_t = _long(rows, device)
+        idx_t = torch.tensor(rows, dtype=torch.long, device=device)
         for layer, (k, v) in enumerate(kv_caches):
             k.index_copy_(0, ids_t, srct[:, layer, 0].index_select(0, idx_t))
             v.index_copy_(0, ids_t, srct[:, layer, 1].index_select(0, idx_t))
