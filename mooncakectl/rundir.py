@@ -56,6 +56,17 @@ def open_run_dir(path: Path, *, create_mode: int = 0o700) -> Path:
     return path
 
 
+def _check_opened(fd: int, path: Path, *, private: bool, refusal: str) -> None:
+    """UntrustedPath unless the file open at ``fd`` is a regular file this user
+    may trust (``_owner_problem``); ``refusal`` starts the message."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise UntrustedPath(f"{path} is not a regular file")
+    problem = _owner_problem(path, st, private=private)
+    if problem is not None:
+        raise UntrustedPath(f"{refusal} {path}: {problem}")
+
+
 def write_private(path: Path, text: str) -> None:
     """Writes ``text`` to ``path`` readable by this user only.
 
@@ -71,12 +82,7 @@ def write_private(path: Path, text: str) -> None:
         # ELOOP: a symbolic link where the file should be.
         raise UntrustedPath(f"cannot write {path} safely: {exc}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UntrustedPath(f"{path} is not a regular file")
-        problem = _owner_problem(path, st, private=True)
-        if problem is not None:
-            raise UntrustedPath(f"refusing to write a secret into {path}: {problem}")
+        _check_opened(fd, path, private=True, refusal="refusing to write a secret into")
         os.ftruncate(fd, 0)
         data = text.encode()
         written = 0
@@ -95,12 +101,7 @@ def read_private(path: Path) -> str | None:
     except OSError as exc:
         raise UntrustedPath(f"cannot read {path} safely: {exc}") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UntrustedPath(f"{path} is not a regular file")
-        problem = _owner_problem(path, st, private=False)
-        if problem is not None:
-            raise UntrustedPath(f"not trusting {path}: {problem}")
+        _check_opened(fd, path, private=False, refusal="not trusting")
         with os.fdopen(fd, "rb", closefd=False) as f:
             return f.read().decode()
     finally:

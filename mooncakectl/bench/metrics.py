@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from mooncakectl.flags import number_list
 from mooncaked.cluster.slo import Slo, tbt_s
 
 METRICS = ("ttft", "tpot", "itl", "e2el", "tbt")
@@ -151,16 +152,14 @@ def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
 
 
 def parse_percentiles(text: str) -> list[float]:
-    out = []
-    for part in text.split(","):
-        try:
-            p = float(part)
-        except ValueError:
-            raise ValueError(f"--metric-percentiles: {part!r} is not a number") from None
-        if not 0.0 < p <= 100.0:
-            raise ValueError(f"--metric-percentiles: {part!r} is not in (0, 100]")
-        out.append(p)
-    return out
+    return number_list(
+        text,
+        "--metric-percentiles",
+        float,
+        "a number",
+        lambda p: 0.0 < p <= 100.0,
+        "is not in (0, 100]",
+    )
 
 
 def parse_metric_names(text: str) -> list[str]:

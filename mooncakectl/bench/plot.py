@@ -96,15 +96,31 @@ def pyplot() -> Any:
     return plt
 
 
+class PlotDir:
+    """A folder of PNGs: each figure laid out, saved and closed in one call."""
+
+    def __init__(self, out_dir: str | Path) -> None:
+        # Any: matplotlib is an optional extra, its types are not imported here.
+        self.plt: Any = pyplot()
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.written: list[Path] = []
+
+    def save(self, fig: Any, name: str) -> None:
+        fig.tight_layout()
+        path = self.out / name
+        fig.savefig(path, dpi=100)
+        self.plt.close(fig)
+        self.written.append(path)
+
+
 def write_plots(
     records: Sequence[RequestRecord], duration_s: float, out_dir: str | Path, title: str
 ) -> list[Path]:
     """Writes the PNGs into ``out_dir``; returns their paths."""
-    plt = pyplot()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    plots = PlotDir(out_dir)
+    plt = plots.plt
     done = [r for r in records if not r.warmup and r.ok]
-    written = []
 
     samples = {
         "ttft": [v for r in done if (v := r.ttft) is not None],
@@ -126,8 +142,7 @@ def write_plots(
         else:
             ax.text(0.5, 0.5, "no samples", ha="center", transform=ax.transAxes)
     fig.suptitle(f"{title}: latency CDFs")
-    fig.tight_layout()
-    written.append(_save(fig, out / "latency_cdf.png", plt))
+    plots.save(fig, "latency_cdf.png")
 
     width = bin_width(duration_s)
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
@@ -141,8 +156,7 @@ def write_plots(
     ax2.set_xlabel("seconds since start")
     ax2.grid(alpha=0.3)
     fig.suptitle(f"{title}: throughput and queue")
-    fig.tight_layout()
-    written.append(_save(fig, out / "throughput.png", plt))
+    plots.save(fig, "throughput.png")
 
     fig, ax = plt.subplots(figsize=(10, 4))
     t, share = series_cached_share(records, duration_s, width)
@@ -152,13 +166,5 @@ def write_plots(
     ax.set_xlabel("seconds since start (by completion)")
     ax.grid(alpha=0.3)
     ax.set_title(f"{title}: cached share of prompt tokens")
-    fig.tight_layout()
-    written.append(_save(fig, out / "cached_share.png", plt))
-    return written
-
-
-def _save(fig: Any, path: Path, plt: Any) -> Path:
-    # Any: matplotlib is an optional extra, its types are not imported here.
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    plots.save(fig, "cached_share.png")
+    return plots.written

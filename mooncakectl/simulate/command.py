@@ -29,6 +29,7 @@ from mooncakectl.bench.trace import (
     slice_from_args,
 )
 from mooncakectl.bench.workloads import TraceScale
+from mooncakectl.flags import number_list
 from mooncakectl.registry import Env, ExitStatus, command
 from mooncakectl.simulate import against
 from mooncakectl.simulate.cluster import Shape, SimConfig, SimResult, Simulation, trace_requests
@@ -53,29 +54,11 @@ def _csv(kind: type[Policy] | type[EarlyReject], text: str, flag: str) -> list[A
 
 
 def _ints(text: str, flag: str, minimum: int = 1) -> list[int]:
-    out = []
-    for part in text.split(","):
-        try:
-            v = int(part)
-        except ValueError:
-            raise ValueError(f"{flag}: {part!r} is not an integer") from None
-        if v < minimum:
-            raise ValueError(f"{flag}: {v} is below {minimum}")
-        out.append(v)
-    return out
+    return number_list(text, flag, int, "an integer", lambda v: v >= minimum, f"is below {minimum}")
 
 
 def _floats(text: str, flag: str) -> list[float]:
-    out = []
-    for part in text.split(","):
-        try:
-            v = float(part)
-        except ValueError:
-            raise ValueError(f"{flag}: {part!r} is not a number") from None
-        if not v > 0:
-            raise ValueError(f"{flag}: {part!r} must be > 0")
-        out.append(v)
-    return out
+    return number_list(text, flag, float, "a number", lambda v: v > 0, "must be > 0")
 
 
 def parse_ratio(text: str) -> tuple[int, int] | None:
@@ -208,24 +191,21 @@ def _configure_conductor(s: argparse._ArgumentGroup) -> None:
         "longer than this share of the SLO (0: rejected)",
     )
     s.add_argument("--max-prefill", type=int, default=defaults.max_prefill)
-    s.add_argument(
-        "--spread",
-        type=float,
-        default=defaults.spread,
-        help="candidates within this share of the best predicted TTFT are picked at random",
-    )
-    s.add_argument(
-        "--spread-min-ms",
-        type=float,
-        default=defaults.spread_min * 1e3,
-        help="... or within this many ms of it",
-    )
-    s.add_argument(
-        "--decode-spread",
-        type=float,
-        default=defaults.decode_spread,
-        help="decode candidates within this share of the best predicted TBT, likewise",
-    )
+    # How entries spread their choices (``ranking.spread``).
+    for flag, default, text in (
+        (
+            "--spread",
+            defaults.spread,
+            "candidates within this share of the best predicted TTFT are picked at random",
+        ),
+        ("--spread-min-ms", defaults.spread_min * 1e3, "... or within this many ms of it"),
+        (
+            "--decode-spread",
+            defaults.decode_spread,
+            "decode candidates within this share of the best predicted TBT, likewise",
+        ),
+    ):
+        s.add_argument(flag, type=float, default=default, help=text)
     s.add_argument(
         "--late-binding",
         choices=("on", "off"),

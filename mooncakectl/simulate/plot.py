@@ -12,11 +12,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from mooncakectl.bench.plot import pyplot
+from mooncakectl.bench.plot import PlotDir
 from mooncakectl.simulate.cluster import SimResult
 from mooncakectl.simulate.results import SimSummary
 
@@ -59,11 +58,9 @@ def series_in_flight(result: SimResult) -> tuple[np.ndarray, np.ndarray]:
 def write_plots(
     results: Sequence[SimResult], summaries: Sequence[SimSummary], out_dir: str | Path
 ) -> list[Path]:
-    plt = pyplot()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    plots = PlotDir(out_dir)
+    plt = plots.plt
     labels = [f"{s.cluster} {s.policy} er={s.early_reject} x{s.speed:g}" for s in summaries]
-    written = []
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for res, label in zip(results, labels, strict=True):
@@ -82,8 +79,7 @@ def write_plots(
         ax.set_ylabel("share of requests")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    written.append(_save(fig, out / "latency_cdf.png", plt))
+    plots.save(fig, "latency_cdf.png")
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(12, 7), sharex=True)
     for res, s, label in zip(results, summaries, labels, strict=True):
@@ -98,8 +94,7 @@ def write_plots(
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    written.append(_save(fig, out / "throughput.png", plt))
+    plots.save(fig, "throughput.png")
 
     fig, ax = plt.subplots(figsize=(12, 4))
     width = 0.8 / max(1, len(results))
@@ -113,13 +108,5 @@ def write_plots(
     ax.set_ylabel("busy (%)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    written.append(_save(fig, out / "nodes.png", plt))
-    return written
-
-
-def _save(fig: Any, path: Path, plt: Any) -> Path:
-    # Any: matplotlib is an optional extra, its types are not imported here.
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    plots.save(fig, "nodes.png")
+    return plots.written

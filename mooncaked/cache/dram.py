@@ -144,10 +144,6 @@ def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _rows(rows: Sequence[int] | None, n: int) -> list[int]:
-    return list(range(n)) if rows is None else list(rows)
-
-
 def _host_rows(t: torch.Tensor) -> np.ndarray | None:
     """A contiguous CPU tensor's bytes as a ``[dim 0, rest]`` uint8 array (no copy)."""
     if t.device.type != "cpu" or not t.is_contiguous():
@@ -173,6 +169,33 @@ def _indices(values: Sequence[int], limit: int, what: str) -> np.ndarray:
     return idx
 
 
+def _buffer_rows(block_ids: Sequence[int], rows: Sequence[int] | None, what: str) -> list[int]:
+    """The buffer row of each block: ``rows``, or ``0..n-1`` when None."""
+    out = list(range(len(block_ids))) if rows is None else list(rows)
+    if len(out) != len(block_ids):
+        raise ValueError(f"{len(block_ids)} block ids but {len(out)} {what}")
+    return out
+
+
+_HostViews = tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray, np.ndarray]
+
+
+def _host_views(
+    kv_caches: KVCaches,
+    block_ids: Sequence[int],
+    buf: torch.Tensor,
+    rows: Sequence[int],
+    what: str,
+) -> _HostViews | None:
+    """With the caches and ``buf`` all contiguous CPU memory: the caches' numpy rows,
+    the block and row indices, ``buf`` as ``[rows, layer, K/V, bytes]``; else None."""
+    if (host_buf := _host_rows(buf)) is None or (host_kv := _host_kv(kv_caches)) is None:
+        return None
+    ids = _indices(block_ids, kv_caches[0][0].shape[0], "block ids")
+    idx = _indices(rows, buf.shape[0], what)
+    return host_kv, ids, idx, host_buf.reshape(buf.shape[0], len(host_kv), 2, -1)
+
+
 # On CPU the copies go through numpy: one fancy-indexed assignment per layer
 # and K/V runs near memcpy speed, where torch's index_select/index_copy on
 # bf16 rows ran at a fifth of it (tools/bench_cache.py).
@@ -191,25 +214,20 @@ def gather_blocks(
     the bytes are in ``out``.
     """
     layout = BlockLayout.from_kv_caches(kv_caches)
-    rows = _rows(out_rows, len(block_ids))
-    if len(rows) != len(block_ids):
-        raise ValueError(f"{len(block_ids)} block ids but {len(rows)} output rows")
+    rows = _buffer_rows(block_ids, out_rows, "output rows")
     if not block_ids:
         return
     dst = layout.typed(out)
-    device = kv_caches[0][0].device
-    host_out = _host_rows(out)
-    host_kv = _host_kv(kv_caches) if host_out is not None else None
-    if host_out is not None and host_kv is not None:
-        ids = _indices(block_ids, kv_caches[0][0].shape[0], "block ids")
-        idx = _indices(rows, out.shape[0], "output rows")
-        d = host_out.reshape(out.shape[0], layout.num_layers, 2, -1)
+    host = _host_views(kv_caches, block_ids, out, rows, "output rows")
+    if host is not None:
+        host_kv, ids, idx, d = host
         for layer, (k, v) in enumerate(host_kv):
             d[idx, layer, 0] = k[ids]
             d[idx, layer, 1] = v[ids]
         return
+    device = kv_caches[0][0].device
+    ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
     if device == out.device:
-        ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
         idx_t = torch.tensor(rows, dtype=torch.long, device=device)
         for layer, (k, v) in enumerate(kv_caches):
             dst[:, layer, 0].index_copy_(0, idx_t, k.index_select(0, ids_t))
@@ -219,7 +237,6 @@ def gather_blocks(
     # then one copy per run of destination rows (a DMA each when out is pinned).
     staged = torch.empty((len(block_ids), layout.block_bytes), dtype=torch.uint8, device=device)
     staged_t = layout.typed(staged)
-    ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
     for layer, (k, v) in enumerate(kv_caches):
         staged_t[:, layer, 0] = k.index_select(0, ids_t)
         staged_t[:, layer, 1] = v.index_select(0, ids_t)
@@ -240,25 +257,20 @@ def scatter_blocks(
     Returns when the bytes are in the device blocks.
     """
     layout = BlockLayout.from_kv_caches(kv_caches)
-    rows = _rows(src_rows, len(block_ids))
-    if len(rows) != len(block_ids):
-        raise ValueError(f"{len(block_ids)} block ids but {len(rows)} source rows")
+    rows = _buffer_rows(block_ids, src_rows, "source rows")
     if not block_ids:
         return
     srct = layout.typed(src)
-    device = kv_caches[0][0].device
-    host_src = _host_rows(src)
-    host_kv = _host_kv(kv_caches) if host_src is not None else None
-    if host_src is not None and host_kv is not None:
-        ids = _indices(block_ids, kv_caches[0][0].shape[0], "block ids")
-        idx = _indices(rows, src.shape[0], "source rows")
-        s = host_src.reshape(src.shape[0], layout.num_layers, 2, -1)
+    host = _host_views(kv_caches, block_ids, src, rows, "source rows")
+    if host is not None:
+        host_kv, ids, idx, s = host
         for layer, (k, v) in enumerate(host_kv):
             k[ids] = s[idx, layer, 0]
             v[ids] = s[idx, layer, 1]
         return
+    device = kv_caches[0][0].device
+    ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
     if device == src.device:
-        ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
         idx_t = torch.tensor(rows, dtype=torch.long, device=device)
         for layer, (k, v) in enumerate(kv_caches):
             k.index_copy_(0, ids_t, srct[:, layer, 0].index_select(0, idx_t))
@@ -270,7 +282,6 @@ def scatter_blocks(
     for s0, d, n in _runs(rows, range(len(rows))):
         staged[d : d + n].copy_(src[s0 : s0 + n], non_blocking=src.is_pinned())
     staged_t = layout.typed(staged)
-    ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
     for layer, (k, v) in enumerate(kv_caches):
         k.index_copy_(0, ids_t, staged_t[:, layer, 0])
         v.index_copy_(0, ids_t, staged_t[:, layer, 1])
@@ -306,6 +317,14 @@ class Lease:
     @property
     def num_blocks(self) -> int:
         return len(self.slot_ids)
+
+
+def pop_expired(leases: dict[int, Lease], now: float) -> list[Lease]:
+    """Take the leases whose deadline passed out of ``leases`` (by lease id)."""
+    expired = [lease for lease in leases.values() if lease.deadline < now]
+    for lease in expired:
+        del leases[lease.lease_id]
+    return expired
 
 
 class DramPool:
@@ -550,10 +569,8 @@ class DramPool:
 
     def reap_expired(self) -> int:
         """End the leases whose deadline has passed; how many ended."""
-        now = self._clock()
-        expired = [lease for lease in self._leases.values() if lease.deadline < now]
+        expired = pop_expired(self._leases, self._clock())
         for lease in expired:
-            del self._leases[lease.lease_id]
             self._drop_lease(lease)
             log.warning(
                 "dram.lease_expired",

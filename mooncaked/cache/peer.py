@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from mooncaked.cache.dram import Clock, Lease
+from mooncaked.cache.dram import Clock, Lease, pop_expired
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.store import TieredStore
 from mooncaked.tasks import TaskSet
@@ -248,10 +248,7 @@ class LeaseDesk:
         return len(leases)
 
     def _end_lapsed(self) -> None:
-        now = self._clock()
-        lapsed = [lease for lease in self._leases.values() if lease.deadline < now]
-        for lease in lapsed:
-            del self._leases[lease.lease_id]
+        for lease in pop_expired(self._leases, self._clock()):
             self._bucket_of.pop(lease.lease_id, None)
             self._store.dram.release(lease)
             self._stats.lapsed += 1

@@ -240,6 +240,13 @@ def _own_ttft(n: CandidateNode, total: int, cached_blocks: int, params: Conducto
     )
 
 
+def random_order(pool: list[CandidateNode], rng: random.Random) -> list[int]:
+    """The random policy's order: candidates shuffled, suspects last."""
+    idx = list(range(len(pool)))
+    rng.shuffle(idx)
+    return sorted(idx, key=lambda i: pool[i].suspect)
+
+
 def order_prefill(
     params: ConductorParams,
     pool: list[CandidateNode],
@@ -249,10 +256,9 @@ def order_prefill(
     """Prefill candidates in the order to try them: by the policy's key (a
     random order, the shortest queue, or the least TTFT), suspects last,
     the near-best shuffled (``spread``)."""
-    idx = list(range(len(pool)))
     if params.policy is Policy.RANDOM:
-        rng.shuffle(idx)
-        return sorted(idx, key=lambda i: pool[i].suspect)
+        return random_order(pool, rng)
+    idx = list(range(len(pool)))
     if params.policy is Policy.LOAD_BALANCE:
         keys = [s.queue_s for s in scores]
         idx.sort(key=lambda i: (pool[i].suspect, keys[i], pool[i].cand.node_id))
@@ -376,10 +382,9 @@ def order_decode(
 ) -> list[int]:
     """Decode candidates best first: least predicted TBT (``conductor``) or
     smallest batch, suspects last, the near-best shuffled (``spread``)."""
-    idx = list(range(len(pool)))
     if params.policy is Policy.RANDOM:
-        rng.shuffle(idx)
-        return sorted(idx, key=lambda i: pool[i].suspect)
+        return random_order(pool, rng)
+    idx = list(range(len(pool)))
     if params.policy is Policy.CONDUCTOR:
         keys = [s.tbt_s for s in scores]
     else:

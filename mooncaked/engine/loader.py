@@ -393,6 +393,49 @@ def _eos_ids(value: Any) -> list[int]:
     return []
 
 
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+
+
+class _Weights:
+    """A model's parameters filled by name from a checkpoint, and which came."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self._model = model
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self._loaded: set[str] = set()
+        self._unexpected: list[str] = []
+
+    def expects(self, name: str) -> bool:
+        """Whether the model has ``name``; one it lacks is noted for ``check``."""
+        if name in self.params:
+            return True
+        self._unexpected.append(name)
+        return False
+
+    def copy(self, name: str, tensor: torch.Tensor, where: str, source: str) -> None:
+        param = self.params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{where} has shape {tuple(tensor.shape)}, {source} implies {tuple(param.shape)}"
+            )
+        param.copy_(tensor)
+        self._loaded.add(name)
+
+    def finish(self, arch: ModelArch, *, unexpected: str, missing: str) -> None:
+        """Ready the model for serving; ValueError when the checkpoint held names
+        the model lacks, or lacked some the model has (a tied lm_head shares the
+        embedding's)."""
+        if self._unexpected:
+            raise ValueError(f"{unexpected}: {_shown(sorted(self._unexpected))}")
+        loaded = self._loaded | ({"lm_head.weight"} if arch.tie_word_embeddings else set())
+        absent = sorted(set(self.params) - loaded)
+        if absent:
+            raise ValueError(f"{missing}: {_shown(absent)}")
+        self._model.eval()
+        self._model.fuse_projections()
+
+
 def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     from safetensors import safe_open
 
@@ -415,42 +458,24 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
     tokenizer = HFTokenizer(d, extra_eos_token_ids=extra_eos)
 
     model = _empty_model(arch, device, dtype)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
-    unexpected: list[str] = []
+    weights = _Weights(model)
     with torch.no_grad():
         for f in files:
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for key in st.keys():
-                    param = params.get(key)
-                    if param is None:
-                        # Rotary inv_freq buffers of old exports are recomputed;
-                        # anything else means the config does not describe the
-                        # checkpoint (e.g. q/k/v biases without attention_bias).
-                        if not key.endswith("rotary_emb.inv_freq"):
-                            unexpected.append(key)
+                    # Rotary inv_freq buffers of old exports are recomputed;
+                    # anything else the model lacks means the config does not
+                    # describe the checkpoint (e.g. q/k/v biases without
+                    # attention_bias).
+                    if key.endswith("rotary_emb.inv_freq") and key not in weights.params:
                         continue
-                    tensor = st.get_tensor(key)
-                    if tuple(tensor.shape) != tuple(param.shape):
-                        raise ValueError(
-                            f"{f.name}: {key} has shape {tuple(tensor.shape)}, the config "
-                            f"implies {tuple(param.shape)}"
-                        )
-                    param.copy_(tensor)
-                    loaded.add(key)
-    if unexpected:
-        shown = ", ".join(sorted(unexpected)[:5]) + (" ..." if len(unexpected) > 5 else "")
-        raise ValueError(
-            f"{d}: the safetensors files hold weights that config.json does not describe: {shown}"
-        )
-    if arch.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
-    if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(f"{d}: weights missing from the safetensors files: {shown}")
-    model.eval()
-    model.fuse_projections()
+                    if weights.expects(key):
+                        weights.copy(key, st.get_tensor(key), f"{f.name}: {key}", "the config")
+    weights.finish(
+        arch,
+        unexpected=f"{d}: the safetensors files hold weights that config.json does not describe",
+        missing=f"{d}: weights missing from the safetensors files",
+    )
 
     h = hashlib.sha256()
     h.update(cfg_path.read_bytes())
@@ -483,36 +508,19 @@ def _load_gguf(
     arch = gguf.read_arch(f)
     tokenizer = gguf.read_tokenizer(f)
     model = _empty_model(arch, device, dtype)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    loaded: set[str] = set()
-    unexpected: list[str] = []
+    weights = _Weights(model)
     label = f"loading {f.path.name}"
     with torch.no_grad(), load_progress(progress, gguf.tensor_count(f), label) as advance:
         for name, tensor in gguf.iter_tensors(f, arch):
             advance()
-            param = params.get(name)
-            if param is None:
-                unexpected.append(name)
-                continue
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"{f.path.name}: {name} has shape {tuple(tensor.shape)}, the metadata "
-                    f"implies {tuple(param.shape)}"
-                )
-            # Dequantized to fp32 on the CPU, cast once on the way to the device.
-            param.copy_(tensor)
-            loaded.add(name)
-    if unexpected:
-        shown = ", ".join(sorted(unexpected)[:5]) + (" ..." if len(unexpected) > 5 else "")
-        raise ValueError(f"{f.path}: holds tensors its metadata does not describe: {shown}")
-    if arch.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
-    if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(f"{f.path}: weights missing from the file: {shown}")
-    model.eval()
-    model.fuse_projections()
+            if weights.expects(name):
+                # Dequantized to fp32 on the CPU, cast once on the way to the device.
+                weights.copy(name, tensor, f"{f.path.name}: {name}", "the metadata")
+    weights.finish(
+        arch,
+        unexpected=f"{f.path}: holds tensors its metadata does not describe",
+        missing=f"{f.path}: weights missing from the file",
+    )
     return LoadedModel(
         model=model,
         arch=arch,
