@@ -7,16 +7,10 @@ config; everything that signs, verifies or names this node takes a
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass
 
 from mooncaked.config import NodeConfig
-
-
-def node_id_for(config: NodeConfig, port: int) -> str:
-    """``node.id``, else ``<hostname>-<API port>``: unique per daemon on one host."""
-    return config.id or f"{socket.gethostname()}-{port}"
 
 
 def new_generation() -> int:
@@ -38,4 +32,4 @@ class NodeIdentity:
 
     @classmethod
     def of(cls, config: NodeConfig, *, port: int, generation: int) -> NodeIdentity:
-        return cls(node_id_for(config, port), config.cluster_secret.encode(), generation)
+        return cls(config.id_at(port), config.cluster_secret.encode(), generation)

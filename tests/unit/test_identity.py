@@ -6,12 +6,12 @@ import pytest
 
 from mooncaked.api.services import Lifecycle
 from mooncaked.config import NodeConfig
-from mooncaked.identity import NodeIdentity, node_id_for
+from mooncaked.identity import NodeIdentity
 
 
 def test_a_named_node_keeps_its_name_and_an_unnamed_one_is_named_by_host_and_port() -> None:
-    assert node_id_for(NodeConfig(id="n1"), 8000) == "n1"
-    assert node_id_for(NodeConfig(), 8001) == f"{socket.gethostname()}-8001"
+    assert NodeConfig(id="n1").id_at(8000) == "n1"
+    assert NodeConfig().id_at(8001) == f"{socket.gethostname()}-8001"
 
 
 def test_identity_reads_the_secret_once_from_the_config() -> None:
