@@ -380,13 +380,9 @@ class Node:
                 on_ready(self)
             notifier.notify("READY=1", f"STATUS=serving on {self.url}")
             async with asyncio.TaskGroup() as tg:
-                interval_s = notifier.watchdog_interval_s
-                watchdog = (
-                    tg.create_task(self._watchdog(notifier, interval_s)) if interval_s else None
-                )
+                watchdog = tg.create_task(notifier.watchdog(lambda: self.lifecycle.failure is None))
                 await self.lifecycle.wait_stop()
-                if watchdog is not None:
-                    watchdog.cancel()
+                watchdog.cancel()
             notifier.notify("STOPPING=1", "STATUS=draining")
             await self.stop()
         finally:
