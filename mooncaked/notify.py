@@ -7,9 +7,10 @@ variable (not under systemd, or ``Type=simple``) every call does nothing.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 
 class Notifier:
@@ -44,3 +45,14 @@ class Notifier:
                 # systemd gone or the socket full: never fail the daemon over it.
                 return False
         return True
+
+    async def watchdog(self, healthy: Callable[[], bool]) -> None:
+        """Pings systemd's watchdog while ``healthy()``; returns at once without
+        one. The pings run on the event loop, so a loop stalled (by a step, say)
+        stops them too and systemd restarts the daemon."""
+        interval_s = self.watchdog_interval_s
+        if interval_s is None:
+            return
+        while healthy():
+            self.notify("WATCHDOG=1")
+            await asyncio.sleep(interval_s)

@@ -1,10 +1,9 @@
 """Operations endpoints: /health, /ready, /metrics and /admin/*.
 
-The handlers read everything from the node they serve, through the small
-``AdminNode`` protocol, so this module never imports the daemon. Subsystems
-that join the node later add their own part of ``/admin/status`` with
-``add_status_section`` and their own routes (``/admin/cluster``,
-``/admin/cache/...``) through the node's route list.
+The handlers read everything from the node's ``Services`` (its running
+subsystems and its lifecycle), so this module never imports the daemon.
+Other parts of the API add their own part of ``/admin/status`` with
+``add_status_section``.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 from importlib import metadata
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -24,15 +23,12 @@ from mooncaked.api.limits import (
     query_flag,
     read_json_object,
 )
-from mooncaked.api.metrics import ApiMetrics
+from mooncaked.api.metrics import CACHE_METRICS, SnapshotMetrics
 from mooncaked.api.render import json_response
-from mooncaked.config import Config
+from mooncaked.api.services import Services
 
 if TYPE_CHECKING:
-    from mooncaked.cache.peer import LeaseDesk, PeerFetcher
-    from mooncaked.cache.store import TieredStore
     from mooncaked.engine.core import EngineCore
-    from mooncaked.transfer import TransferEngine
 
 
 def version() -> str:
@@ -42,36 +38,12 @@ def version() -> str:
         return "0+unknown"
 
 
-class AdminNode(Protocol):
-    """What the admin handlers need of a node."""
-
-    @property
-    def node_id(self) -> str: ...
-    @property
-    def config(self) -> Config: ...
-    @property
-    def engine(self) -> EngineCore | None: ...
-    @property
-    def metrics(self) -> ApiMetrics: ...
-    @property
-    def ready(self) -> bool: ...
-    @property
-    def failure(self) -> BaseException | None: ...
-    def requests_in_flight(self) -> list[dict[str, Any]]: ...
-    def request_drain(self) -> bool: ...
-    @property
-    def draining(self) -> bool: ...
-    @property
-    def num_inflight(self) -> int: ...
-    def uptime_s(self) -> float: ...
-
-
 StatusSection = Callable[[], dict[str, Any]]
 
 
 class AdminAPI:
-    def __init__(self, node: AdminNode) -> None:
-        self._node = node
+    def __init__(self, services: Services) -> None:
+        self._services = services
         self._sections: dict[str, StatusSection] = {}
 
     def add_status_section(self, name: str, section: StatusSection) -> None:
@@ -111,7 +83,7 @@ class AdminAPI:
         return json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        node = self._node
+        node = self._services.lifecycle
         if node.failure is not None:
             return json_response(
                 {"ready": False, "reason": "failed", "error": repr(node.failure)}, status=503
@@ -126,32 +98,34 @@ class AdminAPI:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         return web.Response(
-            body=self._node.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            body=self._services.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
     async def requests(self, request: web.Request) -> web.Response:
         """Requests in flight on this node: those it is the entry of (with the
         nodes running them) and those its engine runs for other entries."""
-        return json_response(
-            {"node_id": self._node.node_id, "requests": self._node.requests_in_flight()}
-        )
+        s = self._services
+        return json_response({"node_id": s.node_id, "requests": s.requests_in_flight()})
 
     async def drain(self, request: web.Request) -> web.Response:
         """Drain and stop this node, as SIGTERM does: new requests go elsewhere,
         those in flight finish (up to ``server.drain_timeout_s``)."""
-        started = self._node.request_drain()
-        return json_response({"node_id": self._node.node_id, "draining": True, "started": started})
+        started = self._services.lifecycle.request_drain()
+        return json_response(
+            {"node_id": self._services.node_id, "draining": True, "started": started}
+        )
 
     async def status(self, request: web.Request) -> web.Response:
         return json_response(self.status_dict())
 
     def status_dict(self) -> dict[str, Any]:
-        node = self._node
-        engine = node.engine
+        services = self._services
+        node = services.lifecycle
+        engine = services.engine
         status: dict[str, Any] = {
-            "node_id": node.node_id,
+            "node_id": services.node_id,
             "model": engine.model_name if engine is not None else None,
-            "role": node.config.node.role,
+            "role": services.config.node.role,
             "version": version(),
             "uptime_s": round(node.uptime_s(), 3),
             "ready": node.ready,
@@ -247,21 +221,6 @@ async def prompt_token_ids(engine: EngineCore, body: dict[str, Any]) -> list[int
     raise BadBody("'prompt' must be a non-empty string or a list of token ids")
 
 
-class CacheNode(Protocol):
-    """What the cache endpoints need of a node; each part is None until it is up."""
-
-    @property
-    def engine(self) -> EngineCore | None: ...
-    @property
-    def store(self) -> TieredStore | None: ...
-    @property
-    def peer_fetcher(self) -> PeerFetcher | None: ...
-    @property
-    def lease_desk(self) -> LeaseDesk | None: ...
-    @property
-    def transfer(self) -> TransferEngine | None: ...
-
-
 def _unavailable(what: str) -> web.Response:
     return json_response(
         {
@@ -293,8 +252,8 @@ class CacheAdmin:
       request uses), DRAM and SSD.
     """
 
-    def __init__(self, node: CacheNode) -> None:
-        self._node = node
+    def __init__(self, services: Services) -> None:
+        self._services = services
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -305,7 +264,7 @@ class CacheAdmin:
 
     def snapshot(self) -> dict[str, Any] | None:
         """Stats objects for the metrics collector; None while the store is down."""
-        node = self._node
+        node = self._services
         store, fetcher, desk = node.store, node.peer_fetcher, node.lease_desk
         if store is None or fetcher is None or desk is None:
             return None
@@ -317,9 +276,12 @@ class CacheAdmin:
             "transfer": transfer.metrics() if transfer is not None else None,
         }
 
+    def metrics_source(self) -> SnapshotMetrics:
+        return SnapshotMetrics(self.snapshot, CACHE_METRICS)
+
     def stats_dict(self) -> dict[str, Any] | None:
         snap = self.snapshot()
-        store = self._node.store
+        store = self._services.store
         if snap is None or store is None:
             return None
         st = snap["store"]
@@ -347,7 +309,7 @@ class CacheAdmin:
             "leases": dataclasses.asdict(snap["leases"]),
             "transfer": None,
         }
-        engine = self._node.engine
+        engine = self._services.engine
         if engine is not None:
             pool = engine.pool
             out["device"] = {
@@ -355,7 +317,7 @@ class CacheAdmin:
                 "blocks_used": pool.num_used_blocks,
                 "blocks_cached": len(pool.cached_blocks),
             }
-        transfer, metrics = self._node.transfer, snap["transfer"]
+        transfer, metrics = self._services.transfer, snap["transfer"]
         if transfer is not None and metrics is not None:
             out["transfer"] = {
                 "address": transfer.address,
@@ -371,11 +333,11 @@ class CacheAdmin:
     def status_section(self) -> dict[str, Any] | None:
         """The "store" part of /admin/status: a summary for humans."""
         snap = self.snapshot()
-        store = self._node.store
+        store = self._services.store
         if snap is None or store is None:
             return None
         st, fetch, leases = snap["store"], snap["fetch"], snap["leases"]
-        transfer = self._node.transfer
+        transfer = self._services.transfer
         return {
             "dram": {
                 "blocks_used": st.dram.used_blocks,
@@ -399,7 +361,7 @@ class CacheAdmin:
 
     async def stats(self, request: web.Request) -> web.Response:
         out = self.stats_dict()
-        store = self._node.store
+        store = self._services.store
         if out is None or store is None:
             return _unavailable("the KV cache")
         try:
@@ -410,7 +372,7 @@ class CacheAdmin:
             # The tiers' self-check: a walk over every slot, so only on demand.
             try:
                 store.check_integrity()
-                engine = self._node.engine
+                engine = self._services.engine
                 if engine is not None:
                     # The device pool against the live block tables and holds.
                     engine.check_integrity()
@@ -423,7 +385,7 @@ class CacheAdmin:
         from mooncaked.cache.hashing import block_hashes
         from mooncaked.cache.store import Tier
 
-        engine, store = self._node.engine, self._node.store
+        engine, store = self._services.engine, self._services.store
         if engine is None or store is None:
             return _unavailable("the KV cache")
         try:
@@ -459,7 +421,7 @@ class CacheAdmin:
         )
 
     async def clear(self, request: web.Request) -> web.Response:
-        engine, store = self._node.engine, self._node.store
+        engine, store = self._services.engine, self._services.store
         if engine is None or store is None:
             return _unavailable("the KV cache")
         device = engine.reset_prefix_cache()

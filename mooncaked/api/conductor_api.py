@@ -9,8 +9,8 @@ with its reason. Nothing runs and nothing is recorded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,30 +21,21 @@ from mooncaked.api.limits import BadBody, read_json_object
 from mooncaked.api.protocol import parse_slo
 from mooncaked.api.refusals import MODEL_LOADING, NotServing, refusal
 from mooncaked.api.render import json_response
+from mooncaked.api.services import Services
 from mooncaked.cache.hashing import block_hashes
-from mooncaked.router import RouteError, Router
-
-if TYPE_CHECKING:
-    from mooncaked.cluster.load import CostMeter
-    from mooncaked.engine.core import EngineCore
+from mooncaked.router import RouteError
 
 
 class ConductorAPI:
-    def __init__(
-        self,
-        router: Router,
-        engine: Callable[[], EngineCore | None],
-        costs: Callable[[], CostMeter | None],
-    ) -> None:
-        self._router = router
-        self._engine = engine
-        self._costs = costs
+    def __init__(self, services: Services) -> None:
+        self._services = services
+        self._router = services.router
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/admin/explain", self.explain)]
 
     async def explain(self, request: web.Request) -> web.Response:
-        engine = self._engine()
+        engine = self._services.engine
         if engine is None:
             return refusal(NotServing(MODEL_LOADING, "model_loading")).error.response()
         try:
@@ -78,7 +69,7 @@ class ConductorAPI:
         cost model and how well it fits, and the decisions counted so far."""
         r = self._router
         adm = r.admission
-        costs = self._costs()
+        costs = self._services.costs
         ttft_margin, tbt_margin = adm.margins()
         out: dict[str, Any] = {
             "policy": adm.params.policy.value,
@@ -135,9 +126,9 @@ class ConductorAPI:
 class ConductorCollector:
     """Decisions and rejections by policy, outcome and reason; the fitted costs."""
 
-    def __init__(self, router: Router, costs: Callable[[], CostMeter | None]) -> None:
-        self._router = router
-        self._costs = costs
+    def __init__(self, services: Services) -> None:
+        self._services = services
+        self._router = services.router
 
     def describe(self) -> list[Metric]:
         return []
@@ -167,7 +158,7 @@ class ConductorCollector:
             "nothing had been admitted for a while (so the margins are measured again).",
             value=r.num_probes,
         )
-        costs = self._costs()
+        costs = self._services.costs
         if costs is not None:
             step = costs.fitter.cost
             coef = GaugeMetricFamily(

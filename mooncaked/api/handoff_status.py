@@ -6,24 +6,23 @@ decode side's ``KVReceiver`` (handoffs by outcome), the prefill side's
 ``KVSender`` (bytes, send and exposed time) and the transfer engine's
 counters. A node of any role has both sides, so every node reports both.
 ``StepHistograms`` adds per-step distributions (bytes, send window, exposed
-tail, rate) that the sender reports as each step's KV lands.
+tail, rate) that the sender reports as each step's KV lands. Both reach
+/metrics as ``MetricsSource``s (``metrics_source`` and the histograms themselves).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import Histogram
+from prometheus_client.core import Metric
 
-from mooncaked.api.metrics import Spec
+from mooncaked.api.metrics import SnapshotMetrics, Spec
+from mooncaked.api.services import Services, TransferCounters
 from mooncaked.engine.handoff import HandoffStats, StepSend
-from mooncaked.engine.kv_receiver import KVReceiver
-from mooncaked.engine.kv_sender import KVSender
-from mooncaked.transfer import TransferEngine
-from mooncaked.transfer.batch import TransferMetrics
 
 __all__ = ["HANDOFF_METRICS", "HandoffSnapshot", "HandoffStatus", "StepHistograms"]
 
@@ -44,7 +43,7 @@ class HandoffSnapshot:
     received: HandoffStats
     # Prefill side: KV this node wrote into decode nodes.
     sent: HandoffStats
-    transfer: TransferMetrics | None
+    transfer: TransferCounters | None
 
     def status(self) -> dict[str, Any]:
         sent = self.sent
@@ -82,22 +81,15 @@ class HandoffSnapshot:
 class HandoffStatus:
     """Snapshots of a node's handoff sides; None while the engine is not serving."""
 
-    def __init__(
-        self,
-        *,
-        receiver: Callable[[], KVReceiver | None],
-        sender: Callable[[], KVSender | None],
-        transfer: Callable[[], TransferEngine | None],
-    ) -> None:
-        self._receiver = receiver
-        self._sender = sender
-        self._transfer = transfer
+    def __init__(self, services: Services) -> None:
+        self._services = services
 
     def snapshot(self) -> HandoffSnapshot | None:
-        receiver, sender = self._receiver(), self._sender()
+        s = self._services
+        receiver, sender = s.receiver, s.sender
         if receiver is None or sender is None:
             return None
-        transfer = self._transfer()
+        transfer = s.transfer
         # Copies: the counters go on moving while the snapshot is read.
         return HandoffSnapshot(
             layerwise=sender.layerwise,
@@ -109,6 +101,9 @@ class HandoffStatus:
     def status_section(self) -> dict[str, Any] | None:
         snap = self.snapshot()
         return None if snap is None else snap.status()
+
+    def metrics_source(self) -> SnapshotMetrics:
+        return SnapshotMetrics(self.snapshot, HANDOFF_METRICS)
 
 
 def _sent(attr: str) -> Callable[[Any], float]:
@@ -164,34 +159,39 @@ HANDOFF_METRICS: tuple[Spec, ...] = (
 
 class StepHistograms:
     """Per-step KV transfer distributions; ``observe`` is the sender's step observer
-    (called on the event loop as each step's report is applied)."""
+    (called on the event loop as each step's report is applied). A
+    ``MetricsSource``: register it with the node's ``ApiMetrics``."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self) -> None:
         self.bytes = Histogram(
             "mooncaked_handoff_step_bytes",
             "KV bytes one engine step sent to decode nodes.",
             buckets=_STEP_BYTES_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.send = Histogram(
             "mooncaked_handoff_step_send_seconds",
             "One step's send window: its first layer finishing to its KV writes complete.",
             buckets=_STEP_SECONDS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.exposed = Histogram(
             "mooncaked_handoff_step_exposed_seconds",
             "One step's exposed tail: its last layer finishing to its KV writes complete.",
             buckets=_STEP_SECONDS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.rate = Histogram(
             "mooncaked_handoff_step_gb_per_second",
             "One step's KV bytes over its send window, in GB/s (a lower bound of the "
             "link's rate when layer-wise sends wait for compute).",
             buckets=_GBPS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
+
+    def collect(self) -> Iterator[Metric]:
+        for histogram in (self.bytes, self.send, self.exposed, self.rate):
+            yield from histogram.collect()
 
     def observe(self, step: StepSend) -> None:
         if not step.ok:

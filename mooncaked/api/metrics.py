@@ -3,21 +3,22 @@
 Each Node owns an ``ApiMetrics`` with its own ``CollectorRegistry`` (never the
 process-global one), so several Nodes in one test process keep separate
 counts. The HTTP layer records requests, tokens and latencies as they happen;
-engine gauges (load, KV usage, prefix hits) are read from ``EngineCore.stats()``
-at scrape time, so they are never stale and cost nothing between scrapes.
-Other subsystems add their own collectors to ``registry``.
+every subsystem's figures (engine load, KV cache tiers, gossip, the handoff,
+the Conductor) come through one protocol: a ``MetricsSource`` handed to
+``ApiMetrics.register``, collected at scrape time, so they are never stale
+and cost nothing between scrapes. Most are a ``SnapshotMetrics``: a table of
+``Spec``s read off a subsystem's stats snapshot.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
 # Seconds; covers a CPU test model (milliseconds) to a large model under load.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -55,7 +56,13 @@ def _families(specs: tuple[Spec, ...], snap: Any) -> Iterator[Metric]:
         yield m
 
 
-class _SnapshotCollector(Collector):
+class MetricsSource(Protocol):
+    """A subsystem's metric families, built at scrape time (none while it is down)."""
+
+    def collect(self) -> Iterable[Metric]: ...
+
+
+class SnapshotMetrics:
     """A table of specs over ``snapshot()``; nothing while it returns None (the
     subsystem is not up)."""
 
@@ -393,7 +400,7 @@ CLUSTER_METRICS: tuple[Spec, ...] = (
 
 
 class ApiMetrics:
-    def __init__(self, engine_stats: Callable[[], Any | None] = lambda: None) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.http_requests = Counter(
@@ -437,19 +444,10 @@ class ApiMetrics:
             buckets=_E2E_BUCKETS,
             registry=r,
         )
-        r.register(_SnapshotCollector(engine_stats, ENGINE_METRICS))
 
-    def add_cache_collector(self, snapshot: Callable[[], Any | None]) -> None:
-        """Expose the KV cache's tiers, peer fetches and transfers (``CACHE_METRICS``)."""
-        self.registry.register(_SnapshotCollector(snapshot, CACHE_METRICS))
-
-    def add_cluster_collector(self, snapshot: Callable[[], Any | None]) -> None:
-        """Expose gossip membership, traffic and the block index (``CLUSTER_METRICS``)."""
-        self.registry.register(_SnapshotCollector(snapshot, CLUSTER_METRICS))
-
-    def add_collector(self, snapshot: Callable[[], Any | None], specs: tuple[Spec, ...]) -> None:
-        """Expose ``specs`` read off ``snapshot()`` at scrape time (nothing while it is None)."""
-        self.registry.register(_SnapshotCollector(snapshot, specs))
+    def register(self, source: MetricsSource) -> None:
+        """Adds ``source``'s families to every scrape from now on."""
+        self.registry.register(source)  # type: ignore[arg-type]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -234,6 +234,7 @@ class CappedTCPSite(web.TCPSite):
         self._gates: set[_Gate] = set()
         self._per_client: dict[str, int] = {}
         self._reserved: set[Any] = set()
+        self._bound_port = port
 
     async def start(self) -> None:
         # TCPSite.start, with every connection behind a gate.
@@ -251,6 +252,11 @@ class CappedTCPSite(web.TCPSite):
         )
         sockets = self._server.sockets
         self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+
+    @property
+    def port(self) -> int:
+        """The port listened on (with port 0, the one the OS picked); after start()."""
+        return self._bound_port
 
     @property
     def num_connections(self) -> int:

@@ -12,19 +12,25 @@ suspecting it for seconds), close the sockets.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from mooncaked.cluster.block_index import BlockEvent, BlockOp
 from mooncaked.cluster.events import BlockEventBatcher
 from mooncaked.cluster.gossip.service import ClusterService
-from mooncaked.cluster.load import LoadMeter
+from mooncaked.cluster.load import CostMeter, LoadMeter
 from mooncaked.cluster.state import ClusterView
 from mooncaked.cluster.status import ClusterSnapshot, cluster_snapshot
-from mooncaked.config import ClusterConfig
+from mooncaked.config import ClusterConfig, Config
+from mooncaked.identity import NodeIdentity
 
 if TYPE_CHECKING:
     from mooncaked.cache.store import TieredStore
+    from mooncaked.engine.core import EngineCore
     from mooncaked.engine.kv_pool import BlockPool
 
 
@@ -113,3 +119,49 @@ class ClusterMember:
         if store is not None and store.on_block_event == batcher.on_store_event:
             store.on_block_event = None
         batcher.close()
+
+
+@contextlib.asynccontextmanager
+async def joined(
+    config: Config,
+    identity: NodeIdentity,
+    *,
+    api_addr: str,
+    engine: Callable[[], EngineCore | None],
+    draining: Callable[[], bool],
+    costs: CostMeter | None,
+    pool: BlockPool,
+    store: TieredStore | None,
+    segments: Sequence[Mapping[str, Any]],
+    on_failure: Callable[[BaseException], None],
+) -> AsyncIterator[ClusterMember]:
+    """This node in the cluster of ``[cluster]`` while entered, gossiping the
+    load of ``engine`` (None while it is not serving) from ``api_addr``."""
+    meter = LoadMeter(
+        role=config.node.role,
+        api_addr=api_addr,
+        engine=engine,
+        draining=draining,
+        clock=time.monotonic,
+        costs=costs,
+    )
+    member = ClusterMember(
+        config.cluster,
+        identity.node_id,
+        identity.secret,
+        meter=meter,
+        pool=pool,
+        store=store,
+        segments=segments,
+        generation=identity.generation,
+        on_failure=on_failure,
+    )
+    async with member:
+        structlog.get_logger(__name__).bind(node=identity.node_id).info(
+            "cluster joined",
+            gossip=f"{config.cluster.gossip_host}:{member.service.gossip_port}",
+            seeds=len(config.cluster.seeds),
+            seeds_answered=member.num_seeds_answered,
+            api=api_addr,
+        )
+        yield member

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import tomllib
 import types
 import typing
@@ -51,7 +50,7 @@ class Config:
 
     @property
     def node_id(self) -> str:
-        return self.node.id or f"{socket.gethostname()}-{self.server.port}"
+        return self.node.id_at(self.server.port)
 
     @property
     def data_dir(self) -> Path:

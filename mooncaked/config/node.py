@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.parse
 from dataclasses import dataclass
 from typing import Literal
@@ -68,6 +69,10 @@ class NodeConfig:
                 parse_cpu_list(self.cpus)
             except ValueError as exc:
                 raise ConfigValueError("cpus", str(exc)) from None
+
+    def id_at(self, port: int) -> str:
+        """``id``, else ``<hostname>-<API port>``: unique per daemon on one host."""
+        return self.id or f"{socket.gethostname()}-{port}"
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:

@@ -22,6 +22,7 @@ from mooncaked.handoff import KVGrant, PrefillTarget
 from mooncaked.request import Request
 
 __all__ = [
+    "HandoffPorts",
     "HandoffStats",
     "KVWrite",
     "KVWriter",
@@ -89,6 +90,20 @@ class WriteGrants(Protocol):
 # Ask one prefill node for a request's KV, with the longest queue it may
 # take it with (inf: any).
 PrefillCall = Callable[[PrefillTarget, Request, KVGrant, float], Awaitable[PrefillReply]]
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffPorts:
+    """What the handoff's two sides take from the layers above the engine
+    (``mooncaked.wire.kv_io.handoff_ports`` builds them over the transfer engine)."""
+
+    # Where prefill nodes reach this node's KV segment.
+    transfer_address: str
+    # The decode side's: granted blocks opened to a prefill node, and the call to it.
+    write_grants: WriteGrants
+    prefill: PrefillCall
+    # The prefill side's: writes into a decode node's granted blocks.
+    writer: KVWriter
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,22 +3,29 @@
 The engine layer (``KVWriter``, ``WriteGrants`` of ``engine.handoff``) and the
 cache layer (``BlockReader`` of ``cache.peer``) sit above the transfer layer
 and never import it; these adapters give each what it asks for in terms of
-``TransferEngine`` batches and grants. The daemon builds them once the
-transfer engine runs.
+``TransferEngine`` batches and grants. ``TransferKVSegment`` puts the device
+KV cache in a transfer segment; ``handoff_ports`` gives the engine's handoff
+sides everything they move bytes and call prefill nodes with.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import structlog
+import torch
 
 from mooncaked.cache.peer import Offer, PeerError
 from mooncaked.cluster.watch import MemberLost, MemberWatch
-from mooncaked.engine.handoff import KVWrite
+from mooncaked.config import DisaggConfig
+from mooncaked.engine.handoff import HandoffPorts, KVWrite
+from mooncaked.engine.serving import KV_SEGMENT
 from mooncaked.handoff import KVGrant
-from mooncaked.transfer import OpStatus, TransferEngine, TransferOp, WriteGrant
+from mooncaked.rpc import Target
+from mooncaked.transfer import Access, OpStatus, TransferEngine, TransferOp, WriteGrant
+from mooncaked.wire.prefill import PrefillClient
 
 log = structlog.get_logger(__name__)
 
@@ -80,6 +87,56 @@ class TransferWriteGrants:
     def close(self, handle: object) -> None:
         if isinstance(handle, WriteGrant):
             self._transfer.revoke(handle)
+
+
+class TransferKVSegment:
+    """The device KV cache as the transfer segment ``KV_SEGMENT``: peers write
+    into it only blocks granted to them (``Access.GRANTED``)."""
+
+    def __init__(self, transfer: TransferEngine) -> None:
+        self._transfer = transfer
+
+    def allocate(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The engine's ``KVAllocator``."""
+        if device.type != "cpu":
+            # Device memory: registered after the build, reached through a
+            # pinned bounce buffer (or RDMA).
+            return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        # Shared memory the transfer engine exposes: prefill nodes write a
+        # prompt's KV straight into its blocks (over shm on this host, tcp or
+        # rdma elsewhere).
+        segment = self._transfer.allocate(KV_SEGMENT, nbytes, Access.GRANTED)
+        return torch.frombuffer(segment.view.cast("B"), dtype=torch.uint8)
+
+    def register(self, kv_buffer: torch.Tensor) -> None:
+        """Registers the built engine's KV buffer unless ``allocate`` made it:
+        device memory, or an engine built by a custom factory, is reachable over
+        tcp (through a bounce buffer for device memory)."""
+        if self._transfer.segment(KV_SEGMENT) is None:
+            self._transfer.register(
+                KV_SEGMENT, kv_buffer.view(-1).view(torch.uint8), Access.GRANTED
+            )
+
+
+@contextlib.asynccontextmanager
+async def handoff_ports(
+    transfer: TransferEngine,
+    config: DisaggConfig,
+    *,
+    secret: bytes,
+    targets: Callable[[str], Target | None],
+    watch: MemberWatch,
+) -> AsyncIterator[HandoffPorts]:
+    """The handoff's ports while entered: the prefill client is open."""
+    async with PrefillClient(
+        secret=secret, timeout_s=config.grant_ttl_s, targets=targets, watch=watch
+    ) as client:
+        yield HandoffPorts(
+            transfer_address=transfer.address,
+            write_grants=TransferWriteGrants(transfer),
+            prefill=client.prefill,
+            writer=TransferKVWriter(transfer, watch),
+        )
 
 
 class TransferBlockReader:

@@ -534,7 +534,7 @@ async def test_drain_finishes_in_flight_and_refuses_new(node_factory: Any) -> No
         first = await next_event(inflight)
         stopping = asyncio.ensure_future(node.stop())
         try:
-            await wait_until(lambda: node.draining, "the drain to start")
+            await wait_until(lambda: node.lifecycle.draining, "the drain to start")
             r = await s.post("/v1/completions", json={"prompt": "too late"})
             body = await r.json()
             assert r.status == 503, body
@@ -656,14 +656,14 @@ async def test_admin_status_and_probes(node: Node) -> None:
 
 
 async def test_status_sections_can_be_added(node: Node) -> None:
-    node.admin.add_status_section("experiment", lambda: {"placements": 1})
+    node.api.admin.add_status_section("experiment", lambda: {"placements": 1})
     with pytest.raises(ValueError, match="already"):
-        node.admin.add_status_section("kv", dict)
+        node.api.admin.add_status_section("kv", dict)
     with pytest.raises(ValueError, match="already"):
-        node.admin.add_status_section("compute", dict)
+        node.api.admin.add_status_section("compute", dict)
     # The daemon's own subsystems added theirs already.
     with pytest.raises(ValueError, match="already"):
-        node.admin.add_status_section("cluster", dict)
+        node.api.admin.add_status_section("cluster", dict)
     async with aiohttp.ClientSession(node.url) as s:
         st = await (await s.get("/admin/status")).json()
     assert st["experiment"] == {"placements": 1}
@@ -702,7 +702,7 @@ async def test_probes_while_the_model_loads() -> None:
     node = Node(cfg, engine_factory=slow_engine)
     starting = asyncio.ensure_future(node.start())
     try:
-        await wait_until(lambda: node.listening, "the server to listen")
+        await wait_until(lambda: node.http_site is not None, "the server to listen")
         async with aiohttp.ClientSession(node.url) as s:
             assert (await s.get("/health")).status == 200
             r = await s.get("/ready")

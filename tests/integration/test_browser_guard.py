@@ -52,7 +52,7 @@ async def test_cross_origin_text_plain_post_does_not_drain(node: Node) -> None:
     assert status == 403, body
     assert EVIL in body["error"]["message"]
     assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert not node.draining
+    assert not node.lifecycle.draining
 
 
 async def test_admin_state_change_needs_a_json_body(node: Node) -> None:
@@ -65,7 +65,7 @@ async def test_admin_state_change_needs_a_json_body(node: Node) -> None:
         assert "application/json" in body["error"]["message"]
     status, body = await call(node, "POST", "/admin/drain", data=b"")
     assert status == 415, body
-    assert not node.draining
+    assert not node.lifecycle.draining
     # The node's own origin (its status page) and plain JSON clients get through.
     own = {"Origin": node.url}
     status, body = await call(node, "POST", "/admin/cache/clear", headers=own, json={})
@@ -162,7 +162,7 @@ async def test_mooncakectl_works_against_a_default_node(node: Node) -> None:
     assert status == 0, out(env)
     status = await asyncio.to_thread(run, ["--url", node.url, "drain", node.url, "--json"], env)
     assert status == 0, out(env)
-    assert node.draining
+    assert node.lifecycle.draining
 
 
 def _outside_address() -> str | None:
@@ -191,7 +191,7 @@ async def test_admin_without_token_answers_only_loopback(
     assert status == 403, body
     assert "MOONCAKED_ADMIN_TOKEN" in body["error"]["message"]
     status, body = await call(node, "POST", "/admin/drain", json={}, base=outside)
-    assert status == 403 and not node.draining
+    assert status == 403 and not node.lifecycle.draining
     # The rest of the API and loopback's /admin are unchanged.
     assert (await call(node, "GET", "/v1/models", base=outside))[0] == 200
     assert (await call(node, "GET", "/health", base=outside))[0] == 200

@@ -152,7 +152,9 @@ async def test_a_single_node_rejects_what_its_tbt_slo_cannot_keep() -> None:
     await node.start()
     try:
         await wait_until(
-            lambda: node.costs is not None and node.costs.profiled, "the cost profile", 30
+            lambda: node.services.costs is not None and node.services.costs.profiled,
+            "the cost profile",
+            30,
         )
         await wait_until(
             lambda: (

@@ -214,7 +214,7 @@ async def test_a_transfer_cut_mid_handoff_is_retried(cluster_factory: ClusterFac
     got = await complete_all(cluster, batch)
     assert_same(got, want)
     assert cuts >= 1
-    receiver = d._receiver
+    receiver = d.services.receiver
     assert isinstance(receiver, KVReceiver)
     # The cut connections were retried by the transfer engine; a handoff that
     # still failed fell back to a recompute, with the same output.

@@ -72,7 +72,7 @@ async def test_a_dead_step_loop_fails_requests_turns_unready_and_exits_nonzero()
     node = Node(cfg, engine_factory=factory)
     run = asyncio.ensure_future(node.run())
     try:
-        await wait_until(lambda: node.ready, "the node to be ready", WAIT_S)
+        await wait_until(lambda: node.lifecycle.ready, "the node to be ready", WAIT_S)
         engine = engines[0]
         body = {"prompt": "a long story", "max_tokens": 400, "ignore_eos": True}
         async with aiohttp.ClientSession(node.url) as s:
@@ -100,8 +100,8 @@ async def test_a_dead_step_loop_fails_requests_turns_unready_and_exits_nonzero()
             err = (await resp.json())["error"]
             assert err["type"] == "server_error" and "injected" in err["message"]
             # The node says it failed while it drains what is left.
-            assert not node.ready
-            assert node.failure is not None
+            assert not node.lifecycle.ready
+            assert node.lifecycle.failure is not None
         status = await asyncio.wait_for(run, WAIT_S)
         assert status == EXIT_FAILED
     finally:
@@ -125,7 +125,9 @@ async def test_ready_answers_503_failed_and_new_requests_503_after_a_failure() -
         async with aiohttp.ClientSession(node.url) as s:
             r = await s.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert r.status == 500
-            await wait_until(lambda: node.failure is not None, "the failure to reach the node")
+            await wait_until(
+                lambda: node.lifecycle.failure is not None, "the failure to reach the node"
+            )
             ready = await s.get("/ready")
             assert ready.status == 503 and (await ready.json())["reason"] == "failed"
             assert (await s.get("/health")).status == 200

@@ -41,7 +41,7 @@ async def lookup(
         }
     )
     key = derive_key(make_config().node.cluster_secret.encode())
-    target = Target(holder.node_id, holder.generation)
+    target = Target(holder.node_id, holder.services.identity.generation)
     headers = {
         "Content-Type": "application/json",
         **signed_headers(key, "POST", LOOKUP_PATH, body, target=target),
@@ -91,7 +91,7 @@ async def test_made_up_readers_share_one_cap_and_a_member_keeps_its_own(
         assert answer["error"]["code"] == "reader_refused"
         assert "names this node itself" in answer["error"]["message"]
 
-        desk = holder.lease_desk
+        desk = holder.services.lease_desk
         assert desk is not None
         st = desk.stats()
         assert (st.granted, st.active) == (OUTSIDE + PER_MEMBER, OUTSIDE + PER_MEMBER)

@@ -16,8 +16,9 @@ import aiohttp
 import pytest
 
 from mooncaked.config import Config
-from mooncaked.daemon import DRAM_SEGMENT, KV_SEGMENT
+from mooncaked.engine.serving import KV_SEGMENT
 from mooncaked.transfer import protocol as p
+from mooncaked.wire.peer_cache import DRAM_SEGMENT
 from tests.conftest import DaemonProcess
 from tests.integration.test_peer_fetch import (
     BLOCK,

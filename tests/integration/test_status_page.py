@@ -120,7 +120,7 @@ async def test_a_failing_listener_costs_the_request_nothing(node: Node) -> None:
         seen.append(finished.request_id)
         raise RuntimeError("a listener with a bug")
 
-    node.openai.finished_listeners.insert(0, broken)
+    node.api.openai.finished_listeners.insert(0, broken)
     async with aiohttp.ClientSession(node.url) as s:
         answer = await complete(s, "served whatever a listener does")
         async with s.get("/admin/requests/recent") as resp:

@@ -232,7 +232,7 @@ async def test_requests_lists_a_streaming_request_then_none(node: Any) -> None:
             rows = {tuple(line.split()[:3]) for line in lines[1:]}
             assert (request_id, "entry", "decoding") in rows
             assert (request_id, "engine", "decoding") in rows
-    await wait_until(lambda: not node.requests_in_flight(), "the cancelled request to end")
+    await wait_until(lambda: not node.services.requests_in_flight(), "the cancelled request to end")
     status, env = await cli("--url", node.url, "requests")
     assert (status, out(env)) == (ExitStatus.OK, f"no requests in flight on {node.node_id}\n")
 
@@ -242,7 +242,7 @@ async def test_drain_by_url_stops_the_node(node_factory: Any) -> None:
     status, env = await cli("--url", "http://127.0.0.1:1", "drain", n.url)
     assert status == ExitStatus.OK, err(env)
     assert out(env) == (f"draining {n.node_id} at {n.url}: it stops once its requests finish\n")
-    await wait_until(lambda: not n.listening, "the drained node to stop listening")
+    await wait_until(lambda: n.http_site is None, "the drained node to stop listening")
 
 
 async def test_secret_prints_a_fresh_long_secret() -> None:

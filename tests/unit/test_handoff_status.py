@@ -8,8 +8,11 @@ from mooncaked.api.handoff_status import (
     HandoffStatus,
     StepHistograms,
 )
-from mooncaked.api.metrics import ApiMetrics
+from mooncaked.api.metrics import ApiMetrics, SnapshotMetrics
+from mooncaked.api.services import Lifecycle, Services
+from mooncaked.config import Config
 from mooncaked.engine.handoff import HandoffStats, StepSend
+from mooncaked.identity import NodeIdentity
 from mooncaked.transfer.batch import TransferMetrics
 
 
@@ -63,7 +66,7 @@ def test_status_section_before_any_send_has_no_rates() -> None:
 
 def test_prometheus_families() -> None:
     metrics = ApiMetrics()
-    metrics.add_collector(snapshot, HANDOFF_METRICS)
+    metrics.register(SnapshotMetrics(snapshot, HANDOFF_METRICS))
     text = metrics.render().decode()
     assert sample(text, "mooncaked_handoffs_total", '{outcome="ok"}') == 5
     assert sample(text, "mooncaked_handoffs_total", '{outcome="retried"}') == 2
@@ -76,18 +79,26 @@ def test_prometheus_families() -> None:
     assert sample(text, "mooncaked_handoff_steps_total") == 4
 
 
+async def _never() -> None:
+    raise AssertionError("nothing stops this node")
+
+
 def test_nothing_while_the_engine_is_not_serving() -> None:
-    status = HandoffStatus(receiver=lambda: None, sender=lambda: None, transfer=lambda: None)
+    services = Services.build(
+        Config(), NodeIdentity("n1", b"s" * 32, 1), Lifecycle(lambda: 0.0, _never), lambda: 0.0
+    )
+    status = HandoffStatus(services)
     assert status.snapshot() is None
     assert status.status_section() is None
-    metrics = ApiMetrics()
-    metrics.add_collector(status.snapshot, HANDOFF_METRICS)
+    metrics = services.metrics
+    metrics.register(status.metrics_source())
     assert "mooncaked_handoff" not in metrics.render().decode()
 
 
 def test_step_histograms_observe_ok_steps_only() -> None:
     metrics = ApiMetrics()
-    steps = StepHistograms(metrics.registry)
+    steps = StepHistograms()
+    metrics.register(steps)
     steps.observe(
         StepSend(num_bytes=2_000_000, send_seconds=0.004, exposed_seconds=0.0003, ok=True)
     )

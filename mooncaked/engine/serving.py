@@ -1,0 +1,130 @@
+"""The serving engine of a node: the model loaded, then the engine running with
+its KV connectors.
+
+``load_engine`` builds the engine off the event loop (loading reads weights
+for seconds or minutes; /health keeps answering meanwhile). ``serving_engine``
+runs it with one connector of three parts, in the order they are asked: the
+handoff's receiving side (a request whose KV comes from a prefill node takes
+all of it from there, not part from the host tiers), the tiered KV cache
+(with peer prefetch), and the handoff's sending side. What the handoff needs
+of the layers above comes in as ``HandoffPorts``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from mooncaked.cache.service import KVCache
+from mooncaked.config import Config, ConfigError
+from mooncaked.engine.connector import KVConnector, MultiConnector
+from mooncaked.engine.core import EngineCore, FatalHandler
+from mooncaked.engine.handoff import HandoffPorts, StepObserver
+from mooncaked.engine.kv_receiver import KVReceiver
+from mooncaked.engine.kv_sender import KVSender
+from mooncaked.engine.runner import KVAllocator
+from mooncaked.engine.store_connector import TieredStoreConnector
+
+EngineFactory = Callable[[Config], EngineCore]
+
+# The transfer segment the device KV cache lives in (CPU) or is reached
+# through (CUDA); prefill nodes write prompts' KV into its granted blocks.
+KV_SEGMENT = "kv.device"
+# The engine waits this much longer for a peer fetch than the fetcher's own
+# bound, so the fetcher gives up (and counts it) first.
+_PREFETCH_GRACE_S = 0.5
+
+
+async def load_engine(
+    config: Config,
+    node_id: str,
+    *,
+    factory: EngineFactory | None,
+    kv_allocator: KVAllocator,
+    clock: Callable[[], float] = time.monotonic,
+) -> EngineCore:
+    """The engine built by ``factory`` (default: with its KV cache from
+    ``kv_allocator``), not started; ConfigError for a setting the model refuses."""
+    if factory is None:
+
+        def factory(config: Config) -> EngineCore:
+            return EngineCore(config, kv_allocator=kv_allocator)
+
+    log = structlog.get_logger(__name__).bind(node=node_id)
+    log.info("loading model", path=config.model.path)
+    t0 = clock()
+    try:
+        engine = await asyncio.to_thread(factory, config)
+    except ValueError as exc:
+        # The loader's ValueErrors name a bad setting (a missing model
+        # directory, max_model_len beyond the model's limit): a config error.
+        raise ConfigError(str(exc)) from None
+    log.info("model loaded", load_s=round(clock() - t0, 3))
+    return engine
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """The two sides of the prompt KV handoff of a serving engine."""
+
+    receiver: KVReceiver
+    sender: KVSender
+
+
+@contextlib.asynccontextmanager
+async def serving_engine(
+    engine: EngineCore,
+    config: Config,
+    ports: HandoffPorts,
+    *,
+    node_id: str,
+    cache: KVCache | None,
+    on_fatal: FatalHandler,
+    on_step: StepObserver | None = None,
+) -> AsyncIterator[Handoff]:
+    """Runs ``engine`` while entered; leaving aborts what is still running
+    (those streams end now) and stops its step loop."""
+    layout = engine.runner.kv_layout
+    receiver = KVReceiver(
+        node_id=node_id,
+        transfer_address=ports.transfer_address,
+        segment=KV_SEGMENT,
+        layout=layout,
+        prefill=ports.prefill,
+        grant_ttl_s=config.disagg.grant_ttl_s,
+        write_grants=ports.write_grants,
+    )
+    sender = KVSender(
+        ports.writer,
+        segment=KV_SEGMENT,
+        layout=layout,
+        loop=asyncio.get_running_loop(),
+        layerwise=config.disagg.layerwise,
+        on_step=on_step,
+    )
+    connectors: list[KVConnector] = [receiver]
+    if cache is not None:
+        # A request waits for a prefetch only when the fetcher would ask
+        # someone (a holder in the index, or configured peers).
+        connectors.append(
+            TieredStoreConnector(
+                cache.store,
+                prefetch=cache.fetcher.fetch,
+                prefetch_timeout_s=config.store.peer_fetch_timeout_s + _PREFETCH_GRACE_S,
+                prefetch_wanted=cache.fetcher.would_ask,
+            )
+        )
+    connectors.append(sender)
+    async with engine.serving(on_fatal=on_fatal, connector=MultiConnector(connectors)):
+        structlog.get_logger(__name__).bind(node=node_id).info(
+            "engine started",
+            model=engine.model_name,
+            max_model_len=engine.max_model_len,
+            role=config.node.role,
+        )
+        yield Handoff(receiver, sender)
