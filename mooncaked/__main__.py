@@ -27,11 +27,8 @@ from mooncaked.config import (
     load_config,
     with_overrides,
 )
+from mooncaked.process import EXIT_CONFIG, EXIT_FAILED
 from mooncaked.secrets import check_cluster_secret, resolve_cluster_secret
-
-EXIT_OK = 0
-EXIT_STARTUP_FAILED = 1
-EXIT_CONFIG = 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -132,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_CONFIG
         except Exception as exc:
             log.exception("start-up failed", error=str(exc))
-            return EXIT_STARTUP_FAILED
+            return EXIT_FAILED
 
     return _run_loop(serve())
 

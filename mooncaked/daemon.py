@@ -63,14 +63,10 @@ from mooncaked.engine.core import EngineCore
 from mooncaked.engine.serving import EngineFactory, load_engine, serving_engine
 from mooncaked.identity import NodeIdentity, new_generation
 from mooncaked.notify import Notifier
+from mooncaked.process import EXIT_FAILED, EXIT_FORCED, EXIT_OK
 from mooncaked.transfer import TransferEngine
 from mooncaked.wire.kv_io import TransferKVSegment, handoff_ports
 from mooncaked.wire.peer_cache import DRAM_SEGMENT, peer_cache
-
-# Exit status after a subsystem failed while serving (as for a failed start-up).
-EXIT_FAILED = 1
-# Exit status when a second signal cuts a drain short.
-EXIT_FORCED = 3
 
 
 class Node:
@@ -388,4 +384,4 @@ class Node:
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
-        return EXIT_FAILED if self.lifecycle.failure is not None else 0
+        return EXIT_FAILED if self.lifecycle.failure is not None else EXIT_OK

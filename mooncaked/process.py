@@ -19,6 +19,15 @@ from typing import TypeVar
 
 from mooncaked.config import ConfigError, ModelConfig, parse_cpu_list
 
+# Exit statuses of the entry points (``mooncaked`` and ``python -m mooncaked.cluster``).
+EXIT_OK = 0
+# Start-up failed, or a subsystem died while serving: systemd restarts the process.
+EXIT_FAILED = 1
+# A bad command line or configuration.
+EXIT_CONFIG = 2
+# A second signal cut the drain (or the departure) short.
+EXIT_FORCED = 3
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 

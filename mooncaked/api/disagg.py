@@ -69,8 +69,14 @@ class DisaggAPI:
     def num_unauthorized(self) -> int:
         return self.verifier.num_unauthorized
 
-    async def _body(self, request: web.Request) -> dict[str, Any]:
-        return await read_signed_json(request, self.verifier, max_bytes=MAX_CALL_BYTES)
+    async def _body(self, request: web.Request, work: str) -> dict[str, Any]:
+        """The signed body of a call to ``work`` (decode or prefill); a node of
+        the other role refuses it."""
+        data = await read_signed_json(request, self.verifier, max_bytes=MAX_CALL_BYTES)
+        other = "prefill" if work == "decode" else "decode"
+        if self._role == other:
+            raise NodeMismatch(f"this node only {other}s; it does not {work}")
+        return data
 
     def _ready_engine(self) -> EngineCore:
         engine = self._engine()
@@ -82,9 +88,7 @@ class DisaggAPI:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            data = await self._body(request)
-            if self._role == "prefill":
-                raise NodeMismatch("this node only prefills; it does not decode")
+            data = await self._body(request, "decode")
             engine = self._ready_engine()
             call = GenerateBody.decode(data)
             stream = engine.add_request(
@@ -112,9 +116,7 @@ class DisaggAPI:
 
     async def prefill(self, request: web.Request) -> web.Response:
         try:
-            data = await self._body(request)
-            if self._role == "decode":
-                raise NodeMismatch("this node only decodes; it does not prefill")
+            data = await self._body(request, "prefill")
             call = PrefillBody.decode(data)
             limit = call.max_wait_s
             queued = self._queue_s() if math.isfinite(limit) else 0.0

@@ -17,10 +17,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Histogram
 from prometheus_client.core import Metric
 
-from mooncaked.api.metrics import SnapshotMetrics, Spec
+from mooncaked.api.metrics import SnapshotMetrics, Spec, histograms
 from mooncaked.api.services import Services, TransferCounters
 from mooncaked.engine.handoff import HandoffStats, StepSend
 
@@ -34,6 +33,30 @@ _STEP_SECONDS_BUCKETS = (
 # Bytes: one block of a small model (KiB) to a long prompt of a large one (GiB).
 _STEP_BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(0, 12))
 _GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0)
+# (name, help, buckets) of ``StepHistograms``' bytes, send, exposed and rate.
+_STEP_HISTOGRAMS = (
+    (
+        "mooncaked_handoff_step_bytes",
+        "KV bytes one engine step sent to decode nodes.",
+        _STEP_BYTES_BUCKETS,
+    ),
+    (
+        "mooncaked_handoff_step_send_seconds",
+        "One step's send window: its first layer finishing to its KV writes complete.",
+        _STEP_SECONDS_BUCKETS,
+    ),
+    (
+        "mooncaked_handoff_step_exposed_seconds",
+        "One step's exposed tail: its last layer finishing to its KV writes complete.",
+        _STEP_SECONDS_BUCKETS,
+    ),
+    (
+        "mooncaked_handoff_step_gb_per_second",
+        "One step's KV bytes over its send window, in GB/s (a lower bound of the "
+        "link's rate when layer-wise sends wait for compute).",
+        _GBPS_BUCKETS,
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,31 +186,7 @@ class StepHistograms:
     ``MetricsSource``: register it with the node's ``ApiMetrics``."""
 
     def __init__(self) -> None:
-        self.bytes = Histogram(
-            "mooncaked_handoff_step_bytes",
-            "KV bytes one engine step sent to decode nodes.",
-            buckets=_STEP_BYTES_BUCKETS,
-            registry=None,
-        )
-        self.send = Histogram(
-            "mooncaked_handoff_step_send_seconds",
-            "One step's send window: its first layer finishing to its KV writes complete.",
-            buckets=_STEP_SECONDS_BUCKETS,
-            registry=None,
-        )
-        self.exposed = Histogram(
-            "mooncaked_handoff_step_exposed_seconds",
-            "One step's exposed tail: its last layer finishing to its KV writes complete.",
-            buckets=_STEP_SECONDS_BUCKETS,
-            registry=None,
-        )
-        self.rate = Histogram(
-            "mooncaked_handoff_step_gb_per_second",
-            "One step's KV bytes over its send window, in GB/s (a lower bound of the "
-            "link's rate when layer-wise sends wait for compute).",
-            buckets=_GBPS_BUCKETS,
-            registry=None,
-        )
+        self.bytes, self.send, self.exposed, self.rate = histograms(_STEP_HISTOGRAMS, None)
 
     def collect(self) -> Iterator[Metric]:
         for histogram in (self.bytes, self.send, self.exposed, self.rate):

@@ -24,6 +24,24 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# (name, help, buckets) of the request latencies ``ApiMetrics`` records.
+_LATENCIES = (
+    (
+        "mooncaked_time_to_first_token_seconds",
+        "From request arrival to its first token.",
+        _TTFT_BUCKETS,
+    ),
+    (
+        "mooncaked_inter_token_latency_seconds",
+        "Between consecutive tokens of one request.",
+        _ITL_BUCKETS,
+    ),
+    (
+        "mooncaked_e2e_request_latency_seconds",
+        "From request arrival to its last token.",
+        _E2E_BUCKETS,
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +72,13 @@ def _families(specs: tuple[Spec, ...], snap: Any) -> Iterator[Metric]:
         for key, v in value.items():  # type: ignore[union-attr]
             m.add_metric([key], float(v))
         yield m
+
+
+def histograms(
+    rows: Iterable[tuple[str, str, tuple[float, ...]]], registry: CollectorRegistry | None
+) -> list[Histogram]:
+    """One histogram per (name, help, buckets) row, in the rows' order."""
+    return [Histogram(name, doc, buckets=buckets, registry=registry) for name, doc, buckets in rows]
 
 
 class MetricsSource(Protocol):
@@ -426,24 +451,7 @@ class ApiMetrics:
             ["reason"],
             registry=r,
         )
-        self.ttft = Histogram(
-            "mooncaked_time_to_first_token_seconds",
-            "From request arrival to its first token.",
-            buckets=_TTFT_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "mooncaked_inter_token_latency_seconds",
-            "Between consecutive tokens of one request.",
-            buckets=_ITL_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "mooncaked_e2e_request_latency_seconds",
-            "From request arrival to its last token.",
-            buckets=_E2E_BUCKETS,
-            registry=r,
-        )
+        self.ttft, self.itl, self.e2e = histograms(_LATENCIES, r)
 
     def register(self, source: MetricsSource) -> None:
         """Adds ``source``'s families to every scrape from now on."""

@@ -33,12 +33,7 @@ from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.routes import cluster_routes
 from mooncaked.cluster.state import LocalState
 from mooncaked.config import Config, ConfigError, apply_flags, load_config
-
-EXIT_OK = 0
-EXIT_STARTUP_FAILED = 1
-EXIT_CONFIG = 2
-# A second signal cut the departure short.
-EXIT_FORCED = 3
+from mooncaked.process import EXIT_CONFIG, EXIT_FAILED, EXIT_FORCED, EXIT_OK
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -133,7 +128,7 @@ async def serve(config: Config, *, model_id: str, test_hooks: bool) -> int:
         return EXIT_OK
     except OSError as exc:
         log.error("start-up failed", error=str(exc))
-        return EXIT_STARTUP_FAILED
+        return EXIT_FAILED
     finally:
         await service.close()
         await runner.cleanup()
