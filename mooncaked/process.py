@@ -14,7 +14,8 @@ import itertools
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TypeVar
 
 from mooncaked.config import ConfigError, ModelConfig, parse_cpu_list
@@ -30,6 +31,8 @@ EXIT_FORCED = 3
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+# Where Linux shows the CPU topology.
+SYSFS_CPU = Path("/sys/devices/system/cpu")
 
 
 def uses_cpu(config: ModelConfig) -> bool:
@@ -47,18 +50,19 @@ def tune_process(config: ModelConfig) -> None:
     """Intra-op threads and allocator settings for CPU inference; nothing on CUDA."""
     if not uses_cpu(config):
         return
-    global _thread_candidates
-    threads = cpu_threads(config.cpu_threads)
-    if config.cpu_threads == 0 and not config.is_builtin:
-        # Measured at start-up by the engine (engine/threads.py); the builtin
-        # test model keeps the fixed count, so every node of a test cluster
-        # computes alike.
-        _thread_candidates = tuple(sorted({threads, cores()}))
+    if config.cpu_threads == 0 and config.is_builtin:
+        # The builtin test model's matmuls are too small for a team to pay
+        # off, and test clusters run several of its daemons side by side:
+        # one core stays free for their event loops.
+        threads = max(1, cores() - 1)
+    else:
+        threads = cpu_threads(config.cpu_threads)
     set_compute_threads(threads)
     keep_large_allocations_mapped()
 
 
-# Team sizes the engine measures at start-up; empty when cpu_threads is fixed.
+# Team sizes the engine would time at start-up. Empty: the count comes from
+# the CPU topology (cpu_threads), which no start-up load can skew.
 _thread_candidates: tuple[int, ...] = ()
 
 
@@ -171,11 +175,50 @@ def _loaded_library(name: str, symbol: str) -> ctypes.CDLL | None:
     return None
 
 
-def cpu_threads(configured: int) -> int:
-    """Intra-op threads for CPU inference: the configured count, else cores - 1."""
+def cpu_threads(configured: int, cpus: Iterable[int] | None = None, sysfs: Path = SYSFS_CPU) -> int:
+    """Intra-op threads for CPU inference: the configured count, else one per
+    physical core among ``cpus`` (default: the CPUs this process may run on).
+
+    A rule of the topology, not a timing. The count used to be timed at
+    start-up (every core vs one per core but one) and kept for the daemon's
+    life, so a machine busy at that moment fixed it for good: with other
+    jobs on both of two cores, two threads timed 2-4x slower than one (an
+    OpenMP team waits at every barrier for its descheduled thread) and one
+    was kept, though on the quiet machine two are faster (one thread left
+    to the event loop gave up about 40% of prefill speed). The topology
+    cannot be skewed by a moment's load. Physical cores rather than CPUs:
+    SMT siblings share one core's vector units, so a second thread there
+    adds a barrier party more than it adds FLOPs (llama.cpp defaults to
+    physical cores for the same reason). Where the machine is shared, set
+    ``cpu_threads`` or pin the node to its share with ``node.cpus``.
+    """
     if configured > 0:
         return configured
-    return max(1, cores() - 1)
+    return physical_cores(allowed_cpus() if cpus is None else cpus, sysfs)
+
+
+def physical_cores(cpus: Iterable[int], sysfs: Path = SYSFS_CPU) -> int:
+    """Physical cores that ``cpus`` lie on: SMT siblings count once.
+
+    A core is named by its CPUs' ``topology/thread_siblings_list``; a CPU whose
+    topology ``sysfs`` does not show (not Linux, a container hiding it) counts
+    as a core of its own.
+    """
+    cores_seen: set[frozenset[int] | int] = set()
+    for cpu in cpus:
+        try:
+            text = (sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text()
+            cores_seen.add(parse_cpu_list(text.strip()))
+        except (OSError, ValueError):
+            cores_seen.add(cpu)
+    return max(1, len(cores_seen))
+
+
+def allowed_cpus() -> frozenset[int]:
+    """The CPUs this process may run on (its affinity mask, after ``pin_cpus``)."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
 
 
 def pin_cpus(cpu_list: str) -> frozenset[int]:
@@ -231,9 +274,8 @@ def format_cpu_list(cpus: frozenset[int]) -> str:
 
 
 def cores() -> int:
-    """Cores this process may run on."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return n or 1
+    """CPUs this process may run on."""
+    return len(allowed_cpus()) or 1
 
 
 def keep_large_allocations_mapped() -> bool:

@@ -52,9 +52,9 @@ class ModelConfig:
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     seed: int = 0
     # Threads of the engine step thread's OpenMP team for CPU inference (no
-    # other thread gets one: mooncaked/process.py). 0: measured at start-up,
-    # every core vs one per core but one (engine/threads.py); builtin:tiny,
-    # whose nodes must compute alike, keeps one per core but one.
+    # other thread gets one: mooncaked/process.py). 0: one per physical core
+    # in the process's affinity mask (process.cpu_threads says why);
+    # builtin:tiny, whose test clusters share the cores, one per CPU but one.
     cpu_threads: int = 0
 
     @property

@@ -20,6 +20,12 @@ from torch import nn
 from mooncaked.engine.attention import AttentionMetadata, PagedKV, paged_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+# The transformers class of each, for the configs ModelArch.to_hf writes.
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -156,6 +162,47 @@ class ModelArch:
             sliding_window=int(window) if window else None,
             model_type=model_type,
         )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face ``config.json`` dict that ``from_hf`` (and transformers)
+        reads back as this architecture."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        s = self.rope_scaling
+        if s is not None:
+            rope |= {"rope_type": s.rope_type, "factor": s.factor}
+            if s.rope_type == "llama3":
+                rope |= {
+                    "low_freq_factor": s.low_freq_factor,
+                    "high_freq_factor": s.high_freq_factor,
+                    "original_max_position_embeddings": s.original_max_position_embeddings,
+                }
+        config: dict[str, Any] = {
+            "architectures": [HF_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids),
+        }
+        if self.model_type == "qwen2":
+            config["use_sliding_window"] = self.sliding_window is not None
+            if self.sliding_window is not None:
+                config["sliding_window"] = self.sliding_window
+        else:
+            config["attention_bias"] = self.qkv_bias
+            if self.model_type == "mistral":
+                config["sliding_window"] = self.sliding_window
+        return config
 
 
 def _rope_key(rope: dict[str, Any], key: str) -> Any:

@@ -1,13 +1,14 @@
-"""How many CPU threads the step thread's OpenMP team gets, measured on the model.
+"""Timing the step thread's OpenMP team on the model's own projections.
 
-The right count is not a rule of the core count. On two cores, one thread
-left to the event loop gave up about 40% of prefill speed; elsewhere a
-team on every core can starve the loop, or the memory bus saturates
-before the last core helps decode. So at start-up, with ``cpu_threads =
-0``, the step thread times the model's own projections at each candidate
-count, for one row (a decode step) and for a chunk of rows (a prefill),
-and keeps the fastest. The projections are most of a step's time on the
-CPU and touch no KV cache, so timing them changes no state.
+The daemon no longer picks its team size this way: a timing at start-up is
+only as good as that moment's load, and on a busy two-core machine it kept
+one thread for the daemon's life where two are faster once the machine is
+quiet. The count now comes from the CPU topology (``process.cpu_threads``).
+What stays is the timing itself: ``time_calls`` times the packed layouts
+(engine/quant.py), and ``pick_threads`` times candidate team sizes where a
+caller hands the engine some (``process.thread_candidates``). The
+projections are most of a step's time on the CPU and touch no KV cache, so
+timing them changes no state.
 """
 
 from __future__ import annotations

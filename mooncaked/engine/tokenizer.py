@@ -331,6 +331,8 @@ class HFTokenizer:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.bos_token: str | None = bos_token
         self.eos_token: str | None = eos_token
+        self.unk_token: str | None = unk_token
+        self.pad_token: str | None = pad_token
         self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
         eos_ids: list[int] = []
         eos_id = tok.token_to_id(eos_token) if eos_token else None
@@ -354,6 +356,28 @@ class HFTokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._template.source if self._template else None
+
+    def save(self, model_dir: str | Path) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``model_dir``:
+        ``HFTokenizer(model_dir)`` and transformers' fast tokenizer read them
+        back as this tokenizer."""
+        d = Path(model_dir)
+        self._tok.save(str(d / "tokenizer.json"))
+        specials = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "unk_token": self.unk_token,
+            "pad_token": self.pad_token,
+        }
+        cfg: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **{k: v for k, v in specials.items() if v is not None},
+            "add_bos_token": self._add_bos,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.chat_template is not None:
+            cfg["chat_template"] = self.chat_template
+        (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -98,19 +98,19 @@ async def test_the_engine_measures_its_team_at_start(
     assert torch.get_num_threads() == 1
 
 
-def test_only_real_models_at_cpu_threads_zero_are_measured(
+def test_cpu_threads_zero_takes_the_topology_and_nothing_is_measured(
     tuned: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from mooncaked.config import ModelConfig
 
     monkeypatch.setattr(process, "_thread_candidates", ())
     monkeypatch.setattr(process, "cores", lambda: 4)
+    monkeypatch.setattr(process, "physical_cores", lambda cpus, sysfs: 2)
     monkeypatch.setattr(process, "uses_cpu", lambda config: True)
     process.tune_process(ModelConfig(path="model.gguf"))
-    assert process.thread_candidates() == (3, 4) and process.compute_threads() == 3
-    monkeypatch.setattr(process, "_thread_candidates", ())
-    process.tune_process(ModelConfig(path="model.gguf", cpu_threads=2))
     assert process.thread_candidates() == () and process.compute_threads() == 2
+    process.tune_process(ModelConfig(path="model.gguf", cpu_threads=3))
+    assert process.thread_candidates() == () and process.compute_threads() == 3
     process.tune_process(ModelConfig())
     assert process.thread_candidates() == () and process.compute_threads() == 3
 
