@@ -1,0 +1,136 @@
+"""Decode nodes played by real aiohttp servers on loopback, for unit tests of
+the entry's side of ``/internal/generate`` (``GenerateClient``, the router's
+resume loop).
+
+A ``DecodeNode`` answers each call with the next of its ``answers``: a
+``Stream`` of output lines (then the end of the body, or a stream held open
+until the caller hangs up), or a ``Refuse``al. It keeps every call's body as
+``GenerateBody.decode`` reads it and whether its signature held for this
+node (``Verifier.verify``: None when it did).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from mooncaked.cluster.state import ClusterView
+from mooncaked.request import FinishReason, RequestOutput
+from mooncaked.rpc import Target, Verifier
+from mooncaked.wire.errors import ErrorAnswer
+from mooncaked.wire.generate import GenerateBody
+from mooncaked.wire.paths import GENERATE_PATH
+from mooncaked.wire.request import encode_output
+from tests.cluster_views import add_node
+
+SECRET = b"decode-nodes-secret"
+# The generation ``tests.cluster_views.member`` gives every member.
+GENERATION = 1
+
+
+def line(rid: str, tokens: Sequence[int], *, finished: bool = False, **fields: object) -> bytes:
+    """One output line as a decode node writes it."""
+    out = RequestOutput(
+        rid,
+        list(tokens),
+        "",
+        finished,
+        finish_reason=FinishReason.LENGTH if finished else None,
+        **fields,  # type: ignore[arg-type]
+    )
+    return encode_output(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """A 200 with these lines; then the body ends, or with ``hang`` it stays
+    open with nothing more sent (a frozen node) until the caller hangs up."""
+
+    lines: tuple[bytes, ...]
+    hang: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    status: int
+    answer: ErrorAnswer
+    retry_after: str | None = None
+
+
+@dataclass(slots=True)
+class DecodeNode:
+    node_id: str
+    answers: list[Stream | Refuse]
+    calls: list[GenerateBody] = field(default_factory=list)
+    # Per call: why its signature was refused (None: it held).
+    refusals: list[str | None] = field(default_factory=list)
+    # Streams the caller hung up on while they were held open.
+    num_hung_up: int = 0
+    server: TestServer | None = None
+
+    @property
+    def api_addr(self) -> str:
+        if self.server is None:
+            raise RuntimeError(f"{self.node_id} is not serving")
+        return f"{self.server.host}:{self.server.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.api_addr}"
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        verifier = Verifier(SECRET, identity=lambda: Target(self.node_id, GENERATION))
+        self.refusals.append(verifier.verify("POST", GENERATE_PATH, request.headers, raw))
+        self.calls.append(GenerateBody.decode(orjson.loads(raw)))
+        if not self.answers:
+            raise RuntimeError(f"{self.node_id} was called more often than scripted")
+        answer = self.answers.pop(0)
+        if isinstance(answer, Refuse):
+            headers = {"Retry-After": answer.retry_after} if answer.retry_after else None
+            return web.Response(status=answer.status, body=answer.answer.encode(), headers=headers)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for data in answer.lines:
+            await resp.write(data)
+        if answer.hang:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                # The server cancels a handler whose caller hung up.
+                self.num_hung_up += 1
+        await resp.write_eof()
+        return resp
+
+
+@asynccontextmanager
+async def serve(nodes: Sequence[DecodeNode]) -> AsyncIterator[None]:
+    """Each node on a loopback port of its own while the generator is open."""
+    started: list[TestServer] = []
+    try:
+        for node in nodes:
+            app = web.Application()
+            app.router.add_post(GENERATE_PATH, node.handle)
+            server = TestServer(app, handler_cancellation=True)
+            await server.start_server()
+            started.append(server)
+            node.server = server
+        yield
+    finally:
+        for server in reversed(started):
+            await server.close()
+
+
+def view_of(entry: str, nodes: Sequence[DecodeNode], model: str) -> ClusterView:
+    """A view from ``entry`` (a prefill node) of itself and ``nodes`` as decode nodes."""
+    view = ClusterView(entry, clock=lambda: 0.0)
+    add_node(view, entry, "prefill", model=model)
+    for node in nodes:
+        add_node(view, node.node_id, "decode", model=model, api_addr=node.api_addr)
+    return view
