@@ -182,21 +182,7 @@ def run_socket_receiver(args: argparse.Namespace) -> dict[str, Any]:
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
         sender = subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "socket-send",
-                "--port",
-                str(port),
-                "--block-size",
-                str(args.block_size),
-                "--batch-size",
-                str(args.batch_size),
-                "--concurrency",
-                str(args.concurrency),
-                "--duration",
-                str(args.duration),
-            ]
+            _bench_cmd("socket-send", "--port", str(port), *_load_flags(args, args.block_size))
         )
         conn, _ = server.accept()
     with conn:
@@ -346,7 +332,6 @@ def _bench_cmd(*argv: str) -> list[str]:
 def _load_flags(args: argparse.Namespace, block: int) -> list[str]:
     """The flags every measuring run shares: the load it puts on the copy."""
     return [
-        "--json",
         "--block-size",
         str(block),
         "--batch-size",
@@ -387,7 +372,7 @@ def _ours(args: argparse.Namespace, transport: str, block: int) -> dict[str, Any
             raise RuntimeError(f"target did not start: {line!r}")
         initiator = _bench_cmd(
             "initiator",
-            *("--target", m.group(1), "--transport", transport, "--op", args.op),
+            *("--json", "--target", m.group(1), "--transport", transport, "--op", args.op),
             *_load_flags(args, block),
             *("--streams", str(args.streams), "--slice-bytes", str(args.slice_bytes)),
         )
@@ -397,7 +382,9 @@ def _ours(args: argparse.Namespace, transport: str, block: int) -> dict[str, Any
 
 
 def _sub(mode: str, args: argparse.Namespace, block: int) -> dict[str, Any]:
-    return _measured(mode, _bench_cmd(mode, *_load_flags(args, block)), args.duration + 60)
+    return _measured(
+        mode, _bench_cmd(mode, "--json", *_load_flags(args, block)), args.duration + 60
+    )
 
 
 @dataclass
