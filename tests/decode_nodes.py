@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from mooncaked.cluster.state import ClusterView
 from mooncaked.request import FinishReason, RequestOutput
@@ -28,6 +27,7 @@ from mooncaked.wire.generate import GenerateBody
 from mooncaked.wire.paths import GENERATE_PATH
 from mooncaked.wire.request import encode_output
 from tests.cluster_views import add_node
+from tests.conftest import serving
 
 SECRET = b"decode-nodes-secret"
 # The generation ``tests.cluster_views.member`` gives every member.
@@ -72,13 +72,13 @@ class DecodeNode:
     refusals: list[str | None] = field(default_factory=list)
     # Streams the caller hung up on while they were held open.
     num_hung_up: int = 0
-    server: TestServer | None = None
+    port: int | None = None
 
     @property
     def api_addr(self) -> str:
-        if self.server is None:
+        if self.port is None:
             raise RuntimeError(f"{self.node_id} is not serving")
-        return f"{self.server.host}:{self.server.port}"
+        return f"127.0.0.1:{self.port}"
 
     @property
     def url(self) -> str:
@@ -111,20 +111,14 @@ class DecodeNode:
 
 @asynccontextmanager
 async def serve(nodes: Sequence[DecodeNode]) -> AsyncIterator[None]:
-    """Each node on a loopback port of its own while the generator is open."""
-    started: list[TestServer] = []
-    try:
+    """Each node on a loopback port of its own while the block runs."""
+    async with AsyncExitStack() as stack:
         for node in nodes:
             app = web.Application()
             app.router.add_post(GENERATE_PATH, node.handle)
-            server = TestServer(app, handler_cancellation=True)
-            await server.start_server()
-            started.append(server)
-            node.server = server
+            # A caller that hangs up cancels the handler, as on a node.
+            node.port = await stack.enter_async_context(serving(app, handler_cancellation=True))
         yield
-    finally:
-        for server in reversed(started):
-            await server.close()
 
 
 def view_of(entry: str, nodes: Sequence[DecodeNode], model: str) -> ClusterView:

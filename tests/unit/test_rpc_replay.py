@@ -44,6 +44,7 @@ from mooncaked.rpc import (
 from mooncaked.wire.generate import DecodeNodeLost, GenerateBody, GenerateRefused
 from mooncaked.wire.lease import LeaseClient
 from mooncaked.wire.paths import LOOKUP_PATH, MAX_LOOKUP_BYTES, RELEASE_PATH
+from tests.conftest import serving
 from tests.unit.test_conductor_costs import add
 from tests.unit.test_peer import BB, HASHES, LAYOUT, SECRET, Side, make, put, rows
 
@@ -285,12 +286,8 @@ async def test_unsigned_or_oversized_calls_are_refused_before_their_body() -> No
     app.add_routes(api.routes())
     # aiohttp drains an unread body for lingering_time after answering; short
     # here so the test's server closes at once.
-    runner = web.AppRunner(app, lingering_time=0.1)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with serving(app, lingering_time=0.1) as port:
+        url = f"http://127.0.0.1:{port}"
         big = MAX_LOOKUP_BYTES + 1
         # No body follows either head: an answer proves it was never waited for.
         unsigned = f"POST {LOOKUP_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {big}\r\n\r\n"
@@ -307,8 +304,6 @@ async def test_unsigned_or_oversized_calls_are_refused_before_their_body() -> No
         )
         assert (await raw_request(url, oversized)).startswith(b"HTTP/1.1 413")
         assert api.num_unauthorized == 1
-    finally:
-        await runner.cleanup()
 
 
 def members(*names: str) -> Callable[[str], ReaderKind]:
