@@ -157,6 +157,16 @@ async def node() -> AsyncIterator[Node]:
         await n.stop()
 
 
+def wait_until_sync(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """``wait_until`` for a test outside an event loop (one that drives daemon
+    subprocesses), checking every 50 ms."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 async def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
     """Until ``cond()`` holds (checked every 10 ms); AssertionError naming ``what`` after
     ``timeout_s``. For state with no event to await; never a fixed sleep."""
