@@ -32,11 +32,12 @@ from tests.gguf_fixtures import (
     EOS_ID,
     TENSOR_TYPES,
     VOCAB_SIZE,
+    finish,
     make_hf,
     write_gguf,
     write_spm_gguf,
 )
-from tests.parity import check_greedy_parity, greedy_logits, hf_logits
+from tests.parity import check_greedy_parity, greedy_logits, greedy_together, hf_greedy, hf_logits
 
 BLOCK = 16
 TOL = 1e-4
@@ -100,43 +101,14 @@ def _req(rid: str, prompt: list[int]) -> Request:
 
 
 def _greedy(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Prefill every prompt in one step, then decode them together, greedily."""
-    runner = ModelRunner(loaded, num_blocks=64, block_size=BLOCK)
-    reqs = [_req(f"g{i}", p) for i, p in enumerate(prompts)]
-    tables: list[list[int]] = []
-    next_block = 0
-    for p in prompts:
-        n = (len(p) + new_tokens + BLOCK - 1) // BLOCK
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-    plan = StepPlan(
-        [chunk_of(r, p, 0, t, True) for r, p, t in zip(reqs, prompts, tables, strict=True)]
+    return greedy_together(
+        ModelRunner(loaded, num_blocks=64, block_size=BLOCK), prompts, new_tokens
     )
-    for _ in range(new_tokens):
-        for r, tok in zip(reqs, runner.execute(plan), strict=True):
-            if tok is None:
-                raise RuntimeError("a complete chunk sampled nothing")
-            r.output_token_ids.append(tok.token_id)
-        plan = StepPlan(
-            [
-                chunk_of(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
-                for r, t in zip(reqs, tables, strict=True)
-            ]
-        )
-    return [r.output_token_ids for r in reqs]
 
 
 def _hf_greedy(hf: Any, prompt: list[int], new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,  # run past EOS: all 64 tokens are compared
-            pad_token_id=EOS_ID,
-        )
-    return out[0, len(prompt) :].tolist()
+    # Past EOS: all the tokens are compared.
+    return hf_greedy(hf, prompt, new_tokens, pad_token_id=EOS_ID, past_eos=True)
 
 
 def test_arch_and_weights_come_from_the_file(gguf_case: Any) -> None:
@@ -263,10 +235,7 @@ def test_unsupported_architecture_and_bad_files(tmp_path: Path) -> None:
 
     w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma")
     w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     with pytest.raises(GGUFError, match=r"architecture 'gemma' is not supported"):
         load_model(ModelConfig(path=str(tmp_path / "gemma.gguf")))
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
@@ -289,10 +258,7 @@ def test_missing_metadata_key_is_named(tmp_path: Path) -> None:
     w.add_embedding_length(64)
     w.add_head_count(4)
     w.add_tensor("token_embd.weight", torch.zeros(8, 64).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     with pytest.raises(GGUFError, match=r"metadata key 'llama\.feed_forward_length' is missing"):
         load_model(ModelConfig(path=str(tmp_path / "bare.gguf")))
 
