@@ -29,6 +29,9 @@ from mooncaked.cache.ssd import SLAB_NAME, SsdTier
 from mooncaked.cache.store import BlockLayout
 from tests.conftest import TEST_TOML, DaemonProcess, wait_until_sync
 
+# Daemons killed and restarted over an SSD tier; the tiers have unit tests.
+pytestmark = pytest.mark.slow
+
 BLOCK = 16
 MODEL_ID = "builtin:tiny@0"
 WAIT_S = 60.0

@@ -113,12 +113,15 @@ GOSSIP = NodeKind("gossip", GOSSIP_NODE_CMD, {})
 DAEMON = NodeKind("daemon", DAEMON_NODE_CMD, DAEMON_SECTIONS)
 
 
-def node_kinds() -> list[NodeKind]:
+def node_kinds() -> list[Any]:
+    """Bare gossip services in the fast set; daemons (and a custom node) are slow."""
     kinds = [GOSSIP, DAEMON]
     custom = os.environ.get(NODE_CMD_ENV)
     if custom:
         kinds.append(NodeKind("custom", custom, {}))
-    return kinds
+    return [
+        pytest.param(k, id=k.name, marks=() if k is GOSSIP else pytest.mark.slow) for k in kinds
+    ]
 
 
 class Cluster:
@@ -270,7 +273,7 @@ class Cluster:
         return "\n".join(out)
 
 
-@pytest.fixture(scope="module", params=node_kinds(), ids=lambda k: k.name)
+@pytest.fixture(scope="module", params=node_kinds())
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
@@ -547,6 +550,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_last_node_idles_then_exits_on_sigterm_after_its_peers_left(tmp_path: Path) -> None:
     # Nodes were once found spinning in the gossip loop after every peer had

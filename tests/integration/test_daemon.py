@@ -85,6 +85,7 @@ def wait_draining(url: str) -> bool:
     raise AssertionError("the daemon did not start draining")
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_then_exits_0(daemon_factory: Callable[..., Any]) -> None:
     d = daemon_factory()
     conn, events = open_stream(
@@ -123,6 +124,7 @@ def test_sigterm_drains_in_flight_then_exits_0(daemon_factory: Callable[..., Any
     assert any(r["event"] == "mooncaked listening" and r["url"] == d.url for r in records)
 
 
+@pytest.mark.slow
 def test_second_signal_forces_exit(daemon_factory: Callable[..., Any]) -> None:
     d = daemon_factory()
     conn, events = open_stream(

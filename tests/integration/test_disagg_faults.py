@@ -23,6 +23,9 @@ import pytest
 
 from tests.conftest import TEST_TOML, DaemonProcess, spawn_daemon
 
+# Daemon clusters with nodes killed mid-burst, checked against a solo run.
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 8
 WAIT_S = 90.0
 

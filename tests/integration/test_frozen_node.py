@@ -25,6 +25,10 @@ from tests.integration.test_disagg_faults import (
     reference,
 )
 
+# Clusters of daemon processes, one frozen mid-request: the router's resume
+# loop has fast unit tests (tests/unit/test_router_resume.py).
+pytestmark = pytest.mark.slow
+
 GRANT_TTL_S = 120.0
 # Far below the grant time to live; far above gossip's few seconds.
 FINISH_S = 60.0

@@ -21,6 +21,10 @@ import pytest
 from mooncakectl.local.plan import free_port
 from mooncaked.engine.bundled import SMOLLM2_INSTALL, smollm2_gguf_path
 
+# Detached daemons started and stopped through mooncakectl, a real model
+# among them; the local-cluster library has unit tests (test_cluster_local.py).
+pytestmark = pytest.mark.slow
+
 
 def ctl(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

@@ -539,6 +539,7 @@ async def test_unauthenticated_peer_is_refused(target: Target) -> None:
         assert await batch.wait(), batch.failures()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
 async def test_restarted_peer_is_reconnected_on_next_batch(kind: str) -> None:

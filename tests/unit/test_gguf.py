@@ -151,6 +151,7 @@ def test_logits_match_transformers(gguf_case: Any) -> None:
     torch.testing.assert_close(torch.cat([lb1, lb2]), hf_logits(hf, b), atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_greedy_64_tokens_match_transformers(gguf_case: Any) -> None:
     _kind, _tensor_type, _path, hf, loaded = gguf_case
     prompts = [_prompt(10, 7), _prompt(11, 23)]
@@ -268,6 +269,7 @@ class _Terminal(io.StringIO):
         return True
 
 
+@pytest.mark.slow
 def test_progress_bar_only_on_a_terminal(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "p.gguf", make_hf("llama", 3), "llama", "F16")
     quiet = io.StringIO()
@@ -301,6 +303,7 @@ def smollm2() -> Any:
     )
 
 
+@pytest.mark.slow
 @needs_smollm2
 @pytest.mark.timeout(900)
 def test_smollm2_reads_as_llama(smollm2: Any) -> None:
@@ -312,6 +315,7 @@ def test_smollm2_reads_as_llama(smollm2: Any) -> None:
     assert loaded.tokenizer.eos_token_ids == (2,)
 
 
+@pytest.mark.slow
 @needs_smollm2
 @pytest.mark.timeout(900)
 def test_smollm2_tokenizer_matches_transformers(smollm2: Any) -> None:
@@ -319,6 +323,7 @@ def test_smollm2_tokenizer_matches_transformers(smollm2: Any) -> None:
     _check_tokenizer_parity(loaded.tokenizer, theirs)
 
 
+@pytest.mark.slow
 @needs_smollm2
 @pytest.mark.timeout(900)
 def test_smollm2_logits_match_transformers(smollm2: Any) -> None:
@@ -332,6 +337,7 @@ def test_smollm2_logits_match_transformers(smollm2: Any) -> None:
     torch.testing.assert_close(logits, hf_logits(hf, chat), atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 @needs_smollm2
 @pytest.mark.timeout(900)
 def test_smollm2_greedy_64_tokens_match_transformers(smollm2: Any) -> None:
@@ -340,6 +346,7 @@ def test_smollm2_greedy_64_tokens_match_transformers(smollm2: Any) -> None:
     assert _greedy(loaded, [story], 64)[0] == _hf_greedy(hf, story, 64)
 
 
+@pytest.mark.slow
 @needs_smollm2
 @pytest.mark.timeout(900)
 def test_smollm2_answers_the_question(smollm2: Any) -> None:
@@ -357,6 +364,7 @@ def test_smollm2_answers_the_question(smollm2: Any) -> None:
 # int4 re-quantizes the file's Q4_1 groups with bfloat16 scales: RMS error
 # under 1.0 and the same token at 80% of positions or more (measured: 0.56,
 # 30 of 35).
+@pytest.mark.slow
 @needs_smollm2
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

@@ -51,6 +51,7 @@ print(h.hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_builtin_weights_do_not_depend_on_the_cpu_instruction_set() -> None:
     # torch picks vectorized kernels by ATEN_CPU_CAPABILITY; nodes with other
     # CPUs must build the same builtin model under the same model id.

@@ -155,6 +155,7 @@ def test_execute_samples_only_where_asked(hf_case: Any) -> None:
     assert out[0].token_id == int(hf_logits(hf, a)[-1].argmax())
 
 
+@pytest.mark.slow
 def test_greedy_generation_matches_hf_generate(hf_case: Any) -> None:
     _kind, _sharded, _d, hf, loaded = hf_case
     runner = ModelRunner(loaded, num_blocks=64, block_size=BLOCK)
@@ -180,6 +181,7 @@ def test_missing_weight_is_a_clear_error(tmp_path: Path) -> None:
         load_model(ModelConfig(path=str(tmp_path)))
 
 
+@pytest.mark.slow
 def test_max_model_len_beyond_the_model_is_rejected(hf_case: Any) -> None:
     _kind, _sharded, d, _hf, _loaded = hf_case
     with pytest.raises(ValueError, match="max_model_len"):

@@ -60,6 +60,7 @@ def test_builtin_is_deterministic_per_seed(tiny: LoadedModel) -> None:
     assert tiny.model.lm_head.weight is tiny.model.model.embed_tokens.weight
 
 
+@pytest.mark.slow
 def test_builtin_greedy_output_is_diverse_and_runs_to_length(tiny: LoadedModel) -> None:
     runner = ModelRunner(tiny, num_blocks=64, block_size=BLOCK)
     texts = ["Hello there", "What is the capital of France?", "abc", "Tell me a story"]
@@ -71,6 +72,7 @@ def test_builtin_greedy_output_is_diverse_and_runs_to_length(tiny: LoadedModel) 
         assert not eos & set(o)
 
 
+@pytest.mark.slow
 def test_batch_composition_does_not_change_greedy_output(tiny: LoadedModel) -> None:
     prompts = [_chat_ids(tiny, t) for t in ["one", "a somewhat longer prompt here", "x"]]
     together = greedy_together(ModelRunner(tiny, num_blocks=64, block_size=BLOCK), prompts, 24)
