@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import orjson
 from aiohttp import web
@@ -63,16 +63,16 @@ class Refuse:
     retry_after: str | None = None
 
 
-@dataclass(slots=True)
 class DecodeNode:
-    node_id: str
-    answers: list[Stream | Refuse]
-    calls: list[GenerateBody] = field(default_factory=list)
-    # Per call: why its signature was refused (None: it held).
-    refusals: list[str | None] = field(default_factory=list)
-    # Streams the caller hung up on while they were held open.
-    num_hung_up: int = 0
-    port: int | None = None
+    def __init__(self, node_id: str, answers: list[Stream | Refuse]) -> None:
+        self.node_id = node_id
+        self.answers = answers
+        self.port: int | None = None
+        self.calls: list[GenerateBody] = []
+        # Per call: why its signature was refused (None: it held).
+        self.refusals: list[str | None] = []
+        # Streams the caller hung up on while they were held open.
+        self.num_hung_up = 0
 
     @property
     def api_addr(self) -> str:

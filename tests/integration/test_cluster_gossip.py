@@ -446,13 +446,21 @@ def prompt_hashes(cluster: Cluster, node_id: str, ids: list[int]) -> list[str]:
     return [h.hex() for h in block_hashes(ids, BLOCK_SIZE, model_id)]
 
 
-def test_prompt_served_on_one_node_reaches_every_index(cluster: Cluster) -> None:
+def served_cold(
+    cluster: Cluster, node_id: str, seed: int
+) -> tuple[list[int], list[str], dict[str, Any]]:
+    """A prompt nobody holds, computed on ``node_id``: its ids, its block
+    hashes and the answer."""
     needs_engine(cluster)
     cluster.wait_converged()
-    ids = prompt(11)
-    out = complete(cluster, "g2", ids)
+    ids = prompt(seed)
+    out = complete(cluster, node_id, ids)
     assert cached_tokens(out) == 0
-    hashes = prompt_hashes(cluster, "g2", ids)
+    return ids, prompt_hashes(cluster, node_id, ids), out
+
+
+def test_prompt_served_on_one_node_reaches_every_index(cluster: Cluster) -> None:
+    _ids, hashes, _out = served_cold(cluster, "g2", 11)
     assert len(hashes) == 10
     others = [i for i in cluster.ids if i != "g2"]
 
@@ -465,12 +473,7 @@ def test_prompt_served_on_one_node_reaches_every_index(cluster: Cluster) -> None
 
 
 def test_prompt_is_fetched_from_the_node_the_index_names(cluster: Cluster) -> None:
-    needs_engine(cluster)
-    cluster.wait_converged()
-    ids = prompt(12)
-    cold = complete(cluster, "g0", ids)
-    assert cached_tokens(cold) == 0
-    hashes = prompt_hashes(cluster, "g0", ids)
+    ids, hashes, cold = served_cold(cluster, "g0", 12)
 
     def g1_sees_g0_lease_it() -> bool:
         # Leasable blocks only: in g0's DRAM tier (offloaded after the prefill).

@@ -77,6 +77,13 @@ class Cluster:
             self.seed = [get(d.url + "/admin/cluster")["nodes"][0]["gossip_addr"]]
         return d
 
+    def start_all(self, roles: dict[str, str]) -> dict[str, DaemonProcess]:
+        """Start each node in turn (the first is every other's seed), then wait
+        until each sees all of them alive."""
+        started = {node_id: self.start(node_id, role) for node_id, role in roles.items()}
+        self.wait_converged(list(roles))
+        return started
+
     def wait_converged(self, ids: list[str]) -> None:
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
@@ -163,10 +170,7 @@ def reference(tmp: Path, prompts: list[list[int]]) -> list[str]:
 def test_kill_9_of_a_prefill_node_during_a_burst(cluster: Cluster, tmp_path: Path) -> None:
     prompts = burst(32, seed=5)
     want = reference(tmp_path, prompts)
-    cluster.start("p1", "prefill")
-    cluster.start("p2", "prefill")
-    d = cluster.start("d1", "decode")
-    cluster.wait_converged(["p1", "p2", "d1"])
+    d = cluster.start_all({"p1": "prefill", "p2": "prefill", "d1": "decode"})["d1"]
 
     async def run() -> list[tuple[str, dict[str, str]]]:
         tasks = [asyncio.ensure_future(complete(d.url, p)) for p in prompts]
@@ -209,10 +213,7 @@ def decode_node_fault_mid_stream(
         want_text = json.loads(want.read())["choices"][0]["text"]
     finally:
         solo.stop()
-    p = cluster.start("p1", "prefill")
-    cluster.start("d1", "decode")
-    cluster.start("d2", "decode")
-    cluster.wait_converged(["p1", "d1", "d2"])
+    p = cluster.start_all({"p1": "prefill", "d1": "decode", "d2": "decode"})["p1"]
 
     async def run() -> tuple[str, str, list[Any]]:
         async with aiohttp.ClientSession() as s:

@@ -46,10 +46,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 def test_frozen_prefill_node_requests_move_to_the_next(cluster: Cluster, tmp_path: Path) -> None:
     prompts = burst(16, seed=11)
     want = reference(tmp_path, prompts)
-    cluster.start("p1", "prefill")
-    cluster.start("p2", "prefill")
-    d = cluster.start("d1", "decode")
-    cluster.wait_converged(["p1", "p2", "d1"])
+    d = cluster.start_all({"p1": "prefill", "p2": "prefill", "d1": "decode"})["d1"]
 
     async def run() -> tuple[list[tuple[str, dict[str, str]]], float]:
         tasks = [asyncio.ensure_future(complete(d.url, p)) for p in prompts]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -303,9 +304,16 @@ def smollm2() -> Any:
     )
 
 
-@pytest.mark.slow
-@needs_smollm2
-@pytest.mark.timeout(900)
+def smollm2_test(test: Callable[..., None]) -> Callable[..., None]:
+    """A test on the real SmolLM2 file: slow, and skipped without its wheel."""
+    return pytest.mark.slow(needs_smollm2(pytest.mark.timeout(900)(test)))
+
+
+def _chat_ids(tok: Any) -> list[int]:
+    return tok.encode(tok.apply_chat_template(MESSAGES[1:]), add_special_tokens=False)
+
+
+@smollm2_test
 def test_smollm2_reads_as_llama(smollm2: Any) -> None:
     loaded, _hf, _tok = smollm2
     arch = loaded.arch
@@ -315,21 +323,17 @@ def test_smollm2_reads_as_llama(smollm2: Any) -> None:
     assert loaded.tokenizer.eos_token_ids == (2,)
 
 
-@pytest.mark.slow
-@needs_smollm2
-@pytest.mark.timeout(900)
+@smollm2_test
 def test_smollm2_tokenizer_matches_transformers(smollm2: Any) -> None:
     loaded, _hf, theirs = smollm2
     _check_tokenizer_parity(loaded.tokenizer, theirs)
 
 
-@pytest.mark.slow
-@needs_smollm2
-@pytest.mark.timeout(900)
+@smollm2_test
 def test_smollm2_logits_match_transformers(smollm2: Any) -> None:
     loaded, hf, _tok = smollm2
     tok = loaded.tokenizer
-    chat = tok.encode(tok.apply_chat_template(MESSAGES[1:]), add_special_tokens=False)
+    chat = _chat_ids(tok)
     runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK)
     (logits,) = runner.forward_logits(
         StepPlan([chunk_of(_req("a", chat), chat, 0, [0, 1, 2, 3, 4], True)])
@@ -337,22 +341,18 @@ def test_smollm2_logits_match_transformers(smollm2: Any) -> None:
     torch.testing.assert_close(logits, hf_logits(hf, chat), atol=TOL, rtol=0)
 
 
-@pytest.mark.slow
-@needs_smollm2
-@pytest.mark.timeout(900)
+@smollm2_test
 def test_smollm2_greedy_64_tokens_match_transformers(smollm2: Any) -> None:
     loaded, hf, _tok = smollm2
     story = loaded.tokenizer.encode("Once upon a time")
     assert _greedy(loaded, [story], 64)[0] == _hf_greedy(hf, story, 64)
 
 
-@pytest.mark.slow
-@needs_smollm2
-@pytest.mark.timeout(900)
+@smollm2_test
 def test_smollm2_answers_the_question(smollm2: Any) -> None:
     loaded, _hf, _tok = smollm2
     tok = loaded.tokenizer
-    chat = tok.encode(tok.apply_chat_template(MESSAGES[1:]), add_special_tokens=False)
+    chat = _chat_ids(tok)
     answer = tok.decode(_greedy(loaded, [chat], 12)[0])
     assert "Paris" in answer, answer
 
@@ -364,9 +364,7 @@ def test_smollm2_answers_the_question(smollm2: Any) -> None:
 # int4 re-quantizes the file's Q4_1 groups with bfloat16 scales: RMS error
 # under 1.0 and the same token at 80% of positions or more (measured: 0.56,
 # 30 of 35).
-@pytest.mark.slow
-@needs_smollm2
-@pytest.mark.timeout(900)
+@smollm2_test
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_smollm2_quantized_tracks_transformers_float32(smollm2: Any, quantization: str) -> None:
     from mooncaked.engine.quant import linear_factory
