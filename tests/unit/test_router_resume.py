@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
@@ -22,7 +21,7 @@ from mooncaked.router import MAX_DECODE_ATTEMPTS, RouteError, Router, Submission
 from mooncaked.wire.errors import ErrorAnswer
 from tests.conftest import wait_until
 from tests.decode_nodes import GENERATION, SECRET, DecodeNode, Refuse, Stream, line, serve, view_of
-from tests.unit.test_transfer_access import Clock
+from tests.routers import entry_router
 
 PROMPT = [1, 2, 3, 4]
 SAMPLING = SamplingParams(max_tokens=3, temperature=0.0, seed=5)
@@ -42,13 +41,11 @@ async def cluster(
     ties go to the lowest id."""
     async with serve(nodes):
         view = view_of("e", nodes, engine.model_id)
-        router = Router(
-            node_id=lambda: "e",
+        router = entry_router(
+            "e",
+            view,
+            engine=engine,
             secret=SECRET,
-            engine=lambda: engine,
-            view=lambda: view,
-            rng=random.Random(0),
-            clock=Clock(),
             conductor=ConductorConfig(
                 spread=0.0, decode_spread=0.0, late_binding=False, early_reject="off"
             ),

@@ -10,7 +10,6 @@ read.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -29,7 +28,6 @@ from mooncaked.cache.peer import LeaseDesk, PeerError, ReaderKind, ReaderRefused
 from mooncaked.cluster.placement import Candidate
 from mooncaked.cluster.state import ClusterView
 from mooncaked.request import SamplingParams
-from mooncaked.router import Router
 from mooncaked.rpc import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
@@ -45,6 +43,7 @@ from mooncaked.wire.generate import DecodeNodeLost, GenerateBody, GenerateRefuse
 from mooncaked.wire.lease import LeaseClient
 from mooncaked.wire.paths import LOOKUP_PATH, MAX_LOOKUP_BYTES, RELEASE_PATH
 from tests.conftest import serving
+from tests.routers import entry_router
 from tests.unit.test_conductor_costs import add
 from tests.unit.test_peer import BB, HASHES, LAYOUT, SECRET, Side, make, put, rows
 
@@ -400,13 +399,7 @@ async def test_a_forwarded_request_is_signed_for_the_decode_node_in_the_view() -
     app = web.Application()
     app.add_routes(api.routes())
     view = ClusterView("d1", clock=lambda: 0.0)
-    router = Router(
-        node_id=lambda: "d1",
-        secret=SECRET,
-        engine=lambda: None,
-        view=lambda: view,
-        rng=random.Random(0),
-    )
+    router = entry_router("d1", view, secret=SECRET)
     async with TestServer(app) as server:
         node = Candidate("d2", f"127.0.0.1:{server.port}", "decode")
 
