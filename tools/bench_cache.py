@@ -104,6 +104,16 @@ async def pairs(
     return statistics.median(a), statistics.median(b)
 
 
+async def timed_all(ops: Callable[[], Awaitable[list[bool]]], failed: str) -> float:
+    """Seconds ``ops()`` took; RuntimeError ``failed`` unless every op succeeded."""
+    t0 = time.perf_counter()
+    ok = await ops()
+    dt = time.perf_counter() - t0
+    if not all(ok):
+        raise RuntimeError(failed)
+    return dt
+
+
 def timed_sync(fn: Callable[[], Any]) -> Callable[[], Awaitable[float]]:
     async def run() -> float:
         t0 = time.perf_counter()
@@ -257,27 +267,24 @@ async def bench_ssd(layout: BlockLayout, n: int, repeats: int, workdir: Path) ->
     rows: list[Row] = []
     try:
 
-        async def put() -> float:
-            await tier.clear()
-            t0 = time.perf_counter()
+        async def put_all() -> list[bool]:
             ok = await asyncio.gather(*(tier.put(h, src[i]) for i, h in enumerate(hashes)))
             await tier.sync()
-            dt = time.perf_counter() - t0
-            if not all(ok):
-                raise RuntimeError("SSD put refused a block")
-            return dt
+            return ok
+
+        async def put() -> float:
+            await tier.clear()
+            return await timed_all(put_all, "SSD put refused a block")
 
         ours, base = await pairs(repeats, put, plain_write_timed)
         rows.append(Row("SSD put (+fdatasync)", nbytes, ours, "plain pwrite (+fdatasync)", base))
 
+        async def get_all() -> list[bool]:
+            return await asyncio.gather(*(tier.get(h, out[i]) for i, h in enumerate(hashes)))
+
         async def get() -> float:
             drop_cache(ssd_dir / "slab.bin")
-            t0 = time.perf_counter()
-            ok = await asyncio.gather(*(tier.get(h, out[i]) for i, h in enumerate(hashes)))
-            dt = time.perf_counter() - t0
-            if not all(ok):
-                raise RuntimeError("SSD get failed a block")
-            return dt
+            return await timed_all(get_all, "SSD get failed a block")
 
         ours, base = await pairs(repeats, get, plain_read_timed)
         rows.append(Row("SSD get (cold, CRC checked)", nbytes, ours, "plain pread (cold)", base))
