@@ -157,6 +157,16 @@ async def node() -> AsyncIterator[Node]:
         await n.stop()
 
 
+class ManualClock:
+    """A clock the test moves by hand (``now``), for code that takes a clock."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def wait_until_sync(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
     """``wait_until`` for a test outside an event loop (one that drives daemon
     subprocesses), checking every 50 ms."""

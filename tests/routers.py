@@ -10,7 +10,7 @@ from typing import Any
 from mooncaked.cluster.state import ClusterView
 from mooncaked.engine.core import EngineCore
 from mooncaked.router import Router
-from tests.unit.test_transfer_access import Clock
+from tests.conftest import ManualClock
 
 SECRET = b"s" * 32
 
@@ -31,6 +31,6 @@ def entry_router(
         engine=lambda: engine,
         view=lambda: view,
         rng=random.Random(0),
-        clock=clock if clock is not None else Clock(),
+        clock=clock if clock is not None else ManualClock(),
         **settings,
     )

@@ -11,14 +11,14 @@ from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import load_model
 from mooncaked.request import SamplingParams
 from mooncaked.router import RouteError
+from tests.conftest import ManualClock
 from tests.routers import entry_router
 from tests.unit.test_conductor_costs import add
-from tests.unit.test_transfer_access import Clock
 
 
 def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on() -> None:
     engine = EngineCore(Config(), load_model(Config().model))
-    clock = Clock()
+    clock = ManualClock()
     view = ClusterView("d1", clock=clock)
     add(view, "p1", "prefill", model=engine.model_id)
     # A step of 10 ms + 2 x 1 ms with this request: within a 30 ms TBT SLO.

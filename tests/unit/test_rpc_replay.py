@@ -42,21 +42,13 @@ from mooncaked.rpc import (
 from mooncaked.wire.generate import DecodeNodeLost, GenerateBody, GenerateRefused
 from mooncaked.wire.lease import LeaseClient
 from mooncaked.wire.paths import LOOKUP_PATH, MAX_LOOKUP_BYTES, RELEASE_PATH
-from tests.conftest import serving
+from tests.conftest import ManualClock, serving
 from tests.routers import entry_router
 from tests.unit.test_conductor_costs import add
 from tests.unit.test_peer import BB, HASHES, LAYOUT, SECRET, Side, make, put, rows
 
 KEY = derive_key(SECRET)
 ME = Target("n1", 1_700_000_000_000)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def call(
@@ -66,7 +58,7 @@ def call(
 
 
 def test_verifier_refuses_replays_stale_calls_and_bad_signatures() -> None:
-    clock = Clock()
+    clock = ManualClock(1_000_000.0)
     v = Verifier(SECRET, identity=lambda: ME, window_s=30.0, max_nonces=3, clock=clock)
     h = call(b"{}")
     assert v.verify("POST", "/p", h, b"{}") is None
@@ -101,7 +93,7 @@ def test_verifier_refuses_replays_stale_calls_and_bad_signatures() -> None:
 
 
 def test_verifier_refuses_calls_signed_for_another_node_or_process() -> None:
-    clock = Clock()
+    clock = ManualClock(1_000_000.0)
     v = Verifier(SECRET, identity=lambda: ME, clock=clock)
     other_node = Target("n2", ME.generation)
     earlier = Target("n1", ME.generation - 1)
