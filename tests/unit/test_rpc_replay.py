@@ -145,8 +145,7 @@ async def test_a_captured_lookup_replayed_is_refused_and_takes_no_lease(
     tmp_path: Path,
 ) -> None:
     async with AsyncExitStack() as stack:
-        holder = await make(stack, "holder", tmp_path)
-        await put(holder, HASHES[:3], rows(3, seed=2))
+        holder = await holder_of_three(stack, tmp_path, seed=2)
         url = holder.url + LOOKUP_PATH
         body = lookup_body("r1")
         target = Target("holder", holder.generation)
@@ -297,6 +296,13 @@ async def test_unsigned_or_oversized_calls_are_refused_before_their_body() -> No
         assert api.num_unauthorized == 1
 
 
+async def holder_of_three(stack: AsyncExitStack, tmp_path: Path, seed: int) -> Side:
+    """A node "holder" with the first three test blocks in its store."""
+    holder = await make(stack, "holder", tmp_path)
+    await put(holder, HASHES[:3], rows(3, seed=seed))
+    return holder
+
+
 def members(*names: str) -> Callable[[str], ReaderKind]:
     def classify(reader: str) -> ReaderKind:
         if reader == "holder":
@@ -309,8 +315,7 @@ def members(*names: str) -> Callable[[str], ReaderKind]:
 @pytest.mark.parametrize("per_reader", [1, 2])
 async def test_one_member_cannot_hold_every_lease(tmp_path: Path, per_reader: int) -> None:
     async with AsyncExitStack() as stack:
-        holder = await make(stack, "holder", tmp_path)
-        await put(holder, HASHES[:3], rows(3, seed=4))
+        holder = await holder_of_three(stack, tmp_path, seed=4)
         desk = LeaseDesk(
             holder.store,
             max_leases=4,
@@ -337,8 +342,7 @@ async def test_made_up_reader_names_share_one_cap(tmp_path: Path) -> None:
     """Any holder of the secret can name itself anything: names outside the
     cluster view share the outsiders' cap, a member keeps its own."""
     async with AsyncExitStack() as stack:
-        holder = await make(stack, "holder", tmp_path)
-        await put(holder, HASHES[:3], rows(3, seed=5))
+        holder = await holder_of_three(stack, tmp_path, seed=5)
         desk = LeaseDesk(
             holder.store,
             max_leases=16,
