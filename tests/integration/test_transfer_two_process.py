@@ -561,30 +561,28 @@ async def test_restarted_peer_is_reconnected_on_next_batch(kind: str) -> None:
             async def read() -> Any:
                 return await engine.submit([TransferOp.read("buf", 0, "target", "pool", 0, MiB)])
 
+            async def read_from_a_new_target(seed: int) -> None:
+                targets.append(await Target.start(port=port))
+                await targets[-1].call(cmd="alloc", name="pool", nbytes=MiB, seed=seed)
+                batch = await read()
+                assert await batch.wait(), batch.failures()
+                assert batch.transport(0) == kind
+                assert sha(view) == sha(pattern(seed, MiB))
+
             batch = await read()
             assert await batch.wait() and batch.transport(0) == kind
             assert sha(view) == sha(pattern(81, MiB))
 
             # Restarted between two batches: the next one finds the new process.
             await targets[-1].kill()
-            targets.append(await Target.start(port=port))
-            await targets[-1].call(cmd="alloc", name="pool", nbytes=MiB, seed=82)
-            batch = await read()
-            assert await batch.wait(), batch.failures()
-            assert batch.transport(0) == kind
-            assert sha(view) == sha(pattern(82, MiB))
+            await read_from_a_new_target(82)
 
             # Down: the batch fails with a reason; back up: the next one works.
             await targets[-1].kill()
             down = await read()
             assert not await down.wait()
             assert "node target" in (down.reason(0) or "")
-            targets.append(await Target.start(port=port))
-            await targets[-1].call(cmd="alloc", name="pool", nbytes=MiB, seed=83)
-            batch = await read()
-            assert await batch.wait(), batch.failures()
-            assert batch.transport(0) == kind
-            assert sha(view) == sha(pattern(83, MiB))
+            await read_from_a_new_target(83)
     finally:
         for t in targets:
             await t.stop()
