@@ -7,6 +7,9 @@ A ``DecodeNode`` answers each call with the next of its ``answers``: a
 until the caller hangs up), or a ``Refuse``al. It keeps every call's body as
 ``GenerateBody.decode`` reads it and whether its signature held for this
 node (``Verifier.verify``: None when it did).
+
+``bare_disagg_app`` is the other way round: a node's real internal
+endpoints, with no engine behind them, for tests of what they refuse.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import orjson
 from aiohttp import web
 
+from mooncaked.api.disagg import DisaggAPI
 from mooncaked.cluster.state import ClusterView
 from mooncaked.request import FinishReason, RequestOutput
 from mooncaked.rpc import Target, Verifier
@@ -119,6 +123,26 @@ async def serve(nodes: Sequence[DecodeNode]) -> AsyncIterator[None]:
             # A caller that hangs up cancels the handler, as on a node.
             node.port = await stack.enter_async_context(serving(app, handler_cancellation=True))
         yield
+
+
+def bare_disagg_app(
+    secret: bytes, node_id: str, generation: int, role: str, queue_s: float = 0.0
+) -> tuple[DisaggAPI, web.Application]:
+    """``node_id``'s disaggregation endpoints (not draining, no engine, no
+    sender; ``queue_s`` of prefill queue), and an app that serves them."""
+    api = DisaggAPI(
+        secret=secret,
+        node_id=lambda: node_id,
+        generation=generation,
+        role=role,
+        engine=lambda: None,
+        sender=lambda: None,
+        draining=lambda: False,
+        queue_s=lambda: queue_s,
+    )
+    app = web.Application()
+    app.add_routes(api.routes())
+    return api, app
 
 
 def view_of(entry: str, nodes: Sequence[DecodeNode], model: str) -> ClusterView:

@@ -22,7 +22,6 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from mooncaked.api.disagg import DisaggAPI
 from mooncaked.api.internal import InternalAPI
 from mooncaked.cache.peer import LeaseDesk, PeerError, ReaderKind, ReaderRefused
 from mooncaked.cluster.placement import Candidate
@@ -43,6 +42,7 @@ from mooncaked.wire.generate import DecodeNodeLost, GenerateBody, GenerateRefuse
 from mooncaked.wire.lease import LeaseClient
 from mooncaked.wire.paths import LOOKUP_PATH, MAX_LOOKUP_BYTES, RELEASE_PATH
 from tests.conftest import ManualClock, serving
+from tests.decode_nodes import bare_disagg_app
 from tests.routers import entry_router
 from tests.unit.test_conductor_costs import add
 from tests.unit.test_peer import BB, HASHES, LAYOUT, SECRET, Side, make, put, rows
@@ -383,17 +383,7 @@ async def test_made_up_reader_names_share_one_cap(tmp_path: Path) -> None:
 async def test_a_forwarded_request_is_signed_for_the_decode_node_in_the_view() -> None:
     """The entry's generate call against the real decode-side endpoint: signed
     for the generation its view holds; a node gone from the view is not called."""
-    api = DisaggAPI(
-        secret=SECRET,
-        node_id=lambda: "d2",
-        generation=ME.generation,
-        role="decode",
-        engine=lambda: None,
-        sender=lambda: None,
-        draining=lambda: False,
-    )
-    app = web.Application()
-    app.add_routes(api.routes())
+    api, app = bare_disagg_app(SECRET, "d2", ME.generation, "decode")
     view = ClusterView("d1", clock=lambda: 0.0)
     router = entry_router("d1", view, secret=SECRET)
     async with TestServer(app) as server:
