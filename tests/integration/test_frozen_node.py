@@ -23,6 +23,7 @@ from tests.integration.test_disagg_faults import (
     complete,
     decode_node_fault_mid_stream,
     reference,
+    three_done,
 )
 
 # Clusters of daemon processes, one frozen mid-request: the router's resume
@@ -36,11 +37,8 @@ FINISH_S = 60.0
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, grant_ttl_s=GRANT_TTL_S)
-    try:
+    with Cluster(tmp_path, grant_ttl_s=GRANT_TTL_S) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_frozen_prefill_node_requests_move_to_the_next(cluster: Cluster, tmp_path: Path) -> None:
@@ -50,10 +48,7 @@ def test_frozen_prefill_node_requests_move_to_the_next(cluster: Cluster, tmp_pat
 
     async def run() -> tuple[list[tuple[str, dict[str, str]]], float]:
         tasks = [asyncio.ensure_future(complete(d.url, p)) for p in prompts]
-        three = asyncio.Event()
-        for t in tasks:
-            t.add_done_callback(lambda _t: sum(x.done() for x in tasks) >= 3 and three.set())
-        await asyncio.wait_for(three.wait(), FINISH_S)
+        await three_done(tasks, FINISH_S)
         cluster.nodes["p1"].proc.send_signal(signal.SIGSTOP)
         frozen_at = time.monotonic()
         got = await asyncio.wait_for(asyncio.gather(*tasks), FINISH_S)
