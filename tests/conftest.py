@@ -4,6 +4,8 @@
   ephemeral port (read back from the line it prints once the model is loaded).
 - ``daemon_factory(toml=..., *args)``: a fresh subprocess for a test that
   signals or kills it; stopped at teardown.
+- ``serving(app)``: an aiohttp app of the test's own on an ephemeral loopback
+  port, for as long as the block runs.
 - ``node``: a ``Node`` running in the test's event loop on an ephemeral port,
   so a test can reach into its engine (a second Node in one process starts in
   well under a second); ``node_factory(**sections)`` for one with other
@@ -18,11 +20,13 @@ import asyncio
 import time
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+from aiohttp import web
 
 from mooncakectl.local.config import to_toml
 from mooncakectl.local.process import (
@@ -153,6 +157,26 @@ async def node() -> AsyncIterator[Node]:
         await n.stop()
 
 
+class ManualClock:
+    """A clock the test moves by hand (``now``), for code that takes a clock."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def wait_until_sync(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """``wait_until`` for a test outside an event loop (one that drives daemon
+    subprocesses), checking every 50 ms."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 async def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
     """Until ``cond()`` holds (checked every 10 ms); AssertionError naming ``what`` after
     ``timeout_s``. For state with no event to await; never a fixed sleep."""
@@ -162,3 +186,17 @@ async def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 60.
         if loop.time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+@asynccontextmanager
+async def serving(app: web.Application, **runner_kwargs: Any) -> AsyncIterator[int]:
+    """``app`` served on 127.0.0.1 until the block ends; yields its port.
+    ``runner_kwargs`` go to its ``AppRunner`` (timeouts, handler cancellation)."""
+    runner = web.AppRunner(app, **runner_kwargs)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()

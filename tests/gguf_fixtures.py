@@ -137,6 +137,14 @@ def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def finish(w: Any) -> None:
+    """Write out a ``gguf.GGUFWriter``'s header, metadata and tensors, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gguf(path: Path, hf: Any, kind: str, tensor_type: str) -> Path:
     """Save ``hf`` as a GGUF file with 2-D weights in ``tensor_type``."""
     import gguf
@@ -183,10 +191,7 @@ def write_gguf(path: Path, hf: Any, kind: str, tensor_type: str) -> Path:
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, qtype))
         else:
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 
@@ -273,8 +278,5 @@ def write_spm_gguf(path: Path, extra_tensors: tuple[str, ...] = ()) -> Path:
     shapes.update({name: (32,) for name in extra_tensors})
     for name, shape in shapes.items():
         w.add_tensor(name, gen.standard_normal(shape).astype(np.float32) * 0.1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path

@@ -50,6 +50,56 @@ def greedy_logits(
     return torch.cat(rows)
 
 
+def greedy_together(
+    runner: ModelRunner, prompts: list[list[int]], new_tokens: int
+) -> list[list[int]]:
+    """Our greedy tokens for every prompt: one step prefills them all, the
+    next ones decode them together; block ids handed out in order. The
+    runner must not touch the requests: the sampled tokens are appended here."""
+    block_size = runner.block_size
+    reqs = [
+        Request(f"g{i}", p, SamplingParams(temperature=0.0, max_tokens=new_tokens))
+        for i, p in enumerate(prompts)
+    ]
+    tables: list[list[int]] = []
+    next_block = 0
+    for p in prompts:
+        n = (len(p) + new_tokens + block_size - 1) // block_size
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    chunks = [
+        chunk_of(r, r.prompt_token_ids, 0, t, True) for r, t in zip(reqs, tables, strict=True)
+    ]
+    for _ in range(new_tokens):
+        for r, tok in zip(reqs, runner.execute(StepPlan(chunks)), strict=True):
+            if tok is None:
+                raise AssertionError(f"{r.request_id}: a complete chunk sampled nothing")
+            r.output_token_ids.append(tok.token_id)
+        chunks = [
+            chunk_of(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
+            for r, t in zip(reqs, tables, strict=True)
+        ]
+    return [r.output_token_ids for r in reqs]
+
+
+def hf_greedy(
+    hf: Any, prompt: list[int], new_tokens: int, *, pad_token_id: int, past_eos: bool
+) -> list[int]:
+    """transformers' greedy ``generate`` of up to ``new_tokens`` (all of them
+    with ``past_eos``; else it stops at EOS)."""
+    least = {"min_new_tokens": new_tokens} if past_eos else {}
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            pad_token_id=pad_token_id,
+            **least,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def check_greedy_parity(ours: torch.Tensor, theirs: torch.Tensor, tol: float) -> int:
     """Number of positions where the top-1 tokens differ; each one must be a near tie."""
     mine, best = ours.argmax(-1), theirs.argmax(-1)

@@ -58,6 +58,7 @@ from mooncaked.cache.dram import BlockLayout, gather_blocks, scatter_blocks
 from mooncaked.cache.ssd import SsdTier
 from mooncaked.cache.store import DeviceBlocks, TieredStore
 from mooncaked.config import StoreConfig
+from tools.mooncake_anchor import anchor_process_env, anchor_values, anchor_venv, stop
 
 GB = 1e9
 MiB = 1 << 20
@@ -101,6 +102,16 @@ async def pairs(
         a.append(await ours())
         b.append(await base())
     return statistics.median(a), statistics.median(b)
+
+
+async def timed_all(ops: Callable[[], Awaitable[list[bool]]], failed: str) -> float:
+    """Seconds ``ops()`` took; RuntimeError ``failed`` unless every op succeeded."""
+    t0 = time.perf_counter()
+    ok = await ops()
+    dt = time.perf_counter() - t0
+    if not all(ok):
+        raise RuntimeError(failed)
+    return dt
 
 
 def timed_sync(fn: Callable[[], Any]) -> Callable[[], Awaitable[float]]:
@@ -256,27 +267,24 @@ async def bench_ssd(layout: BlockLayout, n: int, repeats: int, workdir: Path) ->
     rows: list[Row] = []
     try:
 
-        async def put() -> float:
-            await tier.clear()
-            t0 = time.perf_counter()
+        async def put_all() -> list[bool]:
             ok = await asyncio.gather(*(tier.put(h, src[i]) for i, h in enumerate(hashes)))
             await tier.sync()
-            dt = time.perf_counter() - t0
-            if not all(ok):
-                raise RuntimeError("SSD put refused a block")
-            return dt
+            return ok
+
+        async def put() -> float:
+            await tier.clear()
+            return await timed_all(put_all, "SSD put refused a block")
 
         ours, base = await pairs(repeats, put, plain_write_timed)
         rows.append(Row("SSD put (+fdatasync)", nbytes, ours, "plain pwrite (+fdatasync)", base))
 
+        async def get_all() -> list[bool]:
+            return await asyncio.gather(*(tier.get(h, out[i]) for i, h in enumerate(hashes)))
+
         async def get() -> float:
             drop_cache(ssd_dir / "slab.bin")
-            t0 = time.perf_counter()
-            ok = await asyncio.gather(*(tier.get(h, out[i]) for i, h in enumerate(hashes)))
-            dt = time.perf_counter() - t0
-            if not all(ok):
-                raise RuntimeError("SSD get failed a block")
-            return dt
+            return await timed_all(get_all, "SSD get failed a block")
 
         ours, base = await pairs(repeats, get, plain_read_timed)
         rows.append(Row("SSD get (cold, CRC checked)", nbytes, ours, "plain pread (cold)", base))
@@ -366,26 +374,14 @@ print(json.dumps({"put_s": statistics.median(puts), "get_s": statistics.median(g
 
 def anchor_env() -> tuple[dict[str, str] | None, str]:
     """Environment to run the Mooncake anchor, or None and why not."""
-    venv = os.environ.get(
-        "MOONCAKE_ANCHOR_VENV", str(Path.home() / ".cache/mooncaked-bench/mooncake-venv")
-    )
-    env_file = Path(venv) / "anchor.env"
-    if not env_file.exists():
-        return None, f"{env_file} not found: run tools/mooncake_anchor.sh to install the anchor"
-    values: dict[str, str] = {}
-    for line in env_file.read_text().splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            values[key.strip()] = value.strip().strip("'\"")
-    python = Path(values.get("MOONCAKE_ANCHOR_VENV", venv)) / "bin" / "python"
+    values, why = anchor_values()
+    if values is None:
+        return None, why
+    python = Path(values.get("MOONCAKE_ANCHOR_VENV", str(anchor_venv()))) / "bin" / "python"
     master = python.parent / "mooncake_master"
     if not python.exists() or not master.exists():
         return None, f"{python} or {master} is missing: rerun tools/mooncake_anchor.sh"
-    env = dict(os.environ)
-    libs = values.get("MOONCAKE_LD_LIBRARY_PATH", "")
-    env["LD_LIBRARY_PATH"] = libs + (
-        ":" + env["LD_LIBRARY_PATH"] if "LD_LIBRARY_PATH" in env else ""
-    )
+    env = anchor_process_env(values)
     env["MOONCAKE_PYTHON"] = str(python)
     env["MOONCAKE_MASTER"] = str(master)
     return env, ""
@@ -438,12 +434,7 @@ def run_mooncake(n: int, repeats: int, memcpy: bool) -> tuple[dict[str, Any] | N
             return None, str(result["error"])
         return result, ""
     finally:
-        master.terminate()
-        try:
-            master.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            master.kill()
-            master.wait()
+        stop(master, 10)
 
 
 async def bench_one_mib(n: int, repeats: int) -> tuple[float, float]:

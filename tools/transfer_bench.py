@@ -31,7 +31,6 @@ import ctypes
 import json
 import os
 import re
-import shlex
 import signal
 import socket
 import statistics
@@ -47,6 +46,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from tools.mooncake_anchor import anchor_process_env, anchor_values, stop  # noqa: E402
 
 SECRET = b"transfer-bench-secret"
 GB = 1e9  # as Mooncake's bench reports "GB/s"
@@ -181,21 +182,7 @@ def run_socket_receiver(args: argparse.Namespace) -> dict[str, Any]:
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
         sender = subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "socket-send",
-                "--port",
-                str(port),
-                "--block-size",
-                str(args.block_size),
-                "--batch-size",
-                str(args.batch_size),
-                "--concurrency",
-                str(args.concurrency),
-                "--duration",
-                str(args.duration),
-            ]
+            _bench_cmd("socket-send", "--port", str(port), *_load_flags(args, args.block_size))
         )
         conn, _ = server.accept()
     with conn:
@@ -262,24 +249,13 @@ def run_memcpy(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _mooncake_env() -> tuple[dict[str, str] | None, str]:
-    venv = os.environ.get(
-        "MOONCAKE_ANCHOR_VENV", str(Path.home() / ".cache/mooncaked-bench/mooncake-venv")
-    )
-    env_file = Path(venv) / "anchor.env"
-    if not env_file.exists():
-        return None, f"{env_file} not found: run tools/mooncake_anchor.sh to install the anchor"
-    values: dict[str, str] = {}
-    for line in env_file.read_text().splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            values[key.strip()] = shlex.split(value)[0] if value.strip() else ""
+    values, why = anchor_values()
+    if values is None:
+        return None, why
     bench = values.get("MOONCAKE_TE_BENCH", "")
     if not bench or not Path(bench).exists():
         return None, "the installed mooncake-transfer-engine wheel ships no transfer_engine_bench"
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = ":".join(
-        x for x in (values.get("MOONCAKE_LD_LIBRARY_PATH", ""), env.get("LD_LIBRARY_PATH", "")) if x
-    )
+    env = anchor_process_env(values)
     env["MOONCAKE_TE_BENCH"] = bench
     return env, ""
 
@@ -353,6 +329,30 @@ def _bench_cmd(*argv: str) -> list[str]:
     return [sys.executable, __file__, *argv]
 
 
+def _load_flags(args: argparse.Namespace, block: int) -> list[str]:
+    """The flags every measuring run shares: the load it puts on the copy."""
+    return [
+        "--block-size",
+        str(block),
+        "--batch-size",
+        str(args.batch_size),
+        "--concurrency",
+        str(args.concurrency),
+        "--duration",
+        str(args.duration),
+    ]
+
+
+def _measured(
+    what: str, argv: list[str], timeout_s: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The JSON result a measuring run prints last."""
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _ours(args: argparse.Namespace, transport: str, block: int) -> dict[str, Any]:
     span = block * args.batch_size * args.concurrency
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
@@ -370,67 +370,21 @@ def _ours(args: argparse.Namespace, transport: str, block: int) -> dict[str, Any
         m = re.search(r"listening on (\S+)", line)
         if m is None:
             raise RuntimeError(f"target did not start: {line!r}")
-        out = subprocess.run(
-            _bench_cmd(
-                "initiator",
-                "--json",
-                "--target",
-                m.group(1),
-                "--transport",
-                transport,
-                "--op",
-                args.op,
-                "--block-size",
-                str(block),
-                "--batch-size",
-                str(args.batch_size),
-                "--concurrency",
-                str(args.concurrency),
-                "--duration",
-                str(args.duration),
-                "--streams",
-                str(args.streams),
-                "--slice-bytes",
-                str(args.slice_bytes),
-            ),
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=args.duration + 120,
+        initiator = _bench_cmd(
+            "initiator",
+            *("--json", "--target", m.group(1), "--transport", transport, "--op", args.op),
+            *_load_flags(args, block),
+            *("--streams", str(args.streams), "--slice-bytes", str(args.slice_bytes)),
         )
+        return _measured("initiator", initiator, args.duration + 120, env)
     finally:
-        target.send_signal(signal.SIGTERM)
-        try:
-            target.wait(15)
-        except subprocess.TimeoutExpired:
-            target.kill()
-            target.wait()
-    if out.returncode != 0:
-        raise RuntimeError(f"initiator failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        stop(target, 15)
 
 
 def _sub(mode: str, args: argparse.Namespace, block: int) -> dict[str, Any]:
-    out = subprocess.run(
-        _bench_cmd(
-            mode,
-            "--json",
-            "--block-size",
-            str(block),
-            "--batch-size",
-            str(args.batch_size),
-            "--concurrency",
-            str(args.concurrency),
-            "--duration",
-            str(args.duration),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=args.duration + 60,
+    return _measured(
+        mode, _bench_cmd(mode, "--json", *_load_flags(args, block)), args.duration + 60
     )
-    if out.returncode != 0:
-        raise RuntimeError(f"{mode} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @dataclass

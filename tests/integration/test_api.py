@@ -49,6 +49,20 @@ async def next_event(resp: aiohttp.ClientResponse) -> dict[str, Any]:
             return orjson.loads(line[len("data: ") :])
 
 
+async def greedy_stream(
+    s: aiohttp.ClientSession, prompt: str, max_tokens: int
+) -> aiohttp.ClientResponse:
+    """A streamed greedy completion that runs its ``max_tokens`` in full."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    return await s.post("/v1/completions", json=body)
+
+
 def stream_text(events: list[dict[str, Any]], chat: bool = False) -> str:
     parts = []
     for e in events:
@@ -281,16 +295,7 @@ async def test_32_concurrent_streams_match_their_solo_output(node: Node) -> None
     prompts = random_prompts(32)
 
     async def generate(s: aiohttp.ClientSession, prompt: str) -> str:
-        r = await s.post(
-            "/v1/completions",
-            json={
-                "prompt": prompt,
-                "max_tokens": 32,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            },
-        )
+        r = await greedy_stream(s, prompt, 32)
         assert r.status == 200
         events = await read_sse(r)
         assert events[-1]["choices"][0]["finish_reason"] == "length"
@@ -470,16 +475,7 @@ async def test_queue_full_gets_429_with_retry_after(node_factory: Any) -> None:
 async def test_client_leaving_mid_stream_aborts_its_request(node: Node) -> None:
     engine = engine_of(node)
     async with aiohttp.ClientSession(node.url) as s:
-        r = await s.post(
-            "/v1/completions",
-            json={
-                "prompt": "a long answer",
-                "max_tokens": 3000,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            },
-        )
+        r = await greedy_stream(s, "a long answer", 3000)
         for _ in range(3):
             await next_event(r)
         assert engine.num_unfinished == 1
@@ -521,16 +517,7 @@ async def test_client_leaving_before_a_non_stream_answer_aborts_it(node: Node) -
 async def test_drain_finishes_in_flight_and_refuses_new(node_factory: Any) -> None:
     node = await node_factory()
     async with aiohttp.ClientSession(node.url) as s:
-        inflight = await s.post(
-            "/v1/completions",
-            json={
-                "prompt": "finish me",
-                "max_tokens": 100,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            },
-        )
+        inflight = await greedy_stream(s, "finish me", 100)
         first = await next_event(inflight)
         stopping = asyncio.ensure_future(node.stop())
         try:
@@ -553,16 +540,7 @@ async def test_drain_finishes_in_flight_and_refuses_new(node_factory: Any) -> No
 async def test_drain_timeout_aborts_what_is_left(node_factory: Any) -> None:
     node = await node_factory(server={"port": 0, "drain_timeout_s": 0.0})
     async with aiohttp.ClientSession(node.url) as s:
-        inflight = await s.post(
-            "/v1/completions",
-            json={
-                "prompt": "cut short",
-                "max_tokens": 3000,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            },
-        )
+        inflight = await greedy_stream(s, "cut short", 3000)
         await next_event(inflight)
         stopping = asyncio.ensure_future(node.stop())
         try:
@@ -725,13 +703,9 @@ async def test_handoff_status_and_metrics_of_a_serving_node(node: Node) -> None:
         st = await (await s.get("/admin/status")).json()
     handoff = st["handoff"]
     assert handoff["layerwise"] is True
-    assert handoff["handoffs"] == {
-        "ok": 0,
-        "retried": 0,
-        "passed_on": 0,
-        "fell_back": 0,
-        "cancelled": 0,
-    }
+    assert handoff["handoffs"] == dict.fromkeys(
+        ("ok", "retried", "passed_on", "fell_back", "cancelled"), 0
+    )
     assert handoff["sent"]["bytes"] == 0
     assert "bytes_written" in handoff["transfer"]
     text = await scrape(node)

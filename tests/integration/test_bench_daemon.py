@@ -21,7 +21,7 @@ from mooncakectl.bench.load import LoadPlan, arrival_times
 from mooncakectl.bench.workloads import BenchRequest
 from mooncakectl.cli import run
 from mooncakectl.registry import Env, ExitStatus
-from tests.conftest import TEST_TOML, DaemonProcess
+from tests.conftest import TEST_TOML, DaemonProcess, serving
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conversation_trace_head200.jsonl"
 
@@ -330,12 +330,7 @@ async def test_a_plain_openai_server_gets_text_and_its_node_headers_are_read(
 
     app = web.Application()
     app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with serving(app) as port:
         result, printed = await asyncio.to_thread(
             bench,
             f"http://127.0.0.1:{port}",
@@ -346,8 +341,6 @@ async def test_a_plain_openai_server_gets_text_and_its_node_headers_are_read(
             "--random-output-len", "3",
             "--tokenizer", str(tmp_path / "tokenizer.json"),
         )  # fmt: skip
-    finally:
-        await runner.cleanup()
     cfg, s = result["config"], result["summary"]
     assert (cfg["prompt_format"], cfg["model"], cfg["vocab_size"]) == ("text", "plain", VOCAB_SIZE)
     assert s["completed"] == 4 and s["cached_tokens"] is None

@@ -6,9 +6,14 @@ import io
 import json
 from pathlib import Path
 
+import pytest
+
 from mooncakectl.cli import run
 from mooncakectl.registry import Env
 from mooncaked.engine.loader import builtin_arch
+
+# A disaggregated cluster benchmarked end to end; its report has unit tests.
+pytestmark = pytest.mark.slow
 
 
 def bench_disagg(*args: str) -> tuple[int, str, str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,10 @@ import torch
 from mooncaked.cache.hashing import block_hashes
 from mooncaked.cache.ssd import SLAB_NAME, SsdTier
 from mooncaked.cache.store import BlockLayout
-from tests.conftest import TEST_TOML, DaemonProcess
+from tests.conftest import TEST_TOML, DaemonProcess, wait_until_sync
+
+# Daemons killed and restarted over an SSD tier; the tiers have unit tests.
+pytestmark = pytest.mark.slow
 
 BLOCK = 16
 MODEL_ID = "builtin:tiny@0"
@@ -74,14 +76,6 @@ def run_completions(url: str, prompts: list[list[int]]) -> list[dict[str, Any]]:
 
 def cached(out: dict[str, Any]) -> int:
     return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def wait_for(what: str, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(120)
@@ -130,9 +124,10 @@ def test_sigkill_during_ssd_writes_then_flipped_slots_are_never_served(
     layout = stats["layout"]
     num_slots = stats["ssd"]["capacity_blocks"]
     # Written through to the SSD (the flood below keeps the writers busy).
-    wait_for(
-        "the reference blocks on the SSD",
+    wait_until_sync(
         lambda: get_json(d1.url + "/admin/cache/stats")["ssd"]["used_blocks"] >= 40,
+        "the reference blocks on the SSD",
+        WAIT_S,
     )
 
     # The flood: many distinct prompts at once, each written through to the

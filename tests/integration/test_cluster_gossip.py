@@ -113,12 +113,15 @@ GOSSIP = NodeKind("gossip", GOSSIP_NODE_CMD, {})
 DAEMON = NodeKind("daemon", DAEMON_NODE_CMD, DAEMON_SECTIONS)
 
 
-def node_kinds() -> list[NodeKind]:
+def node_kinds() -> list[Any]:
+    """Bare gossip services in the fast set; daemons (and a custom node) are slow."""
     kinds = [GOSSIP, DAEMON]
     custom = os.environ.get(NODE_CMD_ENV)
     if custom:
         kinds.append(NodeKind("custom", custom, {}))
-    return kinds
+    return [
+        pytest.param(k, id=k.name, marks=() if k is GOSSIP else pytest.mark.slow) for k in kinds
+    ]
 
 
 class Cluster:
@@ -270,7 +273,7 @@ class Cluster:
         return "\n".join(out)
 
 
-@pytest.fixture(scope="module", params=node_kinds(), ids=lambda k: k.name)
+@pytest.fixture(scope="module", params=node_kinds())
 def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
@@ -443,13 +446,21 @@ def prompt_hashes(cluster: Cluster, node_id: str, ids: list[int]) -> list[str]:
     return [h.hex() for h in block_hashes(ids, BLOCK_SIZE, model_id)]
 
 
-def test_prompt_served_on_one_node_reaches_every_index(cluster: Cluster) -> None:
+def served_cold(
+    cluster: Cluster, node_id: str, seed: int
+) -> tuple[list[int], list[str], dict[str, Any]]:
+    """A prompt nobody holds, computed on ``node_id``: its ids, its block
+    hashes and the answer."""
     needs_engine(cluster)
     cluster.wait_converged()
-    ids = prompt(11)
-    out = complete(cluster, "g2", ids)
+    ids = prompt(seed)
+    out = complete(cluster, node_id, ids)
     assert cached_tokens(out) == 0
-    hashes = prompt_hashes(cluster, "g2", ids)
+    return ids, prompt_hashes(cluster, node_id, ids), out
+
+
+def test_prompt_served_on_one_node_reaches_every_index(cluster: Cluster) -> None:
+    _ids, hashes, _out = served_cold(cluster, "g2", 11)
     assert len(hashes) == 10
     others = [i for i in cluster.ids if i != "g2"]
 
@@ -462,12 +473,7 @@ def test_prompt_served_on_one_node_reaches_every_index(cluster: Cluster) -> None
 
 
 def test_prompt_is_fetched_from_the_node_the_index_names(cluster: Cluster) -> None:
-    needs_engine(cluster)
-    cluster.wait_converged()
-    ids = prompt(12)
-    cold = complete(cluster, "g0", ids)
-    assert cached_tokens(cold) == 0
-    hashes = prompt_hashes(cluster, "g0", ids)
+    ids, hashes, cold = served_cold(cluster, "g0", 12)
 
     def g1_sees_g0_lease_it() -> bool:
         # Leasable blocks only: in g0's DRAM tier (offloaded after the prefill).
@@ -547,6 +553,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_last_node_idles_then_exits_on_sigterm_after_its_peers_left(tmp_path: Path) -> None:
     # Nodes were once found spinning in the gossip loop after every peer had

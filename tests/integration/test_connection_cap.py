@@ -27,6 +27,13 @@ async def read_all(reader: asyncio.StreamReader) -> bytes:
     return await asyncio.wait_for(reader.read(), 10.0)
 
 
+async def health_on(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> bytes:
+    """The answer to ``GET /health`` on a connection already open."""
+    reader, writer = conn
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    return await read_all(reader)
+
+
 @pytest.mark.timeout(60)
 async def test_connections_beyond_the_cap_are_refused_then_served_again(
     node_factory: Callable[..., Awaitable[Any]],
@@ -48,9 +55,7 @@ async def test_connections_beyond_the_cap_are_refused_then_served_again(
         assert orjson.loads(body)["error"]["code"] == "too_many_connections"
         assert site.num_refused == 1
         # A held connection is still served.
-        r0, w0 = held[0]
-        w0.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        assert (await read_all(r0)).startswith(b"HTTP/1.1 200")
+        assert (await health_on(held[0])).startswith(b"HTTP/1.1 200")
     finally:
         for _, w in held:
             w.close()
@@ -154,9 +159,7 @@ def test_per_client_cap_and_reserve_under_each_event_loop(loop: str) -> None:
             head, _ = await ask(port, CLIENT_C, "/v1/models", token=ADMIN)
             assert head.startswith(b"HTTP/1.1 200"), head
             # A held connection is still served, through the gate.
-            reader, writer = held[0]
-            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            assert (await read_all(reader)).startswith(b"HTTP/1.1 200")
+            assert (await health_on(held[0])).startswith(b"HTTP/1.1 200")
         finally:
             for _, w in held:
                 w.close()

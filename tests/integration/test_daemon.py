@@ -20,6 +20,18 @@ import pytest
 WAIT_S = 30.0
 
 
+def greedy(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A streamed greedy completion's body that runs its ``max_tokens`` in full."""
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
+
+
 def open_stream(
     port: int, body: dict[str, Any]
 ) -> tuple[http.client.HTTPConnection, Iterator[dict[str, Any]]]:
@@ -48,21 +60,8 @@ def open_stream(
     return conn, events()
 
 
-def get_status(url: str) -> int | None:
-    """HTTP status of GET url; None when the connection is refused (server closed)."""
-    try:
-        with urllib.request.urlopen(url, timeout=WAIT_S) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except (urllib.error.URLError, ConnectionError):
-        return None
-
-
-def post_status(url: str, body: dict[str, Any]) -> int | None:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+def status_of(req: str | urllib.request.Request) -> int | None:
+    """HTTP status of a call; None when the connection is refused (server closed)."""
     try:
         with urllib.request.urlopen(req, timeout=WAIT_S) as r:
             return r.status
@@ -70,6 +69,18 @@ def post_status(url: str, body: dict[str, Any]) -> int | None:
         return e.code
     except (urllib.error.URLError, ConnectionError):
         return None
+
+
+def get_status(url: str) -> int | None:
+    return status_of(url)
+
+
+def post_status(url: str, body: dict[str, Any]) -> int | None:
+    return status_of(
+        urllib.request.Request(
+            url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+    )
 
 
 def wait_draining(url: str) -> bool:
@@ -85,19 +96,12 @@ def wait_draining(url: str) -> bool:
     raise AssertionError("the daemon did not start draining")
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_then_exits_0(daemon_factory: Callable[..., Any]) -> None:
     d = daemon_factory()
+    # Long enough that the drain is still waiting for it when /ready is asked.
     conn, events = open_stream(
-        d.port,
-        {
-            "prompt": "drain me",
-            # Long enough that the drain is still waiting for it when /ready is asked.
-            "max_tokens": 400,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        },
+        d.port, greedy("drain me", 400, stream_options={"include_usage": True})
     )
     first = next(events)
     d.signal(signal.SIGTERM)
@@ -123,18 +127,10 @@ def test_sigterm_drains_in_flight_then_exits_0(daemon_factory: Callable[..., Any
     assert any(r["event"] == "mooncaked listening" and r["url"] == d.url for r in records)
 
 
+@pytest.mark.slow
 def test_second_signal_forces_exit(daemon_factory: Callable[..., Any]) -> None:
     d = daemon_factory()
-    conn, events = open_stream(
-        d.port,
-        {
-            "prompt": "a long one",
-            "max_tokens": 3000,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        },
-    )
+    conn, events = open_stream(d.port, greedy("a long one", 3000))
     next(events)
     d.signal(signal.SIGTERM)
     assert wait_draining(d.url), "the 3000-token request should still be running"

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import pytest
 
 from mooncaked.config import with_overrides
 from mooncaked.engine.kv_receiver import KVReceiver
@@ -99,6 +100,7 @@ def assert_same(
     return worst
 
 
+@pytest.mark.slow
 async def test_greedy_output_is_identical_across_topologies_and_transports(
     cluster_factory: ClusterFactory,
 ) -> None:

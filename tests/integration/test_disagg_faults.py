@@ -23,6 +23,9 @@ import pytest
 
 from tests.conftest import TEST_TOML, DaemonProcess, spawn_daemon
 
+# Daemon clusters with nodes killed mid-burst, checked against a solo run.
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 8
 WAIT_S = 90.0
 
@@ -74,6 +77,19 @@ class Cluster:
             self.seed = [get(d.url + "/admin/cluster")["nodes"][0]["gossip_addr"]]
         return d
 
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start_all(self, roles: dict[str, str]) -> dict[str, DaemonProcess]:
+        """Start each node in turn (the first is every other's seed), then wait
+        until each sees all of them alive."""
+        started = {node_id: self.start(node_id, role) for node_id, role in roles.items()}
+        self.wait_converged(list(roles))
+        return started
+
     def wait_converged(self, ids: list[str]) -> None:
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
@@ -115,11 +131,8 @@ class Cluster:
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
+    with Cluster(tmp_path) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def burst(n: int, seed: int) -> list[list[int]]:
@@ -149,6 +162,17 @@ async def complete(url: str, prompt: list[int]) -> tuple[str, dict[str, str]]:
         }
 
 
+async def three_done(tasks: list[asyncio.Future[Any]], timeout_s: float) -> None:
+    """Until three of ``tasks`` are done (AssertionError after ``timeout_s``)."""
+    three = asyncio.Event()
+    for t in tasks:
+        t.add_done_callback(lambda _t: sum(x.done() for x in tasks) >= 3 and three.set())
+    try:
+        await asyncio.wait_for(three.wait(), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"fewer than three requests done within {timeout_s} s") from None
+
+
 def reference(tmp: Path, prompts: list[list[int]]) -> list[str]:
     solo = spawn_daemon(tmp / "solo", TEST_TOML)
     try:
@@ -160,18 +184,12 @@ def reference(tmp: Path, prompts: list[list[int]]) -> list[str]:
 def test_kill_9_of_a_prefill_node_during_a_burst(cluster: Cluster, tmp_path: Path) -> None:
     prompts = burst(32, seed=5)
     want = reference(tmp_path, prompts)
-    cluster.start("p1", "prefill")
-    cluster.start("p2", "prefill")
-    d = cluster.start("d1", "decode")
-    cluster.wait_converged(["p1", "p2", "d1"])
+    d = cluster.start_all({"p1": "prefill", "p2": "prefill", "d1": "decode"})["d1"]
 
     async def run() -> list[tuple[str, dict[str, str]]]:
         tasks = [asyncio.ensure_future(complete(d.url, p)) for p in prompts]
         # Once a few have been through, p1 dies with the rest in flight.
-        three = asyncio.Event()
-        for t in tasks:
-            t.add_done_callback(lambda _t: sum(x.done() for x in tasks) >= 3 and three.set())
-        await asyncio.wait_for(three.wait(), WAIT_S)
+        await three_done(tasks, WAIT_S)
         cluster.nodes["p1"].proc.send_signal(signal.SIGKILL)
         return list(await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S))
 
@@ -206,10 +224,7 @@ def decode_node_fault_mid_stream(
         want_text = json.loads(want.read())["choices"][0]["text"]
     finally:
         solo.stop()
-    p = cluster.start("p1", "prefill")
-    cluster.start("d1", "decode")
-    cluster.start("d2", "decode")
-    cluster.wait_converged(["p1", "d1", "d2"])
+    p = cluster.start_all({"p1": "prefill", "d1": "decode", "d2": "decode"})["p1"]
 
     async def run() -> tuple[str, str, list[Any]]:
         async with aiohttp.ClientSession() as s:

@@ -23,7 +23,12 @@ from tests.integration.test_disagg_faults import (
     complete,
     decode_node_fault_mid_stream,
     reference,
+    three_done,
 )
+
+# Clusters of daemon processes, one frozen mid-request: the router's resume
+# loop has fast unit tests (tests/unit/test_router_resume.py).
+pytestmark = pytest.mark.slow
 
 GRANT_TTL_S = 120.0
 # Far below the grant time to live; far above gossip's few seconds.
@@ -32,27 +37,18 @@ FINISH_S = 60.0
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, grant_ttl_s=GRANT_TTL_S)
-    try:
+    with Cluster(tmp_path, grant_ttl_s=GRANT_TTL_S) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def test_frozen_prefill_node_requests_move_to_the_next(cluster: Cluster, tmp_path: Path) -> None:
     prompts = burst(16, seed=11)
     want = reference(tmp_path, prompts)
-    cluster.start("p1", "prefill")
-    cluster.start("p2", "prefill")
-    d = cluster.start("d1", "decode")
-    cluster.wait_converged(["p1", "p2", "d1"])
+    d = cluster.start_all({"p1": "prefill", "p2": "prefill", "d1": "decode"})["d1"]
 
     async def run() -> tuple[list[tuple[str, dict[str, str]]], float]:
         tasks = [asyncio.ensure_future(complete(d.url, p)) for p in prompts]
-        three = asyncio.Event()
-        for t in tasks:
-            t.add_done_callback(lambda _t: sum(x.done() for x in tasks) >= 3 and three.set())
-        await asyncio.wait_for(three.wait(), FINISH_S)
+        await three_done(tasks, FINISH_S)
         cluster.nodes["p1"].proc.send_signal(signal.SIGSTOP)
         frozen_at = time.monotonic()
         got = await asyncio.wait_for(asyncio.gather(*tasks), FINISH_S)

@@ -22,6 +22,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import TEST_TOML, DaemonProcess, spawn_daemon
 
+# Generated bodies by the thousand against a live node.
+pytestmark = pytest.mark.slow
+
 # MOONCAKED_FUZZ_SCALE=10 for a longer hunt than CI's.
 SCALE = float(os.environ.get("MOONCAKED_FUZZ_SCALE", "1"))
 SETTINGS = settings(

@@ -22,6 +22,10 @@ from mooncakectl.local.plan import free_port
 from mooncaked.engine.bundled import SMOLLM2_INSTALL, smollm2_gguf_path
 from mooncaked.process import physical_cores
 
+# Detached daemons started and stopped through mooncakectl, a real model
+# among them; the local-cluster library has unit tests (test_cluster_local.py).
+pytestmark = pytest.mark.slow
+
 
 def ctl(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -32,22 +36,19 @@ def ctl(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     )
 
 
+def up(
+    port: int, run_dir: str, *args: str, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """``mooncakectl up`` of one node on ``port``, its files in ``run_dir``."""
+    return ctl("up", "--port", str(port), "--run-dir", run_dir, *args, timeout=timeout)
+
+
 def test_up_streams_a_completion_and_down_drains(tmp_path: Path) -> None:
     port = free_port()
     run_dir = str(tmp_path)
     # The builtin model: this test is about starting and stopping, quickly.
-    started = ctl(
-        "up",
-        "--port",
-        str(port),
-        "--run-dir",
-        run_dir,
-        "--model",
-        "builtin:tiny",
-        "--prompt",
-        "Hello",
-        "--max-tokens",
-        "12",
+    started = up(
+        port, run_dir, "--model", "builtin:tiny", "--prompt", "Hello", "--max-tokens", "12"
     )
     try:
         assert started.returncode == 0, started.stderr
@@ -55,7 +56,7 @@ def test_up_streams_a_completion_and_down_drains(tmp_path: Path) -> None:
         assert lines[0].startswith(f"mooncaked ready at http://127.0.0.1:{port}")
         assert lines[1] == "> Hello"
         assert len(lines[2]) > 0  # the streamed completion
-        again = ctl("up", "--port", str(port), "--run-dir", run_dir)
+        again = up(port, run_dir)
         assert again.returncode == 1
         assert "already running" in again.stderr
         status = ctl("--url", f"http://127.0.0.1:{port}", "--json", "status")
@@ -79,17 +80,8 @@ def test_up_serves_smollm2_by_default(tmp_path: Path) -> None:
     run_dir = str(tmp_path)
     url = f"http://127.0.0.1:{port}"
     # No --model: the installed real model, and a coherent answer from it.
-    started = ctl(
-        "up",
-        "--port",
-        str(port),
-        "--run-dir",
-        run_dir,
-        "--prompt",
-        "The capital of France is",
-        "--max-tokens",
-        "8",
-        timeout=600,
+    started = up(
+        port, run_dir, "--prompt", "The capital of France is", "--max-tokens", "8", timeout=600
     )
     try:
         assert started.returncode == 0, started.stderr

@@ -37,7 +37,10 @@ from tests.conftest import TEST_TOML, spawn_daemon
 from tests.integration.test_disagg_faults import burst
 from tests.netns import Fabric, NetnsCluster, fabric, leftovers, unavailable
 
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
+]
 
 NODES = {"p1": "prefill", "d1": "decode", "d2": "decode"}
 CONCURRENCY = 10

@@ -33,6 +33,10 @@ from tests.integration.test_peer_fetch import (
 )
 from tests.transfer_attack import raw_write
 
+# Daemon processes probing each other's segments; the grants have unit tests
+# (test_transfer_access.py).
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(120)
 async def test_writing_into_a_holders_dram_tier_is_refused_and_its_kv_served_intact(

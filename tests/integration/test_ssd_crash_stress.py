@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+# Many SIGKILL cycles; test_ssd_crash.py keeps a short one in the fast set.
+pytestmark = pytest.mark.slow
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CYCLES = 25
 

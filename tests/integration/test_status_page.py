@@ -35,7 +35,7 @@ import pytest
 
 from mooncaked.api.recent import FinishedRequest
 from mooncaked.daemon import Node
-from tests.conftest import DaemonProcess
+from tests.conftest import DaemonProcess, wait_until_sync
 
 CHROMIUM_ENV = "MOONCAKED_CHROMIUM"
 _BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
@@ -356,14 +356,6 @@ format = "json"
 """
 
 
-def wait_for(cond: Callable[[], bool], what: str, bound_s: float) -> None:
-    deadline = time.monotonic() + bound_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {bound_s} s")
-        time.sleep(0.1)
-
-
 @pytest.mark.timeout(300)
 def test_status_page_in_a_browser_matches_the_admin_api(
     chromium: str, daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
@@ -377,7 +369,7 @@ def test_status_page_in_a_browser_matches_the_admin_api(
         alive = [n for n in cluster["nodes"] if n["status"] == "alive" and n["state"] is not None]
         return len(alive) == 2
 
-    wait_for(both_alive, "ui-a seeing ui-b alive through gossip", GOSSIP_BOUND_S)
+    wait_until_sync(both_alive, "ui-a seeing ui-b alive through gossip", GOSSIP_BOUND_S)
     prompt = "a request for the status page to list, long enough to fill a block or two"
     answers = [
         post_json(a.url + "/v1/completions", {"prompt": prompt, "max_tokens": 6}) for _ in range(2)

@@ -11,7 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import TEST_TOML, _env
+
+# A daemon's whole life under a notify socket, watchdog pings included.
+pytestmark = pytest.mark.slow
 
 
 def recv_until(sock: socket.socket, want: str, timeout_s: float) -> list[str]:

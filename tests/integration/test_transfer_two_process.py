@@ -252,6 +252,18 @@ def _transports(kind: str) -> dict[str, Any]:
     return {"transports": ("shm", "tcp") if kind == "shm" else ("tcp",)}
 
 
+@contextlib.asynccontextmanager
+async def peered(
+    target: Target, kind: str, local_bytes: int
+) -> AsyncIterator[tuple[TransferEngine, np.ndarray]]:
+    """An initiator over ``kind`` with the target as its peer, and the bytes of
+    its local buffer ``buf``."""
+    async with initiator(**_transports(kind)) as engine:
+        engine.add_peer("target", target.address)
+        local = engine.allocate("buf", local_bytes)
+        yield engine, np.frombuffer(local.view, dtype=np.uint8)
+
+
 # ---------------------------------------------------------------------------
 # Tests
 
@@ -265,11 +277,7 @@ async def test_random_data_round_trips_from_64k_to_64m(target: Target, kind: str
     remote_len = total + MiB
     await target.call(cmd="alloc", name="pool", nbytes=remote_len, seed=11)
     expected = pattern(11, remote_len)
-    async with initiator(**_transports(kind)) as engine:
-        engine.add_peer("target", target.address)
-        local = engine.allocate("buf", 2 * total)
-        view = np.frombuffer(local.view, dtype=np.uint8)
-
+    async with peered(target, kind, 2 * total) as (engine, view):
         # READ each size from a distinct remote offset into a distinct local one.
         reads = []
         r_off, l_off = 3, 0
@@ -313,10 +321,8 @@ async def test_ten_thousand_small_ops_in_one_batch(target: Target, kind: str) ->
     await target.call(cmd="alloc", name="pool", nbytes=n * block, seed=21)
     expected = pattern(21, n * block).reshape(n, block)
     perm = np.random.default_rng(5).permutation(n)
-    async with initiator(**_transports(kind)) as engine:
-        engine.add_peer("target", target.address)
-        local = engine.allocate("buf", n * block)
-        view = np.frombuffer(local.view, dtype=np.uint8).reshape(n, block)
+    async with peered(target, kind, n * block) as (engine, view):
+        view = view.reshape(n, block)
         ops = [
             TransferOp.read("buf", int(perm[j]) * block, "target", "pool", j * block, block)
             for j in range(n)
@@ -405,10 +411,7 @@ async def test_stalled_peer_times_out_op_and_engine_recovers(target: Target) -> 
 async def test_bad_ops_fail_cleanly_while_good_ones_are_served(target: Target, kind: str) -> None:
     await target.call(cmd="alloc", name="pool", nbytes=MiB, seed=51)
     expected = pattern(51, MiB)
-    async with initiator(**_transports(kind)) as engine:
-        engine.add_peer("target", target.address)
-        local = engine.allocate("buf", 4 * MiB)
-        view = np.frombuffer(local.view, dtype=np.uint8)
+    async with peered(target, kind, 4 * MiB) as (engine, view):
         ops = [
             TransferOp.read("buf", 0, "target", "pool", 0, 64 * KiB),
             TransferOp.read("buf", MiB, "target", "pool", MiB - 10, 64 * KiB),  # past the end
@@ -539,6 +542,7 @@ async def test_unauthenticated_peer_is_refused(target: Target) -> None:
         assert await batch.wait(), batch.failures()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
 async def test_restarted_peer_is_reconnected_on_next_batch(kind: str) -> None:
@@ -557,30 +561,28 @@ async def test_restarted_peer_is_reconnected_on_next_batch(kind: str) -> None:
             async def read() -> Any:
                 return await engine.submit([TransferOp.read("buf", 0, "target", "pool", 0, MiB)])
 
+            async def read_from_a_new_target(seed: int) -> None:
+                targets.append(await Target.start(port=port))
+                await targets[-1].call(cmd="alloc", name="pool", nbytes=MiB, seed=seed)
+                batch = await read()
+                assert await batch.wait(), batch.failures()
+                assert batch.transport(0) == kind
+                assert sha(view) == sha(pattern(seed, MiB))
+
             batch = await read()
             assert await batch.wait() and batch.transport(0) == kind
             assert sha(view) == sha(pattern(81, MiB))
 
             # Restarted between two batches: the next one finds the new process.
             await targets[-1].kill()
-            targets.append(await Target.start(port=port))
-            await targets[-1].call(cmd="alloc", name="pool", nbytes=MiB, seed=82)
-            batch = await read()
-            assert await batch.wait(), batch.failures()
-            assert batch.transport(0) == kind
-            assert sha(view) == sha(pattern(82, MiB))
+            await read_from_a_new_target(82)
 
             # Down: the batch fails with a reason; back up: the next one works.
             await targets[-1].kill()
             down = await read()
             assert not await down.wait()
             assert "node target" in (down.reason(0) or "")
-            targets.append(await Target.start(port=port))
-            await targets[-1].call(cmd="alloc", name="pool", nbytes=MiB, seed=83)
-            batch = await read()
-            assert await batch.wait(), batch.failures()
-            assert batch.transport(0) == kind
-            assert sha(view) == sha(pattern(83, MiB))
+            await read_from_a_new_target(83)
     finally:
         for t in targets:
             await t.stop()

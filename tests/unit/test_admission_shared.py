@@ -3,7 +3,6 @@ numbers depend on its inputs alone."""
 
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,9 +22,10 @@ from mooncaked.config import Config
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import load_model
 from mooncaked.request import SamplingParams
-from mooncaked.router import RouteError, Router
+from mooncaked.router import RouteError
+from tests.conftest import ManualClock
+from tests.routers import entry_router
 from tests.unit.test_conductor_costs import add
-from tests.unit.test_transfer_access import Clock
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conversation_trace_head200.jsonl"
 
@@ -59,17 +59,10 @@ def test_the_router_and_the_simulator_place_through_one_admission_object(
     assert [r.reject_code for r in res.requests] == ["patched"] * 10
 
     engine = EngineCore(Config(), load_model(Config().model))
-    view = ClusterView("d1", clock=Clock())
+    view = ClusterView("d1", clock=ManualClock())
     add(view, "p1", "prefill", model=engine.model_id)
     add(view, "d1", "decode", load=NodeLoad(), model=engine.model_id)
-    router = Router(
-        node_id=lambda: "d1",
-        secret=b"s" * 32,
-        engine=lambda: engine,
-        view=lambda: view,
-        rng=random.Random(0),
-        clock=Clock(),
-    )
+    router = entry_router("d1", view, engine=engine)
     sub = router.submit(list(range(40)), SamplingParams(max_tokens=4), "r", [])
     with pytest.raises(RouteError) as exc:
         router.placement(sub.req, sub.req.prompt_token_ids, set())

@@ -54,6 +54,7 @@ from mooncakectl.bench.workloads import (
 from mooncakectl.cli import run
 from mooncakectl.registry import Env, ExitStatus
 from mooncaked.cluster.slo import Slo, tbt_s
+from tests.conftest import serving
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "conversation_trace_head200.jsonl"
 
@@ -630,17 +631,10 @@ async def test_a_server_still_loading_is_named_with_its_answer() -> None:
 
     app = web.Application()
     app.add_routes([web.get("/v1/models", models)])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        env = make_env()
+    env = make_env()
+    async with serving(app) as port:
         argv = ["bench", "random", "--url", f"http://127.0.0.1:{port}", "--num-prompts", "1"]
         status = await asyncio.to_thread(run, argv, env)
-    finally:
-        await runner.cleanup()
     assert status == ExitStatus.HTTP_ERROR
     assert "503" in env.stderr.getvalue()  # type: ignore[attr-defined]
     assert "still loading" in env.stderr.getvalue()  # type: ignore[attr-defined]

@@ -31,19 +31,11 @@ from mooncaked.engine.plan import SampledToken
 from mooncaked.engine.scheduler import Scheduler
 from mooncaked.engine.snapshot import EngineLoad, EngineSnapshot, ModelFacts
 from mooncaked.request import FinishReason, Request, SamplingParams
-from tests.conftest import make_config
+from tests.conftest import ManualClock, make_config
 
 
 def h(i: int) -> bytes:
     return hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 # -- load ----------------------------------------------------------------------
@@ -81,7 +73,7 @@ async def test_load_meter_reads_the_engine_and_predicts_queue_time() -> None:
     engine = EngineCore(
         make_config(kv={"num_blocks": 64}, scheduler={"max_num_batched_tokens": 64})
     )
-    clock = FakeClock()
+    clock = ManualClock()
     draining = [False]
     costs = CostMeter(engine)
     meter = LoadMeter(

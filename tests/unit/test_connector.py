@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from mooncaked.config import SchedulerConfig
 from mooncaked.engine.connector import NO_HIT, KVConnector, KVHit, LoadResult, MultiConnector
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.plan import LoadJob, StepPlan
 from mooncaked.engine.scheduler import Scheduler
-from mooncaked.request import Request, RequestState, SamplingParams
+from mooncaked.request import KVSent, Request, RequestState, SamplingParams
 
 BS = 4
 
@@ -139,3 +141,72 @@ def test_every_connector_sees_every_save_and_its_own_report() -> None:
     # A step none had work in: each still hears it ended (offloads start then).
     multi.after_step(None)
     assert calls == [("after", "a", None), ("after", "idle", None), ("after", "b", None)]
+
+
+class Lifecycle(Recording):
+    """Also logs a request's life and its close; reports ``sent`` for every
+    request and ``saves`` saves."""
+
+    def __init__(
+        self, name: str, calls: list[tuple[Any, ...]], sent: KVSent | None = None, saves: int = 0
+    ) -> None:
+        super().__init__(name, 0, calls)
+        self.sent = sent
+        self.saves = saves
+
+    def request_added(self, req: Request) -> None:
+        self.calls.append(("added", self.name))
+
+    def kv_sent(self, req: Request) -> KVSent | None:
+        self.calls.append(("kv_sent", self.name))
+        return self.sent
+
+    def request_finished(self, req: Request) -> None:
+        self.calls.append(("finished", self.name))
+
+    def num_saves(self) -> int:
+        return self.saves
+
+    async def close(self) -> None:
+        self.calls.append(("close", self.name))
+
+
+async def test_a_request_s_life_reaches_every_connector_and_close_runs_in_reverse() -> None:
+    calls: list[tuple[Any, ...]] = []
+    multi = MultiConnector(
+        [
+            Lifecycle("store", calls, saves=2),
+            Lifecycle("sender", calls, sent=KVSent(64), saves=3),
+            Lifecycle("last", calls, sent=KVSent(1, "never asked")),
+        ]
+    )
+    r = Request("r", list(range(6)), SamplingParams())
+    multi.request_added(r)
+    # The first connector with an outcome gives it; those after are not asked.
+    assert multi.kv_sent(r) == KVSent(64)
+    multi.request_finished(r)
+    await multi.close()
+    assert calls == [
+        ("added", "store"),
+        ("added", "sender"),
+        ("added", "last"),
+        ("kv_sent", "store"),
+        ("kv_sent", "sender"),
+        ("finished", "store"),
+        ("finished", "sender"),
+        ("finished", "last"),
+        ("close", "last"),
+        ("close", "sender"),
+        ("close", "store"),
+    ]
+    assert multi.num_saves() == 5
+
+
+async def test_a_load_naming_no_connector_is_a_broken_invariant() -> None:
+    calls: list[tuple[Any, ...]] = []
+    multi = MultiConnector([Recording("a", 4, calls), Recording("b", 4, calls)])
+    r = Request("r", list(range(6)), SamplingParams())
+    for source in (-1, 2):
+        with pytest.raises(RuntimeError, match=f"^load r names connector {source}$"):
+            await multi.load(r, LoadJob("r", 0, [0, 1], 4, source=source))
+    assert calls == []

@@ -9,20 +9,13 @@ import pytest
 import torch
 
 from mooncaked.cache.dram import BlockLayout, DramPool, gather_blocks, scatter_blocks
+from tests.conftest import ManualClock
 
 LAYOUT = BlockLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 
 
 def h(i: int) -> bytes:
     return i.to_bytes(16, "little")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_kv(
@@ -208,7 +201,7 @@ def test_removed_while_leased_frees_only_after_release() -> None:
 
 
 def test_expired_lease_is_reaped_and_its_release_reports_it() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     pool = DramPool(LAYOUT, 1, pin_memory=False, clock=clock, lease_timeout_s=5.0)
     fill(pool, h(0), 1)
     lease = pool.lease([h(0)], "dead-peer")
@@ -223,7 +216,7 @@ def test_expired_lease_is_reaped_and_its_release_reports_it() -> None:
 
 
 def test_renew_extends_and_release_owner_ends_all() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     pool = DramPool(LAYOUT, 3, pin_memory=False, clock=clock, lease_timeout_s=5.0)
     for i in range(3):
         fill(pool, h(i), i)

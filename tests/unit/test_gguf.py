@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import io
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,12 @@ from tests.gguf_fixtures import (
     EOS_ID,
     TENSOR_TYPES,
     VOCAB_SIZE,
+    finish,
     make_hf,
     write_gguf,
     write_spm_gguf,
 )
-from tests.parity import check_greedy_parity, greedy_logits, hf_logits
+from tests.parity import check_greedy_parity, greedy_logits, greedy_together, hf_greedy, hf_logits
 
 BLOCK = 16
 TOL = 1e-4
@@ -100,43 +102,14 @@ def _req(rid: str, prompt: list[int]) -> Request:
 
 
 def _greedy(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Prefill every prompt in one step, then decode them together, greedily."""
-    runner = ModelRunner(loaded, num_blocks=64, block_size=BLOCK)
-    reqs = [_req(f"g{i}", p) for i, p in enumerate(prompts)]
-    tables: list[list[int]] = []
-    next_block = 0
-    for p in prompts:
-        n = (len(p) + new_tokens + BLOCK - 1) // BLOCK
-        tables.append(list(range(next_block, next_block + n)))
-        next_block += n
-    plan = StepPlan(
-        [chunk_of(r, p, 0, t, True) for r, p, t in zip(reqs, prompts, tables, strict=True)]
+    return greedy_together(
+        ModelRunner(loaded, num_blocks=64, block_size=BLOCK), prompts, new_tokens
     )
-    for _ in range(new_tokens):
-        for r, tok in zip(reqs, runner.execute(plan), strict=True):
-            if tok is None:
-                raise RuntimeError("a complete chunk sampled nothing")
-            r.output_token_ids.append(tok.token_id)
-        plan = StepPlan(
-            [
-                chunk_of(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
-                for r, t in zip(reqs, tables, strict=True)
-            ]
-        )
-    return [r.output_token_ids for r in reqs]
 
 
 def _hf_greedy(hf: Any, prompt: list[int], new_tokens: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,  # run past EOS: all 64 tokens are compared
-            pad_token_id=EOS_ID,
-        )
-    return out[0, len(prompt) :].tolist()
+    # Past EOS: all the tokens are compared.
+    return hf_greedy(hf, prompt, new_tokens, pad_token_id=EOS_ID, past_eos=True)
 
 
 def test_arch_and_weights_come_from_the_file(gguf_case: Any) -> None:
@@ -179,6 +152,7 @@ def test_logits_match_transformers(gguf_case: Any) -> None:
     torch.testing.assert_close(torch.cat([lb1, lb2]), hf_logits(hf, b), atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_greedy_64_tokens_match_transformers(gguf_case: Any) -> None:
     _kind, _tensor_type, _path, hf, loaded = gguf_case
     prompts = [_prompt(10, 7), _prompt(11, 23)]
@@ -263,10 +237,7 @@ def test_unsupported_architecture_and_bad_files(tmp_path: Path) -> None:
 
     w = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma")
     w.add_block_count(1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     with pytest.raises(GGUFError, match=r"architecture 'gemma' is not supported"):
         load_model(ModelConfig(path=str(tmp_path / "gemma.gguf")))
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
@@ -289,10 +260,7 @@ def test_missing_metadata_key_is_named(tmp_path: Path) -> None:
     w.add_embedding_length(64)
     w.add_head_count(4)
     w.add_tensor("token_embd.weight", torch.zeros(8, 64).numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     with pytest.raises(GGUFError, match=r"metadata key 'llama\.feed_forward_length' is missing"):
         load_model(ModelConfig(path=str(tmp_path / "bare.gguf")))
 
@@ -302,6 +270,7 @@ class _Terminal(io.StringIO):
         return True
 
 
+@pytest.mark.slow
 def test_progress_bar_only_on_a_terminal(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "p.gguf", make_hf("llama", 3), "llama", "F16")
     quiet = io.StringIO()
@@ -335,8 +304,16 @@ def smollm2() -> Any:
     )
 
 
-@needs_smollm2
-@pytest.mark.timeout(900)
+def smollm2_test(test: Callable[..., None]) -> Callable[..., None]:
+    """A test on the real SmolLM2 file: slow, and skipped without its wheel."""
+    return pytest.mark.slow(needs_smollm2(pytest.mark.timeout(900)(test)))
+
+
+def _chat_ids(tok: Any) -> list[int]:
+    return tok.encode(tok.apply_chat_template(MESSAGES[1:]), add_special_tokens=False)
+
+
+@smollm2_test
 def test_smollm2_reads_as_llama(smollm2: Any) -> None:
     loaded, _hf, _tok = smollm2
     arch = loaded.arch
@@ -346,19 +323,17 @@ def test_smollm2_reads_as_llama(smollm2: Any) -> None:
     assert loaded.tokenizer.eos_token_ids == (2,)
 
 
-@needs_smollm2
-@pytest.mark.timeout(900)
+@smollm2_test
 def test_smollm2_tokenizer_matches_transformers(smollm2: Any) -> None:
     loaded, _hf, theirs = smollm2
     _check_tokenizer_parity(loaded.tokenizer, theirs)
 
 
-@needs_smollm2
-@pytest.mark.timeout(900)
+@smollm2_test
 def test_smollm2_logits_match_transformers(smollm2: Any) -> None:
     loaded, hf, _tok = smollm2
     tok = loaded.tokenizer
-    chat = tok.encode(tok.apply_chat_template(MESSAGES[1:]), add_special_tokens=False)
+    chat = _chat_ids(tok)
     runner = ModelRunner(loaded, num_blocks=16, block_size=BLOCK)
     (logits,) = runner.forward_logits(
         StepPlan([chunk_of(_req("a", chat), chat, 0, [0, 1, 2, 3, 4], True)])
@@ -366,20 +341,18 @@ def test_smollm2_logits_match_transformers(smollm2: Any) -> None:
     torch.testing.assert_close(logits, hf_logits(hf, chat), atol=TOL, rtol=0)
 
 
-@needs_smollm2
-@pytest.mark.timeout(900)
+@smollm2_test
 def test_smollm2_greedy_64_tokens_match_transformers(smollm2: Any) -> None:
     loaded, hf, _tok = smollm2
     story = loaded.tokenizer.encode("Once upon a time")
     assert _greedy(loaded, [story], 64)[0] == _hf_greedy(hf, story, 64)
 
 
-@needs_smollm2
-@pytest.mark.timeout(900)
+@smollm2_test
 def test_smollm2_answers_the_question(smollm2: Any) -> None:
     loaded, _hf, _tok = smollm2
     tok = loaded.tokenizer
-    chat = tok.encode(tok.apply_chat_template(MESSAGES[1:]), add_special_tokens=False)
+    chat = _chat_ids(tok)
     answer = tok.decode(_greedy(loaded, [chat], 12)[0])
     assert "Paris" in answer, answer
 
@@ -391,8 +364,7 @@ def test_smollm2_answers_the_question(smollm2: Any) -> None:
 # int4 re-quantizes the file's Q4_1 groups with bfloat16 scales: RMS error
 # under 1.0 and the same token at 80% of positions or more (measured: 0.56,
 # 30 of 35).
-@needs_smollm2
-@pytest.mark.timeout(900)
+@smollm2_test
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_smollm2_quantized_tracks_transformers_float32(smollm2: Any, quantization: str) -> None:
     from mooncaked.engine.quant import linear_factory

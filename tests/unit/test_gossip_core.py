@@ -460,16 +460,21 @@ def test_tcp_request_forgery_raises_wire_error() -> None:
     assert net.core("n0").counters.dropped_bad_mac == 1
 
 
+def assert_timers_move_on(net: SimNet, core: GossipCore, times: int) -> None:
+    """Each of ``times`` timer runs at ``core``'s deadline leaves a later one."""
+    for _ in range(times):
+        net.clock.t = core.next_deadline()
+        core.on_timer()
+        assert core.next_deadline() > net.clock.t
+
+
 def test_every_deadline_moves_on_while_leaving() -> None:
     # A timer reported by next_deadline() but not advanced by on_timer() would
     # make the host loop spin without ever yielding.
     net = make_cluster(3)
     n1 = net.core("n1")
     n1.leave()
-    for _ in range(20):
-        net.clock.t = n1.next_deadline()
-        n1.on_timer()
-        assert n1.next_deadline() > net.clock.t
+    assert_timers_move_on(net, n1, 20)
 
 
 def test_suspicion_heard_after_leaving_does_not_stall_the_timers() -> None:
@@ -485,10 +490,7 @@ def test_suspicion_heard_after_leaving_does_not_stall_the_timers() -> None:
         net.addr_of("n0"),
     )
     assert n1.view.members["n2"].status is MemberStatus.SUSPECT
-    for _ in range(40):
-        net.clock.t = n1.next_deadline()
-        n1.on_timer()
-        assert n1.next_deadline() > net.clock.t
+    assert_timers_move_on(net, n1, 40)
 
 
 def test_a_late_timer_judges_no_one() -> None:

@@ -7,6 +7,7 @@ import io
 import json
 import os
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 
 import aiohttp
 import pytest
@@ -18,6 +19,7 @@ from mooncaked.cluster.gossip.service import ClusterService, DropPeers
 from mooncaked.cluster.routes import cluster_routes
 from mooncaked.cluster.state import LocalState, NodeLoad
 from mooncaked.config import ClusterConfig
+from tests.conftest import serving
 
 
 @pytest.fixture
@@ -32,23 +34,16 @@ async def served() -> AsyncIterator[tuple[ClusterService, str, str]]:
         ),
     )
     await service.start()
-    runners = []
     urls = []
     try:
-        for hooks in (True, False):
-            app = web.Application()
-            app.add_routes(cluster_routes(service, test_hooks=hooks))
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            runners.append(runner)
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = runner.addresses[0][1]
-            urls.append(f"http://127.0.0.1:{port}")
-        yield service, urls[0], urls[1]
+        async with AsyncExitStack() as stack:
+            for hooks in (True, False):
+                app = web.Application()
+                app.add_routes(cluster_routes(service, test_hooks=hooks))
+                port = await stack.enter_async_context(serving(app, access_log=None))
+                urls.append(f"http://127.0.0.1:{port}")
+            yield service, urls[0], urls[1]
     finally:
-        for runner in runners:
-            await runner.cleanup()
         await service.close()
 
 

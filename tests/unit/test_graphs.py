@@ -171,6 +171,7 @@ def _decode_all(
     return [r.output_token_ids for r in reqs], sizes
 
 
+@pytest.mark.slow
 def test_bucketed_decode_matches_eager_and_leaves_no_trace(tiny: LoadedModel) -> None:
     g = torch.Generator().manual_seed(3)
     lens = [5, 37, 16, 1, 60, 23, 9]

@@ -10,6 +10,15 @@ def h(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
+def cached(pool: BlockPool, *hashes: bytes) -> list[int]:
+    """Fresh blocks, one per hash, each cached under its hash."""
+    ids = pool.allocate(len(hashes))
+    assert ids is not None
+    for block_id, block_hash in zip(ids, hashes, strict=True):
+        pool.cache_block(block_id, block_hash)
+    return ids
+
+
 def test_allocate_hands_out_fresh_blocks_in_order_and_refuses_when_short() -> None:
     pool = BlockPool(4)
     assert pool.allocate(3) == [0, 1, 2]
@@ -20,10 +29,7 @@ def test_allocate_hands_out_fresh_blocks_in_order_and_refuses_when_short() -> No
 
 def test_free_keeps_cached_blocks_longest_and_evicts_lru_first() -> None:
     pool = BlockPool(4)
-    a = pool.allocate(2)
-    assert a is not None
-    pool.cache_block(a[0], h(1))
-    pool.cache_block(a[1], h(2))
+    a = cached(pool, h(1), h(2))
     b = pool.allocate(1)
     assert b == [2]
     pool.free(a)  # tail first: block 1 (h2) then block 0 (h1)
@@ -39,10 +45,7 @@ def test_free_keeps_cached_blocks_longest_and_evicts_lru_first() -> None:
 
 def test_prefix_hit_revives_a_free_cached_block() -> None:
     pool = BlockPool(3)
-    ids = pool.allocate(2)
-    assert ids is not None
-    pool.cache_block(ids[0], h(7))
-    pool.cache_block(ids[1], h(8))
+    ids = cached(pool, h(7), h(8))
     pool.free(ids)
     assert pool.longest_cached_prefix([h(7), h(8), h(9)]) == [0, 1]
     assert pool.longest_cached_prefix([h(8)]) == [1]
@@ -88,10 +91,7 @@ def test_reset_prefix_cache_drops_only_free_cached_blocks_and_reports_events() -
     pool = BlockPool(3)
     events: list[tuple[bytes, bool]] = []
     pool.listeners.append(lambda bh, stored: events.append((bh, stored)))
-    ids = pool.allocate(2)
-    assert ids is not None
-    pool.cache_block(ids[0], h(1))
-    pool.cache_block(ids[1], h(2))
+    ids = cached(pool, h(1), h(2))
     pool.free([ids[1]])
     assert pool.reset_prefix_cache() == 1
     assert pool.cached_blocks == {h(1): ids[0]}

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import math
 
+import pytest
+
 from mooncaked.config import SchedulerConfig
-from mooncaked.engine.connector import BlockHold, ConnectorContext, LoadResult
-from mooncaked.engine.handoff import PrefillCall, PrefillError, PrefillReply
+from mooncaked.engine.connector import NO_HIT, BlockHold, ConnectorContext, KVHit, LoadResult
+from mooncaked.engine.handoff import PrefillBusy, PrefillCall, PrefillError, PrefillReply
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.kv_receiver import GRANT_GRACE_S, KVReceiver
 from mooncaked.engine.plan import LoadJob, SampledToken
@@ -38,7 +40,9 @@ class Grants:
 class Rig:
     """A scheduler whose connector is a receiver, on a clock the test moves."""
 
-    def __init__(self, prefill: PrefillCall, num_blocks: int = 16) -> None:
+    def __init__(
+        self, prefill: PrefillCall, num_blocks: int = 16, targets: tuple[str, ...] = ("p1",)
+    ) -> None:
         self.now = 100.0
         self.grants = Grants()
         self.receiver = KVReceiver(
@@ -64,7 +68,9 @@ class Rig:
             "r",
             list(range(10)),
             SamplingParams(max_tokens=4),
-            handoff=Handoff(source=PrefillSource((PrefillTarget("p1", "http://p1"),))),
+            handoff=Handoff(
+                source=PrefillSource(tuple(PrefillTarget(t, f"http://{t}") for t in targets))
+            ),
         )
 
     def admit(self) -> LoadJob:
@@ -178,3 +184,82 @@ async def test_an_aborted_handoff_holds_the_granted_blocks_until_the_deadline() 
     rig.pool.release_expired(until)
     assert rig.pool.num_free_blocks == 16
     rig.check()
+
+
+@pytest.mark.parametrize(
+    ("first", "counted"),
+    [(PrefillError("p1 timed out"), "retried"), (PrefillBusy("p1 queue is long"), "passed_on")],
+    ids=["failed", "busy"],
+)
+async def test_a_failed_or_busy_prefill_node_is_replaced_by_the_next_under_its_own_grant(
+    first: PrefillError, counted: str
+) -> None:
+    asked: list[str] = []
+
+    async def prefill(
+        target: PrefillTarget, req: Request, grant: KVGrant, wait: float
+    ) -> PrefillReply:
+        asked.append(target.node_id)
+        if target.node_id == "p1":
+            raise first
+        return PrefillReply("p2", SampledToken(7), num_cached_tokens=4)
+
+    rig = Rig(prefill, targets=("p1", "p2"))
+    job = rig.admit()
+    result = await rig.receiver.load(rig.req, job)
+    assert asked == ["p1", "p2"]
+    assert result == LoadResult(10, SampledToken(7), num_cached_tokens=4, prefill_node="p2")
+    # Each node may write the blocks only while it is the one asked.
+    grant = (0, 1, 2), TTL + GRANT_GRACE_S
+    assert rig.grants.log == [
+        ("open", ("p1", *grant)),
+        ("close", "p1"),
+        ("open", ("p2", *grant)),
+        ("close", "p2"),
+    ]
+    st = rig.receiver.stats
+    assert (st.ok, getattr(st, counted), st.fell_back) == (1, 1, 0)
+
+
+async def test_a_grant_that_cannot_be_opened_asks_nobody_and_computes_here() -> None:
+    asked: list[str] = []
+
+    async def prefill(
+        target: PrefillTarget, req: Request, grant: KVGrant, wait: float
+    ) -> PrefillReply:
+        asked.append(target.node_id)
+        return PrefillReply(target.node_id, SampledToken(7), num_cached_tokens=0)
+
+    rig = Rig(prefill, targets=("p1", "p2"))
+
+    tried: list[str] = []
+
+    def refuse(grant: KVGrant, peer: str, ttl_s: float) -> object:
+        tried.append(peer)
+        raise ValueError("block 2 is outside the segment")
+
+    rig.grants.open = refuse  # type: ignore[method-assign]
+    job = rig.admit()
+    result = await rig.receiver.load(rig.req, job)
+    # The grant itself is bad: no other node is tried either.
+    assert tried == ["p1"] and asked == [] and rig.grants.log == []
+    until = 100.0 + TTL + GRANT_GRACE_S
+    assert result == LoadResult(0, prefill_node="d1", hold=BlockHold((0, 1, 2), until, swap=True))
+    assert rig.receiver.stats.fell_back == 1
+
+
+async def test_only_an_untried_request_with_prefill_nodes_is_offered_from_outside() -> None:
+    rig = Rig(failing("p1 refused"))
+    receiver, req = rig.receiver, rig.req
+    assert receiver.lookup(req, 4) == KVHit(6, cancellable=True)
+    # No prefill nodes: nothing comes from outside.
+    assert receiver.lookup(Request("local", list(range(10)), SamplingParams()), 0) == NO_HIT
+    # Preempted after it sampled: it recomputes here.
+    req.output_token_ids.append(5)
+    assert receiver.lookup(req, 0) == NO_HIT
+    req.output_token_ids.clear()
+    # Its handoff ran (and failed): computed here from then on, until it finishes.
+    await receiver.load(req, rig.admit())
+    assert receiver.lookup(req, 0) == NO_HIT
+    receiver.request_finished(req)
+    assert receiver.lookup(req, 0) == KVHit(10, cancellable=True)

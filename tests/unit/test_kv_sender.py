@@ -4,6 +4,7 @@ become, and a step's report applied on the event loop."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from mooncaked.engine.handoff import KVWrite, StepSend
 from mooncaked.engine.kv_sender import KVSender, SendMeta, SendReport
@@ -15,13 +16,20 @@ BS = 4
 LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=BS, row_bytes=8)
 
 
-def grant(node: str, block_ids: tuple[int, ...], first_block: int = 0) -> KVGrant:
+def grant(
+    node: str,
+    block_ids: tuple[int, ...],
+    first_block: int = 0,
+    *,
+    layout: KVLayout = LAYOUT,
+    address: str = "127.0.0.1:1",
+) -> KVGrant:
     return KVGrant(
         request_id="r",
         node_id=node,
-        transfer_address="127.0.0.1:1",
+        transfer_address=address,
         segment="kv",
-        layout=LAYOUT,
+        layout=layout,
         first_block=first_block,
         block_ids=block_ids,
         ttl_s=30.0,
@@ -57,31 +65,40 @@ def test_runs_of_a_grant_that_does_not_cover_the_prompt_are_none() -> None:
 
 
 class Writer:
-    """Records each batch; a batch to ``refuse`` fails."""
+    """Records each batch and its writes; a batch to ``refuse`` fails, and a
+    peer at an address in ``bad_addresses`` cannot be added."""
 
-    def __init__(self, refuse: set[str]) -> None:
+    def __init__(self, refuse: set[str], bad_addresses: frozenset[str] = frozenset()) -> None:
         self.refuse = refuse
+        self.bad_addresses = bad_addresses
+        self.peers: list[str] = []
         self.batches: list[tuple[str, int]] = []
+        self.writes: list[KVWrite] = []
 
     def add_peer(self, node_id: str, address: str) -> None:
-        pass
+        if address in self.bad_addresses:
+            raise ValueError(f"{address!r} is not host:port")
+        self.peers.append(node_id)
 
     async def write(
         self, segment: str, writes: list[KVWrite], timeout_s: float
     ) -> tuple[bool, str]:
         node = writes[0][1]
         self.batches.append((node, len(writes)))
+        self.writes += writes
         if node in self.refuse:
             return False, f"{node} refused"
         return True, ""
 
 
-def granted(rid: str, node: str, n: int, block_ids: tuple[int, ...]) -> Request:
+def granted(
+    rid: str, node: str, n: int, block_ids: tuple[int, ...], **grant_fields: Any
+) -> Request:
     return Request(
         rid,
         list(range(n)),
         SamplingParams(max_tokens=1),
-        handoff=Handoff(sink=grant(node, block_ids)),
+        handoff=Handoff(sink=grant(node, block_ids, **grant_fields)),
     )
 
 
@@ -196,3 +213,77 @@ async def test_a_grant_that_expired_or_does_not_fit_sends_nothing() -> None:
     assert sender.kv_sent(short) == KVSent(0, "the grant does not cover the prompt")
     # Failed once, skipped from then on.
     assert sender.build_meta(StepPlan(plan.chunks[:2])) is None
+
+
+def offset(layer: int, kv: int, block: int, row: int = 0) -> int:
+    """LAYOUT's byte offset, by hand: 16 blocks of 4 rows of 8 bytes per layer and K|V."""
+    return ((layer * 2 + kv) * 16 + block) * 32 + row * 8
+
+
+async def test_a_grant_of_another_layout_or_a_bad_address_fails_before_anything_is_sent() -> None:
+    writer = Writer(set(), bad_addresses=frozenset({"nowhere"}))
+    sender = KVSender(writer, segment="kv", layout=LAYOUT, loop=asyncio.get_running_loop())
+    other = KVLayout(num_layers=2, num_blocks=16, block_size=BS, row_bytes=16)
+    odd = granted("odd", "d1", 4, (8,), layout=other)
+    lost = granted("lost", "d2", 4, (8,), address="nowhere")
+    fine = granted("fine", "d3", 4, (9,))
+    for r in (odd, lost, fine):
+        sender.request_added(r)
+    # Only the grant that fits names a peer to write to.
+    assert writer.peers == ["d3"]
+    assert sender.kv_sent(odd) == KVSent(
+        0, f"the decode node's KV layout {other} does not match this node's {LAYOUT}"
+    )
+    assert sender.kv_sent(lost) == KVSent(0, "bad transfer address: 'nowhere' is not host:port")
+    plan = StepPlan(
+        [chunk_of(r, r.prompt_token_ids, 0, [i], True) for i, r in enumerate((odd, lost, fine))]
+    )
+    meta = sender.build_meta(plan)
+    assert isinstance(meta, SendMeta) and [s.request_id for s in meta.sends] == ["fine"]
+    sender.after_step(await send(sender, meta))
+    assert writer.batches == [("d3", 2), ("d3", 2)]
+    assert sender.kv_sent(fine) == KVSent(4 * 8 * 2 * 2)
+
+
+async def test_without_layerwise_sends_one_batch_of_every_layer_after_the_step() -> None:
+    writer = Writer(set())
+    sender = KVSender(
+        writer, segment="kv", layout=LAYOUT, loop=asyncio.get_running_loop(), layerwise=False
+    )
+    r = granted("r", "d1", 6, (8, 9))
+    sender.request_added(r)
+    report = await run_step(sender, StepPlan([chunk_of(r, r.prompt_token_ids, 0, [0, 1], True)]))
+    assert isinstance(report, SendReport) and report.step is not None and report.step.ok
+    # Both layers in one batch: K then V of layer 0, then of layer 1; rows
+    # 0..5 of blocks 0-1 into rows 0..5 of granted blocks 8-9, one run each.
+    assert writer.batches == [("d1", 4)]
+    assert writer.writes == [
+        (offset(layer, kv, 0), "d1", "kv", offset(layer, kv, 8), 6 * 8)
+        for layer in (0, 1)
+        for kv in (0, 1)
+    ]
+    assert report.bytes_sent == (("r", 192),) and report.num_bytes == 192
+
+
+async def test_a_chunk_after_a_prefix_cached_here_also_sends_the_prefix() -> None:
+    writer = Writer(set())
+    sender = KVSender(writer, segment="kv", layout=LAYOUT, loop=asyncio.get_running_loop())
+    # This node had the first 8 tokens cached: the chunk computes from 8 on,
+    # but the decode node has none of them.
+    r = granted("r", "d1", 10, (10, 11, 12))
+    # The decode node has block 0: rows from 4 on are its to receive.
+    partial = granted("p", "d2", 10, (21, 22), first_block=1)
+    for req in (r, partial):
+        sender.request_added(req)
+    plan = StepPlan(
+        [
+            chunk_of(r, r.prompt_token_ids[8:], 8, [3, 4, 5], True),
+            chunk_of(partial, partial.prompt_token_ids[8:], 8, [6, 7, 8], True),
+        ]
+    )
+    meta = sender.build_meta(plan)
+    assert isinstance(meta, SendMeta)
+    assert [(s.request_id, s.runs) for s in meta.sends] == [
+        ("r", ((3, 10, 0, 10),)),
+        ("p", ((7, 21, 0, 6),)),
+    ]

@@ -10,10 +10,8 @@ from collections import Counter
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from mooncaked.api.disagg import DisaggAPI
 from mooncaked.cluster.admission import Admission
 from mooncaked.cluster.costs import NodeCosts, StepCost
 from mooncaked.cluster.placement import ConductorParams, Placement, PlacementRequest
@@ -39,6 +37,7 @@ from mooncaked.wire.handoff import encode_grant
 from mooncaked.wire.paths import PREFILL_PATH
 from mooncaked.wire.prefill import PrefillClient
 from mooncaked.wire.request import encode_sampling
+from tests.decode_nodes import bare_disagg_app
 from tests.unit.test_conductor_costs import add
 
 # 10 ms a step, 1 ms a prompt token: a 100-token prompt takes 0.11 s anywhere.
@@ -180,18 +179,7 @@ async def test_a_prefill_node_whose_queue_is_too_long_passes_the_request_on() ->
     its own queue (2 s here) before anything else, and the decode node's
     client reads a refusal as PrefillBusy, not as a failure."""
     secret = b"s" * 32
-    api = DisaggAPI(
-        secret=secret,
-        node_id=lambda: "p1",
-        generation=P1.generation,
-        role="prefill",
-        engine=lambda: None,
-        sender=lambda: None,
-        draining=lambda: False,
-        queue_s=lambda: 2.0,
-    )
-    app = web.Application()
-    app.add_routes(api.routes())
+    api, app = bare_disagg_app(secret, "p1", P1.generation, "prefill", queue_s=2.0)
     async with TestServer(app) as server:
         url = str(server.make_url(""))
 

@@ -25,7 +25,7 @@ def test_weights_the_config_does_not_describe_are_refused(tmp_path: Path) -> Non
 
 
 def test_missing_directory_and_config_are_named(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="nowhere"):
+    with pytest.raises(ValueError, match=r"nowhere' is neither builtin:<name>, a directory nor"):
         load_model(ModelConfig(path=str(tmp_path / "nowhere")))
     with pytest.raises(ValueError, match=r"config\.json"):
         load_model(ModelConfig(path=str(tmp_path)))
@@ -51,6 +51,7 @@ print(h.hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_builtin_weights_do_not_depend_on_the_cpu_instruction_set() -> None:
     # torch picks vectorized kernels by ATEN_CPU_CAPABILITY; nodes with other
     # CPUs must build the same builtin model under the same model id.

@@ -20,12 +20,21 @@ def view_with(
     return view
 
 
-async def test_a_call_to_a_node_that_goes_down_is_cut() -> None:
-    view = view_with("p1", 7)
+async def waiting_call(
+    node_id: str, generation: int
+) -> tuple[ClusterView, MemberWatch, asyncio.Future[None], asyncio.Future[None]]:
+    """A call to a live member that never answers by itself, once it waits:
+    the view, the watch, the call's own future and the race."""
+    view = view_with(node_id, generation)
     watch = MemberWatch(lambda: view)
-    never = asyncio.get_running_loop().create_future()
-    call = asyncio.ensure_future(watch.race("p1", never))
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    call = asyncio.ensure_future(watch.race(node_id, never))
     await asyncio.sleep(0)
+    return view, watch, never, call
+
+
+async def test_a_call_to_a_node_that_goes_down_is_cut() -> None:
+    view, watch, never, call = await waiting_call("p1", 7)
     assert watch.num_waiting == 1
     view.member_event("p2", 3, False)  # another node: nothing happens
     await asyncio.sleep(0)
@@ -38,11 +47,7 @@ async def test_a_call_to_a_node_that_goes_down_is_cut() -> None:
 
 
 async def test_a_restart_cuts_but_a_return_of_the_same_process_does_not() -> None:
-    view = view_with("d1", 7)
-    watch = MemberWatch(lambda: view)
-    gate = asyncio.get_running_loop().create_future()
-    call = asyncio.ensure_future(watch.race("d1", gate))
-    await asyncio.sleep(0)
+    view, _watch, _gate, call = await waiting_call("d1", 7)
     view.member_event("d1", 7, True)  # back from suspicion: the same process
     await asyncio.sleep(0)
     assert not call.done()

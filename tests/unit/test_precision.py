@@ -163,6 +163,7 @@ def test_int8_logits_and_greedy_match_hf_float32(fp32_case: Any) -> None:
     _quantized_parity(hf, d, "int8", INT8_TOL)
 
 
+@pytest.mark.slow
 def test_int4_on_grid_weights_matches_hf_float32(int4_grid_case: Any) -> None:
     hf, d = int4_grid_case
     _quantized_parity(hf, d, "int4", BF16_TOL)
@@ -262,6 +263,7 @@ def test_packed_linear_computes_the_dense_product() -> None:
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_packing)])
 def test_packed_kernel_replaces_every_dense_projection(fp32_case: Any, dtype: str) -> None:
     from mooncaked.engine.quant import PackedLinear
@@ -282,12 +284,14 @@ def test_packed_kernel_replaces_every_dense_projection(fp32_case: Any, dtype: st
     assert dense.model_id == loaded.model_id
 
 
+@pytest.mark.slow
 def test_packed_float32_logits_and_greedy_match_hf_float32(fp32_case: Any) -> None:
     hf, d = fp32_case
     loaded = load_model(ModelConfig(path=str(d), dtype="float32", linear_kernel="packed"))
     _assert_greedy_matches_hf(hf, loaded, FP32_PACKED_TOL, 0)
 
 
+@pytest.mark.slow
 @needs_bf16_packing
 def test_packed_bfloat16_matches_dense_bfloat16(fp32_case: Any) -> None:
     _hf, d = fp32_case
@@ -380,6 +384,7 @@ def test_the_packed_layout_is_the_one_never_far_from_the_fastest() -> None:
         choose_pack_hint([])
 
 
+@pytest.mark.slow
 def test_packed_layout_is_measured_at_load_unless_configured(fp32_case: Any) -> None:
     from mooncaked.config import ConfigError, load_config
     from mooncaked.engine.quant import PACK_HINTS, PACK_ROWS, PackedLinear
@@ -472,6 +477,7 @@ def test_gemv_is_kept_only_where_it_is_measured_faster_by_the_margin() -> None:
     assert GemvTiming(packed_s=1.0, gemv_s=0.0).speedup == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_packing)])
 def test_single_row_gemv_on_off_and_measured(fp32_case: Any, dtype: str) -> None:
     from mooncaked.config import ConfigError, load_config

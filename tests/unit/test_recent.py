@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 
 from mooncaked.api.recent import FinishedRequest, RecentRequests
+from tests.conftest import serving
 
 
 def finished(i: int, **changes: object) -> FinishedRequest:
@@ -92,15 +93,8 @@ async def served(r: RecentRequests) -> AsyncIterator[aiohttp.ClientSession]:
     """A client of ``r``'s routes, served on a real loopback socket."""
     app = web.Application()
     app.add_routes(r.routes())
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        async with aiohttp.ClientSession(f"http://127.0.0.1:{site.port}") as s:
-            yield s
-    finally:
-        await runner.cleanup()
+    async with serving(app) as port, aiohttp.ClientSession(f"http://127.0.0.1:{port}") as s:
+        yield s
 
 
 async def test_route_answers_json_and_rejects_a_bad_limit() -> None:

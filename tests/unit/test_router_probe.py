@@ -3,8 +3,6 @@ from the requests it placed, still admits a probe now and then."""
 
 from __future__ import annotations
 
-import random
-
 from mooncaked.cluster.admission import PROBE_AFTER_S
 from mooncaked.cluster.placement import Placement
 from mooncaked.cluster.state import ClusterView, NodeLoad
@@ -12,25 +10,24 @@ from mooncaked.config import ConductorConfig, Config, SloConfig
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.loader import load_model
 from mooncaked.request import SamplingParams
-from mooncaked.router import RouteError, Router
+from mooncaked.router import RouteError
+from tests.conftest import ManualClock
+from tests.routers import entry_router
 from tests.unit.test_conductor_costs import add
-from tests.unit.test_transfer_access import Clock
 
 
 def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on() -> None:
     engine = EngineCore(Config(), load_model(Config().model))
-    clock = Clock()
+    clock = ManualClock()
     view = ClusterView("d1", clock=clock)
     add(view, "p1", "prefill", model=engine.model_id)
     # A step of 10 ms + 2 x 1 ms with this request: within a 30 ms TBT SLO.
     add(view, "d1", "decode", load=NodeLoad(running_decode_batch=1), model=engine.model_id)
-    router = Router(
-        node_id=lambda: "d1",
-        secret=b"s" * 32,
-        engine=lambda: engine,
-        view=lambda: view,
+    router = entry_router(
+        "d1",
+        view,
+        engine=engine,
         clock=clock,
-        rng=random.Random(0),
         conductor=ConductorConfig(early_reject="current"),
         slo=SloConfig(tbt_s=0.030),
     )
@@ -81,16 +78,8 @@ def test_a_margin_blown_up_by_a_burst_does_not_reject_every_request_from_then_on
 
 def test_with_both_slos_each_is_judged_to_hold_for_half_the_misses() -> None:
     def margin(slo: SloConfig) -> float:
-        engine = EngineCore(Config(), load_model(Config().model))
-        router = Router(
-            node_id=lambda: "d1",
-            secret=b"s" * 32,
-            engine=lambda: engine,
-            view=lambda: None,
-            clock=Clock(),
-            rng=random.Random(0),
-            slo=slo,
-        )
+        # The margins are the admission's alone: no engine, nothing placed.
+        router = entry_router("d1", None, slo=slo)
         # 2 of 40 requests took 3x their forecast: 5%, within a 95% target
         # for one SLO, not within the 97.5% each of two needs.
         for i in range(40):

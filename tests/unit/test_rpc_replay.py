@@ -10,7 +10,6 @@ read.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -23,13 +22,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from mooncaked.api.disagg import DisaggAPI
 from mooncaked.api.internal import InternalAPI
 from mooncaked.cache.peer import LeaseDesk, PeerError, ReaderKind, ReaderRefused
 from mooncaked.cluster.placement import Candidate
 from mooncaked.cluster.state import ClusterView
 from mooncaked.request import SamplingParams
-from mooncaked.router import Router
 from mooncaked.rpc import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
@@ -44,19 +41,14 @@ from mooncaked.rpc import (
 from mooncaked.wire.generate import DecodeNodeLost, GenerateBody, GenerateRefused
 from mooncaked.wire.lease import LeaseClient
 from mooncaked.wire.paths import LOOKUP_PATH, MAX_LOOKUP_BYTES, RELEASE_PATH
+from tests.conftest import ManualClock, serving
+from tests.decode_nodes import bare_disagg_app
+from tests.routers import entry_router
 from tests.unit.test_conductor_costs import add
 from tests.unit.test_peer import BB, HASHES, LAYOUT, SECRET, Side, make, put, rows
 
 KEY = derive_key(SECRET)
 ME = Target("n1", 1_700_000_000_000)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def call(
@@ -66,7 +58,7 @@ def call(
 
 
 def test_verifier_refuses_replays_stale_calls_and_bad_signatures() -> None:
-    clock = Clock()
+    clock = ManualClock(1_000_000.0)
     v = Verifier(SECRET, identity=lambda: ME, window_s=30.0, max_nonces=3, clock=clock)
     h = call(b"{}")
     assert v.verify("POST", "/p", h, b"{}") is None
@@ -101,7 +93,7 @@ def test_verifier_refuses_replays_stale_calls_and_bad_signatures() -> None:
 
 
 def test_verifier_refuses_calls_signed_for_another_node_or_process() -> None:
-    clock = Clock()
+    clock = ManualClock(1_000_000.0)
     v = Verifier(SECRET, identity=lambda: ME, clock=clock)
     other_node = Target("n2", ME.generation)
     earlier = Target("n1", ME.generation - 1)
@@ -153,8 +145,7 @@ async def test_a_captured_lookup_replayed_is_refused_and_takes_no_lease(
     tmp_path: Path,
 ) -> None:
     async with AsyncExitStack() as stack:
-        holder = await make(stack, "holder", tmp_path)
-        await put(holder, HASHES[:3], rows(3, seed=2))
+        holder = await holder_of_three(stack, tmp_path, seed=2)
         url = holder.url + LOOKUP_PATH
         body = lookup_body("r1")
         target = Target("holder", holder.generation)
@@ -285,12 +276,8 @@ async def test_unsigned_or_oversized_calls_are_refused_before_their_body() -> No
     app.add_routes(api.routes())
     # aiohttp drains an unread body for lingering_time after answering; short
     # here so the test's server closes at once.
-    runner = web.AppRunner(app, lingering_time=0.1)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with serving(app, lingering_time=0.1) as port:
+        url = f"http://127.0.0.1:{port}"
         big = MAX_LOOKUP_BYTES + 1
         # No body follows either head: an answer proves it was never waited for.
         unsigned = f"POST {LOOKUP_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {big}\r\n\r\n"
@@ -307,8 +294,13 @@ async def test_unsigned_or_oversized_calls_are_refused_before_their_body() -> No
         )
         assert (await raw_request(url, oversized)).startswith(b"HTTP/1.1 413")
         assert api.num_unauthorized == 1
-    finally:
-        await runner.cleanup()
+
+
+async def holder_of_three(stack: AsyncExitStack, tmp_path: Path, seed: int) -> Side:
+    """A node "holder" with the first three test blocks in its store."""
+    holder = await make(stack, "holder", tmp_path)
+    await put(holder, HASHES[:3], rows(3, seed=seed))
+    return holder
 
 
 def members(*names: str) -> Callable[[str], ReaderKind]:
@@ -323,8 +315,7 @@ def members(*names: str) -> Callable[[str], ReaderKind]:
 @pytest.mark.parametrize("per_reader", [1, 2])
 async def test_one_member_cannot_hold_every_lease(tmp_path: Path, per_reader: int) -> None:
     async with AsyncExitStack() as stack:
-        holder = await make(stack, "holder", tmp_path)
-        await put(holder, HASHES[:3], rows(3, seed=4))
+        holder = await holder_of_three(stack, tmp_path, seed=4)
         desk = LeaseDesk(
             holder.store,
             max_leases=4,
@@ -351,8 +342,7 @@ async def test_made_up_reader_names_share_one_cap(tmp_path: Path) -> None:
     """Any holder of the secret can name itself anything: names outside the
     cluster view share the outsiders' cap, a member keeps its own."""
     async with AsyncExitStack() as stack:
-        holder = await make(stack, "holder", tmp_path)
-        await put(holder, HASHES[:3], rows(3, seed=5))
+        holder = await holder_of_three(stack, tmp_path, seed=5)
         desk = LeaseDesk(
             holder.store,
             max_leases=16,
@@ -393,25 +383,9 @@ async def test_made_up_reader_names_share_one_cap(tmp_path: Path) -> None:
 async def test_a_forwarded_request_is_signed_for_the_decode_node_in_the_view() -> None:
     """The entry's generate call against the real decode-side endpoint: signed
     for the generation its view holds; a node gone from the view is not called."""
-    api = DisaggAPI(
-        secret=SECRET,
-        node_id=lambda: "d2",
-        generation=ME.generation,
-        role="decode",
-        engine=lambda: None,
-        sender=lambda: None,
-        draining=lambda: False,
-    )
-    app = web.Application()
-    app.add_routes(api.routes())
+    api, app = bare_disagg_app(SECRET, "d2", ME.generation, "decode")
     view = ClusterView("d1", clock=lambda: 0.0)
-    router = Router(
-        node_id=lambda: "d1",
-        secret=SECRET,
-        engine=lambda: None,
-        view=lambda: view,
-        rng=random.Random(0),
-    )
+    router = entry_router("d1", view, secret=SECRET)
     async with TestServer(app) as server:
         node = Candidate("d2", f"127.0.0.1:{server.port}", "decode")
 

@@ -12,6 +12,7 @@ from mooncaked.engine.loader import LoadedModel, load_model
 from mooncaked.engine.plan import StepPlan, chunk_of
 from mooncaked.engine.runner import ModelRunner, kv_bytes_per_block, num_blocks_for_bytes
 from mooncaked.request import Request, SamplingParams
+from tests.parity import greedy_together
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
@@ -25,29 +26,6 @@ def tiny() -> LoadedModel:
 def _chat_ids(loaded: LoadedModel, text: str) -> list[int]:
     tok = loaded.tokenizer
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), False)
-
-
-def _generate(runner: ModelRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """Greedy decode of every prompt together; blocks handed out in order."""
-    reqs = [Request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
-    tables: list[list[int]] = []
-    nxt = 0
-    for p in prompts:
-        k = (len(p) + n + BLOCK - 1) // BLOCK
-        tables.append(list(range(nxt, nxt + k)))
-        nxt += k
-    chunks = [
-        chunk_of(r, r.prompt_token_ids, 0, t, True) for r, t in zip(reqs, tables, strict=True)
-    ]
-    for _ in range(n):
-        for r, tok in zip(reqs, runner.execute(StepPlan(chunks)), strict=True):
-            assert tok is not None
-            r.output_token_ids.append(tok.token_id)
-        chunks = [
-            chunk_of(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
-            for r, t in zip(reqs, tables, strict=True)
-        ]
-    return [r.output_token_ids for r in reqs]
 
 
 def test_block_sizing() -> None:
@@ -82,10 +60,11 @@ def test_builtin_is_deterministic_per_seed(tiny: LoadedModel) -> None:
     assert tiny.model.lm_head.weight is tiny.model.model.embed_tokens.weight
 
 
+@pytest.mark.slow
 def test_builtin_greedy_output_is_diverse_and_runs_to_length(tiny: LoadedModel) -> None:
     runner = ModelRunner(tiny, num_blocks=64, block_size=BLOCK)
     texts = ["Hello there", "What is the capital of France?", "abc", "Tell me a story"]
-    outs = _generate(runner, [_chat_ids(tiny, t) for t in texts], 48)
+    outs = greedy_together(runner, [_chat_ids(tiny, t) for t in texts], 48)
     assert len({tuple(o) for o in outs}) == len(texts)
     eos = set(tiny.tokenizer.eos_token_ids)
     for o in outs:
@@ -93,11 +72,12 @@ def test_builtin_greedy_output_is_diverse_and_runs_to_length(tiny: LoadedModel) 
         assert not eos & set(o)
 
 
+@pytest.mark.slow
 def test_batch_composition_does_not_change_greedy_output(tiny: LoadedModel) -> None:
     prompts = [_chat_ids(tiny, t) for t in ["one", "a somewhat longer prompt here", "x"]]
-    together = _generate(ModelRunner(tiny, num_blocks=64, block_size=BLOCK), prompts, 24)
+    together = greedy_together(ModelRunner(tiny, num_blocks=64, block_size=BLOCK), prompts, 24)
     for p, expected in zip(prompts, together, strict=True):
-        alone = _generate(ModelRunner(tiny, num_blocks=64, block_size=BLOCK), [p], 24)[0]
+        alone = greedy_together(ModelRunner(tiny, num_blocks=64, block_size=BLOCK), [p], 24)[0]
         assert alone == expected
 
 

@@ -21,6 +21,7 @@ from mooncaked.api.metrics import ApiMetrics
 from mooncaked.api.middleware import api_middleware
 from mooncaked.api.server import server_kwargs
 from mooncaked.config import ServerConfig
+from tests.conftest import serving
 
 TOKEN = "sk-9f8e7d6c5b4a39281706f5e4d3c2b1a0"
 KEY = "sk-the-right-key-of-this-test-0000"
@@ -51,14 +52,8 @@ async def server() -> AsyncIterator[int]:
         middlewares=[api_middleware(ApiMetrics()), auth_middleware(ServerConfig(api_keys=(KEY,)))]
     )
     app.router.add_get("/v1/models", ok)
-    runner = web.AppRunner(app, access_log=None, **server_kwargs(5.0))
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        yield runner.addresses[0][1]
-    finally:
-        await runner.cleanup()
+    async with serving(app, access_log=None, **server_kwargs(5.0)) as port:
+        yield port
 
 
 async def send(port: int, head: bytes, path: bytes = b"/v1/models") -> bytes:
@@ -107,12 +102,7 @@ async def test_a_caller_hanging_up_mid_body_is_a_499_not_a_server_error(
     metrics = ApiMetrics()
     app = web.Application(middlewares=[api_middleware(metrics)])
     app.router.add_post("/internal/cache/release", read_body)
-    runner = web.AppRunner(app, access_log=None, **server_kwargs(5.0))
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
+    async with serving(app, access_log=None, **server_kwargs(5.0)) as port:
         _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(
             b"POST /internal/cache/release HTTP/1.1\r\nHost: x\r\n"
@@ -131,7 +121,5 @@ async def test_a_caller_hanging_up_mid_body_is_a_499_not_a_server_error(
             if samples:
                 break
             await asyncio.sleep(0.01)
-    finally:
-        await runner.cleanup()
     assert samples == {"499": 1.0}, samples
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

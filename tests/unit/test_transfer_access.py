@@ -23,6 +23,7 @@ from mooncaked.transfer import protocol as p
 from mooncaked.transfer.access import GrantTable, WriteGrant, parse_access
 from mooncaked.transfer.rdma import mr_access_flags
 from mooncaked.transfer.segment import SegmentDescriptor
+from tests.conftest import ManualClock
 from tests.transfer_attack import raw_write
 
 SECRET = b"access-unit-secret"
@@ -33,14 +34,6 @@ BLOCK, BLOCKS, PLANES = 64, 4, 3
 
 def plane_offset(plane: int, block: int) -> int:
     return (plane * BLOCKS + block) * BLOCK
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 # -- grants without I/O ------------------------------------------------------------
@@ -60,7 +53,7 @@ def test_a_grant_covers_its_blocks_in_every_plane_and_nothing_else() -> None:
 
 
 def test_grant_table_names_its_peer_expires_and_revokes() -> None:
-    clock = Clock()
+    clock = ManualClock()
     table = GrantTable(clock)
     g = table.grant("kv", "p", block_bytes=BLOCK, blocks_per_plane=BLOCKS, block_ids=[3], ttl_s=5)
     assert table.allows("kv", "p", plane_offset(1, 3), BLOCK)
