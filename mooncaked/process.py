@@ -61,15 +61,6 @@ def tune_process(config: ModelConfig) -> None:
     keep_large_allocations_mapped()
 
 
-# Team sizes the engine would time at start-up. Empty: the count comes from
-# the CPU topology (cpu_threads), which no start-up load can skew.
-_thread_candidates: tuple[int, ...] = ()
-
-
-def thread_candidates() -> tuple[int, ...]:
-    return _thread_candidates
-
-
 # Threads of the one OpenMP team that computes: the engine's step thread's.
 _compute_threads: int | None = None
 

@@ -178,11 +178,6 @@ class AdminAPI:
                 "cuda_graphs_off": engine.runner.graphs_off_reason,
                 "cuda_graph_replays": 0 if graphs is None else graphs.num_replays,
                 "cpu_threads": engine.cpu_threads,
-                # ms per token (a decode row plus a prefill row) at each team
-                # size measured at start-up; empty when cpu_threads is fixed.
-                "cpu_threads_measured": {
-                    str(t.threads): round(t.score * 1e3, 3) for t in engine.thread_timings
-                },
             }
         else:
             status["load"] = {"running": 0, "waiting": 0, "http_inflight": node.num_inflight}

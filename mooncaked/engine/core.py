@@ -49,13 +49,10 @@ from mooncaked.engine.plan import LoadJob, StepOutput, StepPlan
 from mooncaked.engine.runner import KVAllocator, ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
 from mooncaked.engine.snapshot import EngineLoad, EngineSnapshot, ModelFacts
-from mooncaked.engine.threads import ThreadTiming, pick_threads
 from mooncaked.handoff import NO_HANDOFF, Handoff
 from mooncaked.process import (
     compute_threads,
     enter_compute_thread,
-    set_step_threads,
-    thread_candidates,
 )
 from mooncaked.request import FinishReason, KVSent, Request, RequestState, SamplingParams
 from mooncaked.tasks import TaskSet
@@ -167,9 +164,8 @@ class EngineCore:
         # Loads in flight, by request: an abort cancels one its job says may be.
         self._loads: dict[str, tuple[LoadJob, asyncio.Task[None]]] = {}
         self._on_fatal: FatalHandler | None = None
-        # The step thread's team: measured at start() when cpu_threads = 0.
+        # The step thread's team, as tune_process set it (None: untuned).
         self.cpu_threads: int | None = compute_threads()
-        self.thread_timings: list[ThreadTiming] = []
         self.failure: BaseException | None = None
         self._closing = False
         self._closed = False
@@ -270,7 +266,6 @@ class EngineCore:
             model_id=self.model_id,
             connector=self.connector,
         )
-        await self._pick_threads()
         self._loop_task = self._tasks.spawn(self._run_loop(), name="engine-step-loop")
         log.info(
             "engine started",
@@ -282,28 +277,6 @@ class EngineCore:
             cuda_graphs=self.runner.graphs.sizes
             if self.runner.graphs is not None
             else self.runner.graphs_off_reason,
-        )
-
-    async def _pick_threads(self) -> None:
-        candidates = thread_candidates()
-        if len(candidates) <= 1 or self.loaded.device.type != "cpu":
-            return
-        # Before the first step, in the step thread: its team is the one measured.
-        (
-            self.cpu_threads,
-            self.thread_timings,
-        ) = await asyncio.get_running_loop().run_in_executor(
-            self._executor,
-            pick_threads,
-            self.loaded.model,
-            self.loaded.dtype,
-            candidates,
-            set_step_threads,
-        )
-        log.info(
-            "cpu threads measured",
-            picked=self.cpu_threads,
-            ms_per_token={t.threads: round(t.score * 1e3, 3) for t in self.thread_timings},
         )
 
     @contextlib.asynccontextmanager

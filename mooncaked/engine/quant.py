@@ -20,14 +20,13 @@ next to it.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from mooncaked.engine.threads import time_calls
 
 QUANTIZATIONS = ("none", "int8", "int4")
 
@@ -156,6 +155,30 @@ PACK_ROWS = (1, 4, 16, 64)
 # Best of five: with best of three a noisy host picked the one-row layout in
 # one load of four where the others picked 64.
 PACK_REPEATS = 5
+
+
+def time_calls(
+    calls: Sequence[tuple[Callable[[torch.Tensor], object], int]],
+    rows: int,
+    dtype: torch.dtype,
+    repeats: int = PACK_REPEATS,
+) -> float:
+    """Best of ``repeats`` after a warm-up: seconds to run every ``(call, input width)``
+    once on ``rows`` rows of fixed random inputs."""
+    inputs = {
+        width: torch.randn(rows, width, generator=torch.Generator().manual_seed(width)).to(dtype)
+        for width in {w for _, w in calls}
+    }
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            for call, width in calls:
+                call(inputs[width])
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
 # The first hint is kept unless another's worst ratio is this much lower:
 # nodes of one kind of machine then pick alike despite timing noise (float32
 # results differ in the last bits between layouts).

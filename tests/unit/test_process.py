@@ -72,47 +72,18 @@ async def test_the_engine_step_thread_is_the_compute_thread(tuned: None) -> None
     assert torch.get_num_threads() == 1
 
 
-def test_pick_threads_times_every_candidate_and_keeps_the_fastest() -> None:
-    from mooncaked.engine.threads import PREFILL_ROWS, pick_threads
-
-    loaded = load_model(Config().model)
-    calls: list[int] = []
-    best, timings = pick_threads(loaded.model, loaded.dtype, (1, 2), calls.append)
-    assert [t.threads for t in timings] == [1, 2]
-    assert all(t.decode_s > 0 and t.prefill_s > 0 for t in timings)
-    assert best == min(timings, key=lambda t: t.decode_s + t.prefill_s / PREFILL_ROWS).threads
-    # Each candidate was set before its timing, and the pick is left in place.
-    assert calls == [1, 2, best]
-    with pytest.raises(ValueError, match="candidate"):
-        pick_threads(loaded.model, loaded.dtype, (), calls.append)
-
-
-async def test_the_engine_measures_its_team_at_start(
-    tuned: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    process.set_compute_threads(1)
-    monkeypatch.setattr(process, "_thread_candidates", (1, 2))
-    engine, step_threads = await _started_engine_team()
-    assert [t.threads for t in engine.thread_timings] == [1, 2]
-    assert engine.cpu_threads in (1, 2) and step_threads == engine.cpu_threads
-    assert torch.get_num_threads() == 1
-
-
-def test_cpu_threads_zero_takes_the_topology_and_nothing_is_measured(
-    tuned: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cpu_threads_zero_takes_the_topology(tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
     from mooncaked.config import ModelConfig
 
-    monkeypatch.setattr(process, "_thread_candidates", ())
     monkeypatch.setattr(process, "cores", lambda: 4)
     monkeypatch.setattr(process, "physical_cores", lambda cpus, sysfs: 2)
     monkeypatch.setattr(process, "uses_cpu", lambda config: True)
     process.tune_process(ModelConfig(path="model.gguf"))
-    assert process.thread_candidates() == () and process.compute_threads() == 2
+    assert process.compute_threads() == 2
     process.tune_process(ModelConfig(path="model.gguf", cpu_threads=3))
-    assert process.thread_candidates() == () and process.compute_threads() == 3
+    assert process.compute_threads() == 3
     process.tune_process(ModelConfig())
-    assert process.thread_candidates() == () and process.compute_threads() == 3
+    assert process.compute_threads() == 3
 
 
 _PIN_CHILD = """
