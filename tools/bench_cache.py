@@ -53,12 +53,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mooncakectl.bench.anchors import anchor_process_env, anchor_values, anchor_venv, stop
 from mooncakectl.local.plan import free_port
 from mooncaked.cache.dram import BlockLayout, gather_blocks, scatter_blocks
 from mooncaked.cache.ssd import SsdTier
 from mooncaked.cache.store import DeviceBlocks, TieredStore
 from mooncaked.config import StoreConfig
-from tools.mooncake_anchor import anchor_process_env, anchor_values, anchor_venv, stop
 
 GB = 1e9
 MiB = 1 << 20

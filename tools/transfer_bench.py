@@ -43,11 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from mooncakectl.bench.anchors import anchor_process_env, anchor_values, stop
 
-from tools.mooncake_anchor import anchor_process_env, anchor_values, stop  # noqa: E402
+# The target process imports this checkout's package, as the initiator does.
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 SECRET = b"transfer-bench-secret"
 GB = 1e9  # as Mooncake's bench reports "GB/s"
