@@ -1,0 +1,137 @@
+"""Where an engine step's time goes: decode steps at one batch size, timed and profiled.
+
+    python tools/profile_step.py --batch 1
+    python tools/profile_step.py --batch 16 --prompt-len 384 --profile-steps 3
+
+The engine runs as the daemon runs it (``tune_process``, the model's
+defaults, the engine's own step thread), with no HTTP in front: ``--batch``
+requests of ``--prompt-len`` token ids decode ``--max-tokens`` tokens
+together after a warm-up round. Printed: the median and the fastest of the
+steps in which exactly ``--batch`` requests decoded one token each, and the
+share of CPU time of the heaviest operators over ``--profile-steps`` of those
+steps under ``torch.profiler``. A served token's time (``mooncakectl bench``'s
+TPOT) minus this step's is what scheduling, output processing and streaming
+cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from mooncaked import process
+from mooncaked.config import config_from_dict
+from mooncaked.engine import runner as runner_mod
+from mooncaked.engine.bundled import default_model_path
+from mooncaked.engine.core import EngineCore
+from mooncaked.engine.loader import load_model
+from mooncaked.engine.plan import StepPlan
+from mooncaked.request import SamplingParams
+
+
+class StepProbe:
+    """Wraps ``ModelRunner.run``: times every step, profiles some decode steps of ``batch``."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.on = False
+        self.to_profile = 0
+        self.decode_s: list[float] = []
+        self.profiles: list[torch.profiler.profile] = []
+
+    def install(self) -> None:
+        original = runner_mod.ModelRunner.run
+        probe = self
+
+        def run(runner: Any, plan: StepPlan, connector: Any = None) -> Any:
+            decode = len(plan.chunks) == probe.batch and all(
+                len(c.token_ids) == 1 for c in plan.chunks
+            )
+            if not (probe.on and decode):
+                return original(runner, plan, connector)
+            if probe.to_profile > 0:
+                probe.to_profile -= 1
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+                    out = original(runner, plan, connector)
+                probe.profiles.append(p)
+                return out
+            t0 = time.perf_counter()
+            out = original(runner, plan, connector)
+            probe.decode_s.append(time.perf_counter() - t0)
+            return out
+
+        runner_mod.ModelRunner.run = run  # type: ignore[method-assign]
+
+    def op_shares(self, top: int) -> list[tuple[str, float]]:
+        per_op: collections.Counter[str] = collections.Counter()
+        for p in self.profiles:
+            for event in p.key_averages():
+                per_op[event.key] += event.self_cpu_time_total
+        total = sum(per_op.values()) or 1.0
+        return [(name, t / total) for name, t in per_op.most_common(top)]
+
+
+async def drive(engine: EngineCore, probe: StepProbe, args: argparse.Namespace) -> None:
+    async def one(i: int, max_tokens: int) -> None:
+        # Distinct prompts: no request reuses another's cached prefix.
+        ids = [(7919 * i + 31 * j) % 40000 + 100 for j in range(args.prompt_len)]
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        async for _ in engine.add_request(ids, sampling, f"req-{i}"):
+            pass
+
+    await engine.start()
+    try:
+        await asyncio.gather(*(one(i, 8) for i in range(args.batch)))  # warm-up
+        probe.on, probe.to_profile = True, args.profile_steps
+        base = args.batch
+        await asyncio.gather(*(one(base + i, args.max_tokens) for i in range(args.batch)))
+    finally:
+        await engine.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model.path (default: the bundled model)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    for name in ("batch", "prompt_len", "max_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(
+                f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}"
+            )
+
+    config = config_from_dict({"model": {"path": args.model or default_model_path()}})
+    process.tune_process(config.model)
+    loaded = load_model(config.model)
+    probe = StepProbe(args.batch)
+    probe.install()
+    asyncio.run(drive(EngineCore(config, loaded), probe, args))
+
+    steps = sorted(probe.decode_s)
+    if not steps:
+        raise SystemExit(f"no step decoded exactly {args.batch} requests together")
+    print(
+        f"{config.model.path}: {loaded.dtype}, {process.compute_threads()} compute threads, "
+        f"batch {args.batch}, prompts of {args.prompt_len}"
+    )
+    print(
+        f"decode step: median {statistics.median(steps) * 1e3:.1f} ms, "
+        f"fastest {steps[0] * 1e3:.1f} ms over {len(steps)} steps"
+    )
+    print(f"CPU time by operator over {len(probe.profiles)} profiled steps:")
+    for name, share in probe.op_shares(args.top):
+        print(f"  {name:56s} {share * 100:5.1f}%")
+
+
+if __name__ == "__main__":
+    main()
