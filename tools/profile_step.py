@@ -20,9 +20,11 @@ import argparse
 import asyncio
 import collections
 import statistics
+import sys
 import time
 from typing import Any
 
+import structlog
 import torch
 
 from mooncaked import process
@@ -78,9 +80,12 @@ class StepProbe:
 
 
 async def drive(engine: EngineCore, probe: StepProbe, args: argparse.Namespace) -> None:
+    vocab = engine.loaded.arch.vocab_size
+
     async def one(i: int, max_tokens: int) -> None:
-        # Distinct prompts: no request reuses another's cached prefix.
-        ids = [(7919 * i + 31 * j) % 40000 + 100 for j in range(args.prompt_len)]
+        # Distinct prompts: no request reuses another's cached prefix. Ids
+        # from 1 up skip the usual special tokens at 0.
+        ids = [(7919 * i + 31 * j) % (vocab - 1) + 1 for j in range(args.prompt_len)]
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         async for _ in engine.add_request(ids, sampling, f"req-{i}"):
             pass
@@ -110,6 +115,8 @@ def main() -> None:
                 f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}"
             )
 
+    # The engine's log lines go to stderr: stdout is the report.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     config = config_from_dict({"model": {"path": args.model or default_model_path()}})
     process.tune_process(config.model)
     loaded = load_model(config.model)
