@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from mooncakectl.bench.anchors import AnchorError, anchor_env
 
 # Output lengths of the conversation trace (12,031 requests): its 64 quantiles
 # at (i + 0.5) / 64. Drawing uniformly among them follows the trace's
@@ -78,35 +79,10 @@ class LlamaCpp:
     version: str
 
 
-class AnchorError(ValueError):
-    """The llama.cpp anchor is not there, or its file does not say where it is."""
-
-
 def read_anchor(spec: str, script: Path | None = None) -> LlamaCpp:
     """``auto``: ask the anchor ``script`` (``tools/llamacpp_anchor.sh``) where
     it built llama.cpp; else the path of the anchor.env it wrote."""
-    if spec == "auto":
-        if script is None:
-            raise AnchorError("--llamacpp auto: no anchor script to ask")
-        done = subprocess.run(
-            ["bash", str(script), "--print"], capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
-            raise AnchorError(
-                f"--llamacpp auto: llama.cpp is not built; run {script} first\n"
-                f"{done.stderr.strip()}"
-            )
-        text = done.stdout
-    else:
-        try:
-            text = Path(spec).read_text()
-        except OSError as e:
-            raise AnchorError(f"--llamacpp {spec}: cannot read the anchor file: {e}") from None
-    env: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            env[key.strip()] = value.strip().strip('"')
+    env = anchor_env(spec, script, flag="--llamacpp", missing="llama.cpp is not built")
     try:
         anchor = LlamaCpp(
             bench=Path(env["LLAMACPP_BENCH"]),

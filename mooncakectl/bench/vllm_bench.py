@@ -7,11 +7,12 @@ reading the anchor's file."""
 from __future__ import annotations
 
 import statistics
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from mooncakectl.bench.anchors import AnchorError, anchor_env
 
 OURS, THEIRS = "mooncaked", "vllm"
 SERVERS = (OURS, THEIRS)
@@ -165,40 +166,12 @@ class VllmAnchor:
     torch_version: str
 
 
-class AnchorError(ValueError):
-    """The vLLM anchor is not installed, or its file does not say where it is."""
-
-
 def read_anchor(spec: str, script: Path | None = None) -> VllmAnchor:
     """``auto``: ask the anchor ``script`` where it installed vLLM; else the
     path of the anchor.env it wrote."""
-    if spec == "auto":
-        if script is None:
-            raise AnchorError("--anchor auto: no anchor script to ask")
-        done = subprocess.run(
-            ["bash", str(script), "--print"], capture_output=True, text=True, check=False
-        )
-        if done.returncode != 0:
-            raise AnchorError(
-                f"--anchor auto: vLLM is not installed; run {script} first\n{done.stderr.strip()}"
-            )
-        text = done.stdout
-    else:
-        try:
-            text = Path(spec).expanduser().read_text()
-        except OSError as e:
-            raise AnchorError(f"--anchor {spec}: cannot read the anchor file: {e}") from None
-    return parse_anchor(text, spec)
-
-
-def parse_anchor(text: str, origin: str = "anchor.env") -> VllmAnchor:
-    env: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep:
-            env[key.strip()] = value.strip().strip("'\"")
+    env = anchor_env(spec, script, flag="--anchor", missing="vLLM is not installed")
     if not env.get("VLLM_ANCHOR_PYTHON"):
-        raise AnchorError(f"{origin}: the anchor file has no VLLM_ANCHOR_PYTHON")
+        raise AnchorError(f"--anchor {spec}: the anchor file has no VLLM_ANCHOR_PYTHON")
     return VllmAnchor(
         python=Path(env["VLLM_ANCHOR_PYTHON"]),
         version=env.get("VLLM_VERSION", "unknown"),
