@@ -115,7 +115,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="model.cpu_threads (default 0: the daemon's choice)"
+    )
     args = parser.parse_args()
+    if args.threads < 0:
+        parser.error(f"--threads must be 0 or more, not {args.threads}")
     for name in ("batch", "prompt_len", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(
@@ -124,7 +129,9 @@ def main() -> None:
 
     # The engine's log lines go to stderr: stdout is the report.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    config = config_from_dict({"model": {"path": args.model or default_model_path()}})
+    config = config_from_dict(
+        {"model": {"path": args.model or default_model_path(), "cpu_threads": args.threads}}
+    )
     process.tune_process(config.model)
     loaded = load_model(config.model)
     probe = StepProbe(args.batch)
