@@ -80,8 +80,11 @@ class HandoffSnapshot:
                 "failures": sent.send_failures,
                 "send_seconds": sent.send_seconds,
                 "exposed_seconds": sent.exposed_seconds,
-                # Per step: the tail the step waited for after its last layer.
+                # Per step: the tail after its last layer until its KV was written.
                 "mean_exposed_ms": 1e3 * sent.exposed_seconds / steps if steps else None,
+                # Per step: of that tail, what its head and sampling did not cover.
+                "blocked_seconds": sent.blocked_seconds,
+                "mean_blocked_ms": 1e3 * sent.blocked_seconds / steps if steps else None,
                 # Over the send windows, which overlap compute when layerwise.
                 "window_gb_per_s": (
                     sent.sent_bytes / sent.send_seconds / 1e9 if sent.send_seconds > 0 else None
@@ -169,6 +172,13 @@ HANDOFF_METRICS: tuple[Spec, ...] = (
         "Sum over steps of the exposed tail: from a step's last layer finishing to its "
         "KV writes being complete.",
         _sent("exposed_seconds"),
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_handoff_blocked_seconds",
+        "Sum over steps of the time a step waited for its KV writes after its head and "
+        "sampling (what the handoff added to the step).",
+        _sent("blocked_seconds"),
         counter=True,
     ),
     Spec(

@@ -105,9 +105,15 @@ class DisaggConfig:
     # Send each layer's KV as soon as its forward ends (overlapping compute);
     # false sends after the whole step (the baseline bench_disagg compares with).
     layerwise: bool = True
+    # Layer-wise sends group consecutive layers until their KV reaches this
+    # many bytes (the last layer goes alone): each batch costs the event
+    # loop about half a millisecond, more than moving a short prompt's layer,
+    # and that work competes with the forward. 0 sends every layer alone.
+    layer_batch_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         check(0.0 < self.grant_ttl_s <= 3600.0, "grant_ttl_s", "must be in (0, 3600]")
+        check(0 <= self.layer_batch_bytes <= 1 << 30, "layer_batch_bytes", "must be in [0, 2**30]")
 
 
 @dataclass(frozen=True, slots=True)

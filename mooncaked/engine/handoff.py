@@ -116,6 +116,9 @@ class StepSend:
     # From the step's last layer finishing to its writes being complete.
     exposed_seconds: float
     ok: bool
+    # How long the step itself waited for its writes, after its head and
+    # sampling: what the handoff added to the step (and to the TTFT).
+    blocked_seconds: float = 0.0
 
 
 # Called on the event loop once per step that waited for its KV writes.
@@ -141,4 +144,7 @@ class HandoffStats:
     send_seconds: float = 0.0
     # Time from a step's last layer finishing to its writes being complete.
     exposed_seconds: float = 0.0
+    # Time steps waited for their writes (the part of the exposed tail that
+    # the head and sampling did not cover).
+    blocked_seconds: float = 0.0
     num_steps_sent: int = 0

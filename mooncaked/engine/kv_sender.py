@@ -1,11 +1,14 @@
 """The prefill node's side of prefill/decode disaggregation, as a KV connector.
 
 A request that carries a ``KVGrant`` (``Handoff.sink``) is computed as usual
-(reusing this node's caches), and after each layer's forward the K and V
-rows that layer wrote for the granted blocks go out as one batch of WRITEs
-per decode node through the transfer engine, while the next layers compute.
-``wait_for_save`` waits for the step's batches before its results return,
-so when the first token is out, the KV is in place on the decode node.
+(reusing this node's caches), and as layers' forwards end the K and V rows
+they wrote for the granted blocks go out as one batch of WRITEs per decode
+node through the transfer engine, while the next layers compute. Layers are
+grouped until a batch carries ``layer_batch_bytes`` (the last layer goes at
+alone): a batch has a fixed cost on the event loop that a short prompt's
+layer does not repay. ``wait_for_save`` waits for the step's batches before
+its results return, so when the first token is out, the KV is in place on
+the decode node.
 
 Who owns what: the event loop owns each request's handoff state (a
 ``_Sink``: what was sent, what failed, the batches still in flight); before a
@@ -59,6 +62,10 @@ class _Batch:
     node_id: str
     request_ids: tuple[str, ...]
     future: Future[tuple[bool, str]]
+    # When its writes completed (the sender's clock), filled in before the
+    # future resolves: the step's head and sampling run meanwhile, and the
+    # time they cover is not the handoff's.
+    done_at: list[float] = field(default_factory=list, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +122,10 @@ class _StepWrites:
     num_bytes: int = 0
     t_first: float = 0.0
     t_last_layer: float = 0.0
+    # Layers from this one on are computed but not sent yet (layer-wise).
+    next_layer: int = 0
+    # The KV bytes one layer of this step sends (K and V, every request).
+    layer_bytes: int = 0
 
 
 class KVSender(KVConnector):
@@ -132,6 +143,7 @@ class KVSender(KVConnector):
         layout: KVLayout,
         loop: asyncio.AbstractEventLoop,
         layerwise: bool = True,
+        layer_batch_bytes: int = 0,
         on_step: StepObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -141,6 +153,9 @@ class KVSender(KVConnector):
         self._layout = layout
         self._loop = loop
         self.layerwise = layerwise
+        if layer_batch_bytes < 0:
+            raise ValueError(f"layer_batch_bytes must be >= 0, got {layer_batch_bytes}")
+        self._layer_batch_bytes = layer_batch_bytes
         self._clock = clock
         # Event loop only.
         self._sinks: dict[str, _Sink] = {}
@@ -232,6 +247,7 @@ class KVSender(KVConnector):
             return
         self.stats.num_steps_sent += 1
         self.stats.exposed_seconds += step.exposed_seconds
+        self.stats.blocked_seconds += step.blocked_seconds
         self.stats.send_seconds += step.send_seconds
         if self._on_step is not None:
             self._on_step(step)
@@ -275,8 +291,15 @@ class KVSender(KVConnector):
         if writes.t_first == 0.0:
             writes.t_first = now
         writes.t_last_layer = now
-        if self.layerwise:
-            self._send_layers(writes, range(layer, layer + 1))
+        if not self.layerwise:
+            return
+        unsent = layer + 1 - writes.next_layer
+        # The last layer goes alone (what is left at the one before it goes
+        # then): the tail after the forward is one layer's transfer.
+        near_end = layer >= self._layout.num_layers - 2
+        if near_end or unsent * writes.layer_bytes >= self._layer_batch_bytes:
+            self._send_layers(writes, range(writes.next_layer, layer + 1))
+            writes.next_layer = layer + 1
 
     def wait_for_save(self, meta: Any) -> SendReport | None:
         if not isinstance(meta, SendMeta):
@@ -286,6 +309,7 @@ class KVSender(KVConnector):
         if not self.layerwise:
             writes.t_last_layer = self._clock()
             self._send_layers(writes, range(self._layout.num_layers))
+        blocked_from = self._clock()
         if not any(s.final for s in meta.sends):
             # A middle chunk: later chunks write other rows and these blocks
             # stay allocated, so its writes go on under the next step's
@@ -294,10 +318,12 @@ class KVSender(KVConnector):
         failed: dict[str, str] = {}
         num_failed = 0
         seen: set[int] = set()
+        waited: list[_Batch] = []
         for batch in (*writes.batches, *meta.pending):
             if id(batch.future) in seen:
                 continue
             seen.add(id(batch.future))
+            waited.append(batch)
             try:
                 # The batch's own deadline ends it; the margin only guards a lost loop.
                 ok, reason = batch.future.result(timeout=meta.timeout_s + 5.0)
@@ -307,19 +333,25 @@ class KVSender(KVConnector):
                 num_failed += 1
                 for rid in batch.request_ids:
                     failed.setdefault(rid, f"a KV write to {batch.node_id} failed: {reason}")
-        done = self._clock()
+        now = self._clock()
+        # The writes were complete when the last batch resolved (a wait that
+        # timed out has no time: then now).
+        done = max((b.done_at[0] if b.done_at else now for b in waited), default=now)
+        done = max(done, writes.t_last_layer)
         step = StepSend(
             writes.num_bytes,
             send_seconds=done - (writes.t_first or writes.t_last_layer),
             exposed_seconds=done - writes.t_last_layer,
             ok=num_failed == 0,
+            blocked_seconds=now - blocked_from,
         )
         return self._report(writes, failed, num_failed, step=step)
 
     def _step_writes(self, meta: SendMeta) -> _StepWrites:
         writes = self._writes
         if writes is None or writes.meta is not meta:
-            writes = self._writes = _StepWrites(meta)
+            rows = sum(n for s in meta.sends for *_, n in s.runs)
+            writes = self._writes = _StepWrites(meta, layer_bytes=2 * rows * self._layout.row_bytes)
         return writes
 
     @staticmethod
@@ -351,10 +383,12 @@ class KVSender(KVConnector):
             ops = self._ops(layers, sends)
             if not ops:
                 continue
+            done_at: list[float] = []
             fut = asyncio.run_coroutine_threadsafe(
-                self._submit(ops, writes.meta.timeout_s), self._loop
+                self._submit(ops, writes.meta.timeout_s, done_at), self._loop
             )
-            writes.batches.append(_Batch(node_id, tuple(s.request_id for s in sends), fut))
+            batch = _Batch(node_id, tuple(s.request_id for s in sends), fut, done_at)
+            writes.batches.append(batch)
             for s in sends:
                 rows = sum(n for *_, n in s.runs)
                 writes.bytes_sent[s.request_id] = (
@@ -382,8 +416,14 @@ class KVSender(KVConnector):
                         )
         return ops
 
-    async def _submit(self, ops: list[KVWrite], timeout_s: float) -> tuple[bool, str]:
-        return await self._writer.write(self._segment, ops, timeout_s)
+    async def _submit(
+        self, ops: list[KVWrite], timeout_s: float, done_at: list[float]
+    ) -> tuple[bool, str]:
+        try:
+            return await self._writer.write(self._segment, ops, timeout_s)
+        finally:
+            # Before the future resolves: the step thread reads it after.
+            done_at.append(self._clock())
 
     async def close(self) -> None:
         self._sinks.clear()

@@ -105,6 +105,7 @@ async def serving_engine(
         layout=layout,
         loop=asyncio.get_running_loop(),
         layerwise=config.disagg.layerwise,
+        layer_batch_bytes=config.disagg.layer_batch_bytes,
         on_step=on_step,
     )
     connectors: list[KVConnector] = [receiver]

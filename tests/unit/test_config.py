@@ -96,6 +96,7 @@ def test_values_are_read_and_ints_accepted_for_floats(tmp_path: Path) -> None:
         ('[node]\ncpus = "0-x"\n', ["'node.cpus'", "'0-x'", "not a CPU"]),
         ('[node]\ncpus = "3-1"\n', ["'node.cpus'", "'3-1'"]),
         ('[node]\ncpus = "0,,1"\n', ["'node.cpus'", "''"]),
+        ("[disagg]\nlayer_batch_bytes = -1\n", ["'disagg.layer_batch_bytes'", "[0, 2**30]"]),
         ("server = 1\n", ["[server] must be a table"]),
         ("[server\nport = 1\n", ["not valid TOML"]),
     ],

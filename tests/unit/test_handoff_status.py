@@ -25,6 +25,7 @@ def snapshot() -> HandoffSnapshot:
             send_failures=1,
             send_seconds=0.002,
             exposed_seconds=0.0005,
+            blocked_seconds=0.0002,
             num_steps_sent=4,
         ),
         transfer=TransferMetrics(bytes_written=4_000_000, ops_done=32, batches=16),
@@ -51,6 +52,7 @@ def test_status_section_figures() -> None:
     sent = st["sent"]
     assert sent["bytes"] == 4_000_000 and sent["steps"] == 4 and sent["failures"] == 1
     assert sent["mean_exposed_ms"] == 0.125
+    assert sent["mean_blocked_ms"] == 0.05
     assert sent["window_gb_per_s"] == 2.0
     assert st["transfer"]["bytes_written"] == 4_000_000
     assert st["transfer"]["batches"] == 16
@@ -60,6 +62,7 @@ def test_status_section_before_any_send_has_no_rates() -> None:
     snap = HandoffSnapshot(False, HandoffStats(), HandoffStats(), None)
     st = snap.status()
     assert st["sent"]["mean_exposed_ms"] is None
+    assert st["sent"]["mean_blocked_ms"] is None
     assert st["sent"]["window_gb_per_s"] is None
     assert "transfer" not in st
 
@@ -76,6 +79,7 @@ def test_prometheus_families() -> None:
     assert sample(text, "mooncaked_handoff_send_failures_total") == 1
     assert sample(text, "mooncaked_handoff_send_seconds_total") == 0.002
     assert sample(text, "mooncaked_handoff_exposed_seconds_total") == 0.0005
+    assert sample(text, "mooncaked_handoff_blocked_seconds_total") == 0.0002
     assert sample(text, "mooncaked_handoff_steps_total") == 4
 
 

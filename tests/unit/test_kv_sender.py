@@ -4,7 +4,10 @@ become, and a step's report applied on the event loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
+
+import pytest
 
 from mooncaked.engine.handoff import KVWrite, StepSend
 from mooncaked.engine.kv_sender import KVSender, SendMeta, SendReport
@@ -287,3 +290,93 @@ async def test_a_chunk_after_a_prefix_cached_here_also_sends_the_prefix() -> Non
         ("r", ((3, 10, 0, 10),)),
         ("p", ((7, 21, 0, 6),)),
     ]
+
+
+LAYOUT4 = KVLayout(num_layers=4, num_blocks=16, block_size=BS, row_bytes=8)
+
+
+async def _grouped_batches(layer_batch_bytes: int) -> tuple[Writer, SendReport]:
+    writer = Writer(set())
+    sender = KVSender(
+        writer,
+        segment="kv",
+        layout=LAYOUT4,
+        loop=asyncio.get_running_loop(),
+        layer_batch_bytes=layer_batch_bytes,
+    )
+    r = granted("r", "d1", 6, (8, 9), layout=LAYOUT4)
+    sender.request_added(r)
+    meta = sender.build_meta(StepPlan([chunk_of(r, r.prompt_token_ids, 0, [0, 1], True)]))
+
+    def step() -> SendReport | None:
+        for layer in range(LAYOUT4.num_layers):
+            sender.save_layer(layer, meta)
+        return sender.wait_for_save(meta)
+
+    report = await asyncio.to_thread(step)
+    assert isinstance(report, SendReport) and report.step is not None and report.step.ok
+    return writer, report
+
+
+async def test_layers_are_grouped_until_a_batch_carries_layer_batch_bytes() -> None:
+    # A layer of this step is 6 rows x 8 bytes x K and V = 96 bytes.
+    writer, report = await _grouped_batches(0)
+    assert writer.batches == [("d1", 2)] * 4  # every layer alone
+    writer, report = await _grouped_batches(192)
+    # Layers 0-1 reach it; then the last two layers go one by one.
+    assert writer.batches == [("d1", 4), ("d1", 2), ("d1", 2)]
+    writer, report = await _grouped_batches(250)
+    # Layers 0-2 would reach 288 bytes, but the layer before the last sends
+    # what is left, so that the last layer goes alone: the shortest tail.
+    assert writer.batches == [("d1", 6), ("d1", 2)]
+    writer, report = await _grouped_batches(1 << 20)
+    assert writer.batches == [("d1", 6), ("d1", 2)]
+    # Grouped or not, the same rows land at the same places.
+    assert sorted(writer.writes) == sorted(
+        (offset(layer, kv, 0), "d1", "kv", offset(layer, kv, 8), 6 * 8)
+        for layer in range(4)
+        for kv in (0, 1)
+    )
+    assert report.bytes_sent == (("r", 384),) and report.num_bytes == 384
+
+
+class Clock:
+    """A clock the test sets: one time for the event loop's thread (where the
+    writes complete), another for the step thread."""
+
+    def __init__(self, loop_t: float, step_t: float) -> None:
+        self.loop_thread = threading.get_ident()
+        self.loop_t, self.step_t = loop_t, step_t
+
+    def __call__(self) -> float:
+        return self.loop_t if threading.get_ident() == self.loop_thread else self.step_t
+
+
+async def test_the_exposed_tail_ends_when_the_writes_complete_not_when_the_step_waits() -> None:
+    # The layers end at 10.0 and the writes complete at 10.05.
+    clock = Clock(10.05, 10.0)
+    writer = Writer(set())
+    sender = KVSender(
+        writer, segment="kv", layout=LAYOUT, loop=asyncio.get_running_loop(), clock=clock
+    )
+    r = granted("r", "d1", 6, (8, 9))
+    sender.request_added(r)
+    meta = sender.build_meta(StepPlan([chunk_of(r, r.prompt_token_ids, 0, [0, 1], True)]))
+
+    def step() -> SendReport | None:
+        for layer in range(LAYOUT.num_layers):
+            sender.save_layer(layer, meta)
+        # The head and sampling take until 10.3.
+        clock.step_t = 10.3
+        return sender.wait_for_save(meta)
+
+    report = await asyncio.to_thread(step)
+    assert isinstance(report, SendReport) and report.step is not None
+    assert writer.batches == [("d1", 2), ("d1", 2)]
+    assert report.step.exposed_seconds == pytest.approx(0.05)
+    assert report.step.send_seconds == pytest.approx(0.05)
+    # The step did not wait: its head outlasted the writes.
+    assert report.step.blocked_seconds == 0.0
+    sender.after_step(report)
+    assert sender.stats.exposed_seconds == pytest.approx(0.05)
+    assert sender.stats.blocked_seconds == 0.0
