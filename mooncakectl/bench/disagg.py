@@ -27,6 +27,8 @@ the prefill node's /admin/status "handoff" section before and after each:
 - raw transfer: the exposed time of the same prompt length with
   ``layerwise = false``, where nothing overlaps the writes, so the whole time
   to move those bytes is exposed;
+- blocked: of the exposed time, what the steps waited for once their head
+  and sampling were done (what the handoff added to the TTFT);
 - exposed / raw: the goal is at most 0.2 for layer-wise streaming (the
   baseline is 1 by definition).
 
@@ -246,6 +248,7 @@ class _Samples:
     ttft: list[float] = field(default_factory=list)
     window: list[float] = field(default_factory=list)
     exposed: list[float] = field(default_factory=list)
+    blocked: list[float] = field(default_factory=list)
     ok: int = 0
 
 
@@ -268,6 +271,7 @@ async def handoff_sample(
     into.ttft.append(r.ttft_s * 1e3)
     into.window.append((after["send_seconds"] - before["send_seconds"]) * 1e3)
     into.exposed.append((after["exposed_seconds"] - before["exposed_seconds"]) * 1e3)
+    into.blocked.append((after["blocked_seconds"] - before["blocked_seconds"]) * 1e3)
     into.ok += ok1 - ok0
 
 
@@ -304,6 +308,7 @@ async def measure_prompt_len(
             exposed_ms=statistics.median(s.exposed),
             handoffs_ok=s.ok,
             reps=reps,
+            blocked_ms=statistics.median(s.blocked),
         )
         for layerwise, s in samples.items()
     ]

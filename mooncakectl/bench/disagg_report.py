@@ -25,6 +25,8 @@ class HandoffRow:
     exposed_ms: float
     handoffs_ok: int
     reps: int
+    # Of the exposed time, what the steps waited for after their head and sampling.
+    blocked_ms: float = 0.0
 
 
 @dataclass(slots=True)
@@ -126,7 +128,7 @@ def _print_handoff(res: Results, args: argparse.Namespace, out: TextIO) -> None:
     out.write("\n(a) KV handoff, prefill node -> decode node (loopback)\n")
     out.write(
         f"{'prompt':>7} {'mode':<11} {'KV MiB':>8} {'TTFT ms':>9} {'window ms':>10} "
-        f"{'exposed ms':>11} {'GB/s':>7} {'ok':>4}\n"
+        f"{'exposed ms':>11} {'blocked ms':>11} {'GB/s':>7} {'ok':>4}\n"
     )
     for r in res.handoff:
         # Only the baseline's exposed time is the raw transfer time.
@@ -138,11 +140,12 @@ def _print_handoff(res: Results, args: argparse.Namespace, out: TextIO) -> None:
         out.write(
             f"{r.prompt_tokens:>7} {'layer-wise' if r.layerwise else 'after-step':<11} "
             f"{r.kv_bytes / 2**20:>8.2f} {r.ttft_ms:>9.1f} {r.send_window_ms:>10.2f} "
-            f"{r.exposed_ms:>11.3f} {rate} "
+            f"{r.exposed_ms:>11.3f} {r.blocked_ms:>11.3f} {rate} "
             f"{r.handoffs_ok:>4}\n"
         )
     out.write(
         "  window: first layer done -> KV complete; exposed: last layer done -> KV complete;\n"
+        "  blocked: of that, what the step waited for after its head and sampling;\n"
         "  raw transfer = the after-step exposed time (nothing overlaps it); GB/s = KV / raw\n"
     )
     for n in args.prompt_lens:
