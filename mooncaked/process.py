@@ -108,19 +108,29 @@ def run_in_compute_thread(fn: Callable[[], T]) -> T:
     """``fn()`` in a thread of its own that has the compute threads' OpenMP team.
 
     The team goes when the thread ends, so it never competes with the
-    engine's step thread afterwards (a benchmark's baseline, say).
+    engine's step thread afterwards. A thread that stays (an executor's) and
+    ever ran oneDNN keeps a team: oneDNN sizes it from OpenMP's process
+    default (every core), not torch's one thread, and once more threads are
+    in teams than there are cores libgomp stops spinning between regions.
+    Building the engine in the event loop's executor did that: every decode
+    step after it was 1.5x slower (17 ms against 26 ms for one SmolLM2
+    sequence, ``tools/profile_step.py``). What ``fn`` raises is raised here.
     """
     box: list[T] = []
+    failed: list[BaseException] = []
 
     def run() -> None:
-        enter_compute_thread()
-        box.append(fn())
+        try:
+            enter_compute_thread()
+            box.append(fn())
+        except BaseException as exc:  # re-raised in the caller's thread
+            failed.append(exc)
 
     thread = threading.Thread(target=run, name="mooncaked-compute")
     thread.start()
     thread.join()
-    if not box:
-        raise RuntimeError("the compute thread failed (its traceback is above)")
+    if failed:
+        raise failed[0]
     return box[0]
 
 

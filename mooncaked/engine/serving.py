@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import structlog
 
+from mooncaked import process
 from mooncaked.cache.service import KVCache
 from mooncaked.config import Config, ConfigError
 from mooncaked.engine.connector import KVConnector, MultiConnector
@@ -59,7 +61,11 @@ async def load_engine(
     log.info("loading model", path=config.model.path)
     t0 = clock()
     try:
-        engine = await asyncio.to_thread(factory, config)
+        # In a thread that ends (process.run_in_compute_thread): a thread
+        # that stays with an OpenMP team slows every step after it.
+        engine = await asyncio.to_thread(
+            process.run_in_compute_thread, functools.partial(factory, config)
+        )
     except ValueError as exc:
         # The loader's ValueErrors name a bad setting (a missing model
         # directory, max_model_len beyond the model's limit): a config error.

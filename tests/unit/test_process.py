@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -70,6 +71,61 @@ async def test_the_engine_step_thread_is_the_compute_thread(tuned: None) -> None
     _engine, step_threads = await _started_engine_team()
     assert step_threads == 2
     assert torch.get_num_threads() == 1
+
+
+def _num_threads() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_the_compute_threads_team_goes_with_its_thread(tuned: None) -> None:
+    process.set_compute_threads(2)
+    a = torch.randn(256, 256)
+    torch.mm(a, a)  # this thread's own work: no team
+    before = _num_threads()
+
+    def parallel_work() -> int:
+        torch.mm(a, a)
+        # The team's worker exists while the compute thread does.
+        return _num_threads()
+
+    assert process.run_in_compute_thread(parallel_work) >= before + 2
+    # The thread and its team's worker have ended: nothing stays to count
+    # against the step thread's team.
+    deadline = time.monotonic() + 5.0
+    while _num_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _num_threads() == before
+
+
+def test_what_the_compute_thread_raises_is_raised_in_the_caller(tuned: None) -> None:
+    def bad() -> None:
+        raise ValueError("max_model_len 99999 is beyond the model's 8192")
+
+    with pytest.raises(ValueError, match="beyond the model's"):
+        process.run_in_compute_thread(bad)
+
+
+async def test_the_engine_is_built_in_a_thread_that_then_ends(tuned: None) -> None:
+    from mooncaked.engine.serving import load_engine
+
+    built_in: list[threading.Thread] = []
+
+    def factory(config: Config) -> EngineCore:
+        built_in.append(threading.current_thread())
+        return EngineCore(config, load_model(config.model))
+
+    engine = await load_engine(Config(), "n1", factory=factory, kv_allocator=None)  # type: ignore[arg-type]
+    assert isinstance(engine, EngineCore)
+    # Not the event loop's executor, whose threads stay: a thread of its own.
+    assert built_in[0].name == "mooncaked-compute" and not built_in[0].is_alive()
+
+    def refused(config: Config) -> EngineCore:
+        raise ValueError("max_model_len 99999 is beyond the model's 8192")
+
+    # The loader's ValueError still becomes a configuration error.
+    with pytest.raises(ConfigError, match="beyond the model's"):
+        await load_engine(Config(), "n1", factory=refused, kv_allocator=None)  # type: ignore[arg-type]
 
 
 def test_cpu_threads_zero_takes_the_topology(tuned: None, monkeypatch: pytest.MonkeyPatch) -> None:
