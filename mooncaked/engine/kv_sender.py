@@ -4,7 +4,7 @@ A request that carries a ``KVGrant`` (``Handoff.sink``) is computed as usual
 (reusing this node's caches), and as layers' forwards end the K and V rows
 they wrote for the granted blocks go out as one batch of WRITEs per decode
 node through the transfer engine, while the next layers compute. Layers are
-grouped until a batch carries ``layer_batch_bytes`` (the last layer goes at
+grouped until a batch carries ``layer_batch_bytes`` (the last layer goes
 alone): a batch has a fixed cost on the event loop that a short prompt's
 layer does not repay. ``wait_for_save`` waits for the step's batches before
 its results return, so when the first token is out, the KV is in place on
@@ -309,12 +309,12 @@ class KVSender(KVConnector):
         if not self.layerwise:
             writes.t_last_layer = self._clock()
             self._send_layers(writes, range(self._layout.num_layers))
-        blocked_from = self._clock()
         if not any(s.final for s in meta.sends):
             # A middle chunk: later chunks write other rows and these blocks
             # stay allocated, so its writes go on under the next step's
             # compute; the step that samples waits for them.
             return self._report(writes, {}, 0, in_flight=tuple(writes.batches))
+        blocked_from = self._clock()
         failed: dict[str, str] = {}
         num_failed = 0
         seen: set[int] = set()

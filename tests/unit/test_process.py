@@ -91,11 +91,11 @@ def test_the_compute_threads_team_goes_with_its_thread(tuned: None) -> None:
 
     assert process.run_in_compute_thread(parallel_work) >= before + 2
     # The thread and its team's worker have ended: nothing stays to count
-    # against the step thread's team.
+    # against the step thread's team (another test's thread may end meanwhile).
     deadline = time.monotonic() + 5.0
     while _num_threads() > before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _num_threads() == before
+    assert _num_threads() <= before
 
 
 def test_what_the_compute_thread_raises_is_raised_in_the_caller(tuned: None) -> None:
