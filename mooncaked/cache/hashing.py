@@ -60,6 +60,19 @@ def block_hashes(
     return out
 
 
+def layer_hashes(hashes: Sequence[BlockHash], lo: int, hi: int) -> list[BlockHash]:
+    """The keys of blocks that hold only layers [lo, hi) of the blocks ``hashes``
+    name: a stage of a pipelined prefill group caches its own layers' KV, and
+    those bytes must never be served for the whole blocks (nor another
+    stage's). Derived from the whole blocks' hashes, so that anyone who has
+    a prompt's hashes finds a stage's cached run of it."""
+    tag = lo.to_bytes(4, "little") + hi.to_bytes(4, "little")
+    return [
+        hashlib.blake2b(h + tag, digest_size=BLOCK_HASH_BYTES, person=b"mooncaked.lyr").digest()
+        for h in hashes
+    ]
+
+
 def parse_hex_hashes(raw: object, key: str, max_count: int) -> list[BlockHash]:
     """Block hashes from a JSON list of hex strings; ValueError naming ``key`` otherwise.
 

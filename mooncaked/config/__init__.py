@@ -17,7 +17,13 @@ it. Every name is importable from ``mooncaked.config``.
 
 from __future__ import annotations
 
-from mooncaked.config.cluster import ClusterConfig, ConductorConfig, DisaggConfig, SloConfig
+from mooncaked.config.cluster import (
+    ClusterConfig,
+    ConductorConfig,
+    DisaggConfig,
+    PipelineConfig,
+    SloConfig,
+)
 from mooncaked.config.data import StoreConfig, TransferConfig
 from mooncaked.config.engine import BUILTIN_PREFIX, KVConfig, ModelConfig, SchedulerConfig
 from mooncaked.config.errors import ConfigError, ConfigValueError
@@ -51,6 +57,7 @@ __all__ = [
     "LogConfig",
     "ModelConfig",
     "NodeConfig",
+    "PipelineConfig",
     "Role",
     "SchedulerConfig",
     "ServerConfig",

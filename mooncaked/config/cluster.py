@@ -117,6 +117,64 @@ class DisaggConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """Chunked pipeline parallelism: this prefill node as one stage of a
+    pipelined prefill group. Each stage holds a range of the model's layers;
+    a long prompt's chunks flow through the stages, so different chunks of
+    one request compute at once on different nodes."""
+
+    # The group's name (every stage of a group sets the same); empty: this
+    # node is not a stage.
+    group: str = ""
+    # This node's stage, counted from 0 (the head, which holds the
+    # embedding), and how many stages the group has.
+    stage: int = 0
+    num_stages: int = 2
+    # The layers where each stage after the head begins (num_stages - 1
+    # ascending indices); empty: as even a split as the layers allow.
+    split: tuple[int, ...] = ()
+    # Prompt tokens in a pipelined request's first chunk; later chunks are
+    # sized to take as long (their attention grows with the context). 0:
+    # the scheduler's token budget, every chunk alike.
+    chunk_tokens: int = 512
+    # Bytes for the activations of prompts in flight, in each direction:
+    # the rows the stage before writes into here, and those waiting here to
+    # be written to the next.
+    activation_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        check(len(self.group) <= 64, "group", "must be at most 64 characters")
+        check(2 <= self.num_stages <= 16, "num_stages", "must be in 2..16")
+        check(
+            0 <= self.stage < self.num_stages,
+            "stage",
+            f"must be in 0..{self.num_stages - 1} (num_stages = {self.num_stages})",
+        )
+        if self.split:
+            check(
+                len(self.split) == self.num_stages - 1,
+                "split",
+                f"must name {self.num_stages - 1} layer indices (num_stages - 1), "
+                f"got {list(self.split)}",
+            )
+            check(
+                all(b > a for a, b in zip((0, *self.split), self.split, strict=False)),
+                "split",
+                f"must be ascending layer indices above 0, got {list(self.split)}",
+            )
+        check(0 <= self.chunk_tokens <= 1 << 20, "chunk_tokens", "must be in 0..1048576")
+        check(
+            1 << 20 <= self.activation_bytes <= 1 << 40,
+            "activation_bytes",
+            "must be in [2**20, 2**40]",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.group)
+
+
+@dataclass(frozen=True, slots=True)
 class ConductorConfig:
     """Placement and admission by the node a request enters (see cluster/conductor.py)."""
 

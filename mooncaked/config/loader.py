@@ -16,7 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from mooncaked.config.cluster import ClusterConfig, ConductorConfig, DisaggConfig, SloConfig
+from mooncaked.config.cluster import (
+    ClusterConfig,
+    ConductorConfig,
+    DisaggConfig,
+    PipelineConfig,
+    SloConfig,
+)
 from mooncaked.config.data import StoreConfig, TransferConfig
 from mooncaked.config.engine import KVConfig, ModelConfig, SchedulerConfig
 from mooncaked.config.errors import ConfigError, ConfigValueError
@@ -35,12 +41,19 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
     slo: SloConfig = field(default_factory=SloConfig)
     # Where the config came from, for messages; not a TOML key.
     source: str = field(default="<defaults>", compare=False)
 
     def __post_init__(self) -> None:
+        if self.pipeline.enabled and self.node.role != "prefill":
+            raise ConfigError(
+                f"{self.source}: 'pipeline.group' = {self.pipeline.group!r} makes this node a "
+                f"stage of a pipelined prefill group, which needs node.role = 'prefill' "
+                f"(got {self.node.role!r})"
+            )
         # The node's files live under its state directory: a relative SSD tier
         # path is taken from there, not from wherever the daemon was started.
         ssd = self.store.ssd_path

@@ -10,7 +10,8 @@ names, from the peer it names, until its deadline: the decode node's KV cache,
 written by the prefill node it asked, for that request only. A grant speaks of
 blocks, not bytes, because the segment is a stack of planes (one per layer and
 K/V) of ``blocks_per_plane`` blocks each: block ``b`` of every plane is one
-logical block, so a grant of a few block ids covers them in every layer.
+logical block, so a grant of a few block ids covers them in every layer
+(or, for a stage of a pipelined prefill group, in its own layers' planes).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class WriteGrant:
     blocks_per_plane: int
     block_ids: frozenset[int]
     deadline: float
+    # The planes [lo, hi) the grant opens (a pipeline stage writes its own
+    # layers' K and V planes only); None: every plane.
+    planes: tuple[int, int] | None = None
 
     def covers(self, offset: int, length: int) -> bool:
         """Every block [offset, offset+length) touches is granted."""
@@ -81,6 +85,10 @@ class WriteGrant:
         first = offset // self.block_bytes
         last = (offset + length - 1) // self.block_bytes
         per_plane, ids = self.blocks_per_plane, self.block_ids
+        if self.planes is not None:
+            lo, hi = self.planes
+            if not lo <= first // per_plane and last // per_plane < hi:
+                return False
         return all(unit % per_plane in ids for unit in range(first, last + 1))
 
 
@@ -107,6 +115,7 @@ class GrantTable:
         blocks_per_plane: int,
         block_ids: Iterable[int],
         ttl_s: float,
+        planes: tuple[int, int] | None = None,
     ) -> WriteGrant:
         if not peer:
             raise ValueError("a write grant must name its peer")
@@ -123,6 +132,8 @@ class GrantTable:
             raise ValueError(
                 f"granted block ids {sorted(bad)[:5]} are outside 0..{blocks_per_plane - 1}"
             )
+        if planes is not None and not 0 <= planes[0] < planes[1]:
+            raise ValueError(f"a write grant's planes must be a range lo < hi, got {planes}")
         with self._lock:
             grant = WriteGrant(
                 self._next_id,
@@ -132,6 +143,7 @@ class GrantTable:
                 blocks_per_plane,
                 ids,
                 self._clock() + ttl_s,
+                planes,
             )
             self._next_id += 1
             self._prune_locked()

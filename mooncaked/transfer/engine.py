@@ -234,10 +234,11 @@ class TransferEngine:
         blocks_per_plane: int,
         block_ids: Sequence[int],
         ttl_s: float,
+        planes: tuple[int, int] | None = None,
     ) -> WriteGrant:
         """Let ``peer`` write blocks ``block_ids`` of a GRANTED segment (in every
-        plane of ``blocks_per_plane`` blocks of ``block_bytes``) for ``ttl_s``
-        seconds, or until ``revoke``."""
+        plane of ``blocks_per_plane`` blocks of ``block_bytes``, or the planes
+        [lo, hi) of ``planes``) for ``ttl_s`` seconds, or until ``revoke``."""
         seg = self._table.get(segment)
         if seg is None:
             raise SegmentError(f"segment {segment!r} is not registered")
@@ -253,6 +254,7 @@ class TransferEngine:
             blocks_per_plane=blocks_per_plane,
             block_ids=block_ids,
             ttl_s=ttl_s,
+            planes=planes,
         )
 
     def revoke(self, grant: WriteGrant) -> None:
