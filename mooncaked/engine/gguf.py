@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,8 +243,12 @@ def tensor_count(f: GGUFFile) -> int:
     return len(f.reader.tensors)
 
 
-def iter_tensors(f: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor of the file, in file order.
+def iter_tensors(
+    f: GGUFFile, arch: ModelArch, wanted: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor of the file, in file order
+    (those ``wanted(hf_name)`` says yes to: a pipeline stage's layers; the rest
+    are not dequantized at all).
 
     A tensor our model has no place for, or of a type we do not dequantize,
     is refused by name before anything is read: loading without it would
@@ -273,6 +277,8 @@ def iter_tensors(f: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torch.Tens
         name = hf_name(t.name)
         if name is None:
             raise RuntimeError(f"{t.name} passed the name check but has no HF name")
+        if wanted is not None and not wanted(name):
+            continue
         # ne is innermost-first; numpy and torch want outermost-first.
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import torch
 
-from mooncaked.config import BUILTIN_PREFIX, ModelConfig
+from mooncaked.config import BUILTIN_PREFIX, ModelConfig, PipelineConfig
 from mooncaked.engine.model import CausalLM, ModelArch
 from mooncaked.engine.quant import (
     GemvPackedLinear,
@@ -32,6 +32,7 @@ from mooncaked.engine.quant import (
     time_single_row_gemv,
 )
 from mooncaked.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from mooncaked.handoff import LayerSpan, split_layers
 
 # Layers whose weights time the packed layouts: four of SmolLM2-135M's hold
 # 52 MB in float32, more than a server CPU's last-level cache, as a step's do.
@@ -141,11 +142,17 @@ def _max_model_len(config: ModelConfig, arch: ModelArch) -> int:
 
 
 def load_model(
-    config: ModelConfig, progress: IO[str] | None = None, *, decodes: bool = True
+    config: ModelConfig,
+    progress: IO[str] | None = None,
+    *,
+    decodes: bool = True,
+    pipeline: PipelineConfig | None = None,
 ) -> LoadedModel:
     """``progress``: where a progress bar goes (default stderr); drawn only on a terminal.
     ``decodes``: False for a node that only prefills, whose steps are never one
-    row, so ``single_row_gemv = "auto"`` keeps no dense copy there."""
+    row, so ``single_row_gemv = "auto"`` keeps no dense copy there.
+    ``pipeline``: a stage of a pipelined prefill group loads only its layers."""
+    stage = _StageOf(pipeline)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     kernel = config.linear_kernel
@@ -159,11 +166,13 @@ def load_model(
     linear_factory(config.quantization, device)
     packed = dense_factory(kernel, device, dtype)
     if config.is_builtin:
-        loaded = _load_builtin(config, device, dtype)
+        loaded = _load_builtin(config, device, dtype, stage)
     elif config.path.endswith(".gguf"):
-        loaded = _load_gguf(config, device, dtype, sys.stderr if progress is None else progress)
+        loaded = _load_gguf(
+            config, device, dtype, sys.stderr if progress is None else progress, stage
+        )
     else:
-        loaded = _load_hf_dir(config, device, dtype)
+        loaded = _load_hf_dir(config, device, dtype, stage)
     make = linear_factory(config.quantization, device)
     if make is not None:
         loaded.model.replace_linears(make)
@@ -195,7 +204,8 @@ def gemv_copy_bytes(model: CausalLM) -> int:
     """Bytes of the dense copies the GEMV layers keep beside their packed weights.
 
     A tied head's copy is the embedding itself, which stays anyway."""
-    embedding = model.model.embed_tokens.weight.untyped_storage().data_ptr()
+    embed = model.model.embed_tokens
+    embedding = embed.weight.untyped_storage().data_ptr() if embed is not None else None
     storages = {
         m.weight.untyped_storage().data_ptr(): m.weight.untyped_storage().nbytes()
         for m in model.projections()
@@ -246,11 +256,29 @@ def load_progress(stream: IO[str], total: int, label: str) -> Iterator[Callable[
         yield lambda: bar.advance(task)
 
 
-def _empty_model(arch: ModelArch, device: torch.device, dtype: torch.dtype) -> CausalLM:
+class _StageOf:
+    """The layers a node loads: all of them, or its stage's of a pipelined group."""
+
+    def __init__(self, pipeline: PipelineConfig | None) -> None:
+        self._pipeline = pipeline if pipeline is not None and pipeline.enabled else None
+
+    def span(self, arch: ModelArch) -> LayerSpan:
+        p = self._pipeline
+        if p is None:
+            return LayerSpan(0, arch.num_layers, arch.num_layers)
+        try:
+            return split_layers(arch.num_layers, p.num_stages, p.split)[p.stage]
+        except ValueError as exc:
+            raise ValueError(f"pipeline.split: {exc}") from None
+
+
+def _empty_model(
+    arch: ModelArch, device: torch.device, dtype: torch.dtype, span: LayerSpan | None = None
+) -> CausalLM:
     # Built without allocating, given storage of the final dtype on the final
     # device once (no fp32 copy on the way), then filled by the caller.
     with torch.device("meta"):
-        model = CausalLM(arch)
+        model = CausalLM(arch, span)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     return model
@@ -333,11 +361,18 @@ def _builtin_weights(model: CausalLM, seed: int) -> None:
         param.data.copy_(values)
 
 
-def _load_builtin(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_builtin(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, stage: _StageOf
+) -> LoadedModel:
     name = config.path[len(BUILTIN_PREFIX) :]
     arch = builtin_arch(name)
     model = CausalLM(arch)
+    # Drawn whole, in name order, then cut: a stage's weights are the whole
+    # model's, as its checkpoint's would be.
     _builtin_weights(model, config.seed)
+    span = stage.span(arch)
+    if not span.whole:
+        model.restrict(span)
     model = model.to(device=device, dtype=dtype).eval()
     model.fuse_projections()
     return LoadedModel(
@@ -398,7 +433,10 @@ def _shown(names: list[str]) -> str:
 
 
 class _Weights:
-    """A model's parameters filled by name from a checkpoint, and which came."""
+    """A model's parameters filled by name from a checkpoint, and which came.
+
+    A stage of a pipelined group holds some of the checkpoint's layers: the
+    others' names are wanted by nobody here, and skipped unread."""
 
     def __init__(self, model: CausalLM) -> None:
         self._model = model
@@ -406,14 +444,22 @@ class _Weights:
         self._loaded: set[str] = set()
         self._unexpected: list[str] = []
 
+    def wanted(self, name: str) -> bool:
+        """Whether ``name`` is this model's to load (not another stage's)."""
+        return self._model.local_name(name) is not None
+
     def expects(self, name: str) -> bool:
         """Whether the model has ``name``; one it lacks is noted for ``check``."""
-        if name in self.params:
+        local = self._model.local_name(name)
+        if local is None:
+            return False
+        if local in self.params:
             return True
         self._unexpected.append(name)
         return False
 
     def copy(self, name: str, tensor: torch.Tensor, where: str, source: str) -> None:
+        name = self._model.local_name(name) or name
         param = self.params[name]
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(
@@ -428,7 +474,8 @@ class _Weights:
         embedding's)."""
         if self._unexpected:
             raise ValueError(f"{unexpected}: {_shown(sorted(self._unexpected))}")
-        loaded = self._loaded | ({"lm_head.weight"} if arch.tie_word_embeddings else set())
+        tied = arch.tie_word_embeddings and self._model.lm_head is not None
+        loaded = self._loaded | ({"lm_head.weight"} if tied else set())
         absent = sorted(set(self.params) - loaded)
         if absent:
             raise ValueError(f"{missing}: {_shown(absent)}")
@@ -436,7 +483,9 @@ class _Weights:
         self._model.fuse_projections()
 
 
-def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_dir(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, stage: _StageOf
+) -> LoadedModel:
     from safetensors import safe_open
 
     d = Path(config.path).expanduser()
@@ -457,7 +506,7 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
         extra_eos += _eos_ids(_read_json(gen_cfg_path).get("eos_token_id"))
     tokenizer = HFTokenizer(d, extra_eos_token_ids=extra_eos)
 
-    model = _empty_model(arch, device, dtype)
+    model = _empty_model(arch, device, dtype, stage.span(arch))
     weights = _Weights(model)
     with torch.no_grad():
         for f in files:
@@ -469,6 +518,8 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
                     # attention_bias).
                     if key.endswith("rotary_emb.inv_freq") and key not in weights.params:
                         continue
+                    if not weights.wanted(key):
+                        continue  # another stage's layers
                     if weights.expects(key):
                         weights.copy(key, st.get_tensor(key), f"{f.name}: {key}", "the config")
     weights.finish(
@@ -500,18 +551,22 @@ def _load_hf_dir(config: ModelConfig, device: torch.device, dtype: torch.dtype) 
 
 
 def _load_gguf(
-    config: ModelConfig, device: torch.device, dtype: torch.dtype, progress: IO[str]
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    progress: IO[str],
+    stage: _StageOf,
 ) -> LoadedModel:
     from mooncaked.engine import gguf
 
     f = gguf.GGUFFile.open(config.path)
     arch = gguf.read_arch(f)
     tokenizer = gguf.read_tokenizer(f)
-    model = _empty_model(arch, device, dtype)
+    model = _empty_model(arch, device, dtype, stage.span(arch))
     weights = _Weights(model)
     label = f"loading {f.path.name}"
     with torch.no_grad(), load_progress(progress, gguf.tensor_count(f), label) as advance:
-        for name, tensor in gguf.iter_tensors(f, arch):
+        for name, tensor in gguf.iter_tensors(f, arch, wanted=weights.wanted):
             advance()
             if weights.expects(name):
                 # Dequantized to fp32 on the CPU, cast once on the way to the device.

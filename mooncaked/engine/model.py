@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mooncaked.engine.attention import AttentionMetadata, PagedKV, paged_attention
+from mooncaked.handoff import LayerSpan
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 # The transformers class of each, for the configs ModelArch.to_hf writes.
@@ -403,21 +404,39 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, span: LayerSpan) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # A stage without the embedding takes hidden states in; the last
+        # stage of a tied model keeps it for its head.
+        self.embed_tokens: nn.Embedding | None = (
+            nn.Embedding(arch.vocab_size, arch.hidden_size)
+            if span.first or (span.last and arch.tie_word_embeddings)
+            else None
+        )
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(span.count))
+        self.norm: RMSNorm | None = (
+            RMSNorm(arch.hidden_size, arch.rms_norm_eps) if span.last else None
+        )
 
 
 class CausalLM(nn.Module):
-    """``model.*`` + ``lm_head``: the HF ``*ForCausalLM`` parameter layout."""
+    """``model.*`` + ``lm_head``: the HF ``*ForCausalLM`` parameter layout.
 
-    def __init__(self, arch: ModelArch) -> None:
+    Built over a ``LayerSpan`` (a stage of a pipelined prefill group), it
+    holds only those layers, as ``model.layers.0`` on: ``local_name`` maps
+    a checkpoint's names onto them. A stage that is not the first takes
+    hidden states in, and one that is not the last gives its residual
+    stream out (no final norm, no head).
+    """
+
+    def __init__(self, arch: ModelArch, span: LayerSpan | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.model = DecoderModel(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.span = span if span is not None else LayerSpan(0, arch.num_layers, arch.num_layers)
+        self.model = DecoderModel(arch, self.span)
+        self.lm_head: nn.Module | None = (
+            nn.Linear(arch.hidden_size, arch.vocab_size, bias=False) if self.span.last else None
+        )
         self.tie_weights()
         # A plain attribute, not a buffer: it survives construction on the meta
         # device and is never part of a checkpoint.
@@ -456,7 +475,8 @@ class CausalLM(nn.Module):
                         delattr(owner, name)
                 attn.o_proj = make(attn.o_proj.weight, attn.o_proj.bias)
                 mlp.down_proj = make(mlp.down_proj.weight, None)
-            self.lm_head = make(self.lm_head.weight, None)
+            if self.lm_head is not None:
+                self.lm_head = make(self.lm_head.weight, None)
 
     def projections(self) -> list[nn.Module]:
         """Every projection's module and the head, fused ones included (a fused
@@ -475,7 +495,8 @@ class CausalLM(nn.Module):
                 elif not fused.active:
                     out += [getattr(owner, name) for name in parts]
             out += [attn.o_proj, mlp.down_proj]
-        out.append(self.lm_head)
+        if self.lm_head is not None:
+            out.append(self.lm_head)
         return out
 
     def dense_weights(self, layers: int) -> list[torch.Tensor]:
@@ -494,9 +515,41 @@ class CausalLM(nn.Module):
             out += [attn.o_proj.weight, mlp.down_proj.weight]
         return out
 
+    def local_name(self, name: str) -> str | None:
+        """A checkpoint's parameter name as this model holds it; None for a
+        parameter of layers (or ends) another stage holds."""
+        span = self.span
+        if span.whole:
+            return name
+        prefix = "model.layers."
+        if name.startswith(prefix):
+            index, dot, rest = name[len(prefix) :].partition(".")
+            if not dot or not index.isdigit():
+                return name
+            i = int(index)
+            return f"{prefix}{i - span.lo}.{rest}" if span.lo <= i < span.hi else None
+        if name.startswith("model.embed_tokens."):
+            return name if self.model.embed_tokens is not None else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if span.last else None
+        return name
+
+    def restrict(self, span: LayerSpan) -> None:
+        """Drop every layer and end outside ``span`` (of the whole model this is)."""
+        if not self.span.whole:
+            raise RuntimeError("restrict() takes a whole model")
+        self.span = span
+        self.model.layers = nn.ModuleList(self.model.layers[span.lo : span.hi])
+        if not span.last:
+            self.model.norm = None
+            self.lm_head = None
+        if not (span.first or (span.last and self.arch.tie_word_embeddings)):
+            self.model.embed_tokens = None
+
     def tie_weights(self) -> None:
-        if self.arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        embed = self.model.embed_tokens
+        if self.arch.tie_word_embeddings and self.lm_head is not None and embed is not None:
+            self.lm_head.weight = embed.weight
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         inv_freq = self._inv_freq.get(positions.device)
@@ -515,19 +568,31 @@ class CausalLM(nn.Module):
         kv_caches: list[LayerCache],
         meta: AttentionMetadata,
         layer_done: Callable[[int], None] | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of flat tokens; writes their K/V into ``kv_caches``.
 
-        ``layer_done(i)`` runs once layer ``i`` has written its K/V, so they can
-        leave the device while the next layers compute.
+        ``layer_done(i)`` runs once layer ``i`` (of this model's) has written
+        its K/V, so they can leave the device while the next layers compute.
+        ``hidden``: the stage before's output for these tokens, in place of
+        ``input_ids`` (a stage after the first). A stage before the last
+        returns its residual stream, unnormalized.
         """
-        x = self.model.embed_tokens(input_ids)
+        if hidden is not None:
+            x = hidden
+        elif self.model.embed_tokens is not None and self.span.first:
+            x = self.model.embed_tokens(input_ids)
+        else:
+            raise RuntimeError("a stage after the first takes hidden states, not token ids")
         rope = self._rope(positions, x.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             x = layer(x, rope, kv_cache, meta)
             if layer_done is not None:
                 layer_done(i)
-        return self.model.norm(x)
+        norm = self.model.norm
+        return norm(x) if norm is not None else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            raise RuntimeError(f"layers {self.span.lo}..{self.span.hi} hold no output head")
         return self.lm_head(hidden)
