@@ -95,6 +95,9 @@ class Request:
     handoff: Handoff = NO_HANDOFF
     # The node whose forward pass computed the prompt, once known.
     prefill_node: str | None = None
+    # A stage after the head of a pipelined prefill group: tokens whose input
+    # activations have arrived (it computes no further). None: all of them.
+    ready_tokens: int | None = None
     # Chained hashes of every full block of the request's tokens so far: the
     # prompt's computed once at entry, extended by the scheduler as output
     # fills blocks. 16-byte ``cache.hashing.BlockHash`` values.

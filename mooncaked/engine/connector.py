@@ -149,6 +149,11 @@ class KVConnector:
         """
         return NO_HIT
 
+    def num_held(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of ``hashes`` (past the device's) this node's own
+        tiers hold, that a load could bring in now; no effects."""
+        return 0
+
     def request_admitted(self, req: Request, hit: KVHit) -> None:
         """``req`` was admitted with ``hit`` (``req.num_computed_tokens`` is its
         device prefix hit): once per admission, for the connector's counters."""
@@ -224,6 +229,13 @@ class MultiConnector(KVConnector):
             if hit.num_tokens > 0:
                 return dataclasses.replace(hit, source=i)
         return NO_HIT
+
+    def num_held(self, hashes: Sequence[bytes]) -> int:
+        for c in self.connectors:
+            n = c.num_held(hashes)
+            if n:
+                return n
+        return 0
 
     def request_admitted(self, req: Request, hit: KVHit) -> None:
         # Those the lookup asked: up to the one that offered, or all of them.

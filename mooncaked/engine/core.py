@@ -28,28 +28,30 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import structlog
 import torch
 
-from mooncaked.cache.hashing import BlockHash, block_hashes
+from mooncaked.cache.hashing import BlockHash, block_hashes, layer_hashes
 from mooncaked.config import Config
 from mooncaked.engine.connector import ConnectorContext, KVConnector, LoadResult
+from mooncaked.engine.introspect import EngineStats, engine_stats, requests_in_flight
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.loader import LoadedModel, load_model
 from mooncaked.engine.output import OutputProcessor, RequestStream
+from mooncaked.engine.pipeline import ChunkRefused, StagePipe
 from mooncaked.engine.plan import LoadJob, StepOutput, StepPlan
 from mooncaked.engine.runner import KVAllocator, ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
 from mooncaked.engine.snapshot import EngineLoad, EngineSnapshot, ModelFacts
-from mooncaked.handoff import NO_HANDOFF, Handoff
+from mooncaked.handoff import NO_HANDOFF, Handoff, StageJob
 from mooncaked.process import (
     compute_threads,
     enter_compute_thread,
@@ -86,26 +88,6 @@ class EngineFailedError(EngineClosedError):
     """A request reached an engine whose step loop died."""
 
 
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_num_blocks: int
-    kv_num_used_blocks: int
-    kv_usage: float
-    prefix_queried_tokens: int
-    prefix_hit_tokens: int
-    prefix_hit_rate: float
-    num_prompt_tokens_total: int
-    num_generation_tokens_total: int
-    num_preemptions_total: int
-    num_steps: int
-    num_loading: int = 0
-    num_loads_total: int = 0
-    num_offloads_total: int = 0
-    num_integrity_failures: int = 0
-
-
 class EngineCore:
     def __init__(
         self,
@@ -121,17 +103,23 @@ class EngineCore:
         self.loaded = (
             loaded
             if loaded is not None
-            else load_model(config.model, decodes=config.node.role != "prefill")
+            else load_model(
+                config.model, decodes=config.node.role != "prefill", pipeline=config.pipeline
+            )
         )
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.served_name
         self.model_id = self.loaded.model_id
         self.max_model_len = self.loaded.max_model_len
         self.block_size = config.kv.block_size
+        # The model's layers this node holds: all, or a pipeline stage's.
+        self.span = self.loaded.model.span
         self._clock = clock
         self.pool, self.runner = self._build_kv(kv_allocator)
         # Both built by start(): the connector is given then.
         self.connector: KVConnector = KVConnector()
+        # A stage of a pipelined prefill group: its activations in and out.
+        self.pipe: StagePipe | None = None
         self._scheduler: Scheduler | None = None
         self.outputs = OutputProcessor(
             self.tokenizer,
@@ -182,7 +170,11 @@ class EngineCore:
         """The block pool and the runner over a KV cache of as many blocks."""
         config, kv = self.config, self.config.kv
         num_blocks = kv.num_blocks or num_blocks_for_bytes(
-            self.loaded.arch, kv.block_size, self.loaded.dtype, self._kv_budget_bytes()
+            self.loaded.arch,
+            kv.block_size,
+            self.loaded.dtype,
+            self._kv_budget_bytes(),
+            self.loaded.model.span.count,
         )
         if num_blocks <= 0:
             raise ValueError("the KV memory budget is too small for one KV block (see [kv])")
@@ -239,13 +231,26 @@ class EngineCore:
     # -- lifecycle -----------------------------------------------------------
 
     async def start(
-        self, on_fatal: FatalHandler | None = None, *, connector: KVConnector | None = None
+        self,
+        on_fatal: FatalHandler | None = None,
+        *,
+        connector: KVConnector | None = None,
+        pipe: StagePipe | None = None,
     ) -> None:
         """Start the step loop; ``on_fatal`` hears of its death (the daemon
         exits). ``connector``: the KV from and to outside the device (none
-        by default); the engine binds it to its pool and KV cache."""
+        by default); the engine binds it to its pool and KV cache. ``pipe``:
+        a pipeline stage's activations (its input rows bound to the runner)."""
         if self._loop_task is not None or self._scheduler is not None:
             raise RuntimeError("engine already started")
+        if (pipe is None) != self.span.whole:
+            raise ValueError(
+                f"layers {self.span.lo}..{self.span.hi} of {self.span.num_layers}: "
+                + ("a pipeline stage needs its activations" if pipe is None else "not a stage")
+            )
+        if pipe is not None:
+            self.pipe = pipe
+            self.runner.act_in = pipe.act_in
         self._on_fatal = on_fatal
         if connector is not None:
             connector.bind(
@@ -281,10 +286,14 @@ class EngineCore:
 
     @contextlib.asynccontextmanager
     async def serving(
-        self, on_fatal: FatalHandler | None = None, *, connector: KVConnector | None = None
+        self,
+        on_fatal: FatalHandler | None = None,
+        *,
+        connector: KVConnector | None = None,
+        pipe: StagePipe | None = None,
     ) -> AsyncIterator[EngineCore]:
         """The engine as a node's subsystem: started on entry, closed on exit."""
-        await self.start(on_fatal, connector=connector)
+        await self.start(on_fatal, connector=connector, pipe=pipe)
         try:
             yield self
         finally:
@@ -303,6 +312,8 @@ class EngineCore:
         # Loads write device blocks: let them end before their requests go.
         await self._load_tasks.wait()
         await self.connector.close()
+        if self.pipe is not None:
+            await self.pipe.close()
         # Requests never scheduled by a loop that is gone still get their end.
         if self.failure is None and self._scheduler is not None:
             self._apply_aborts()
@@ -349,6 +360,13 @@ class EngineCore:
             raise EngineClosedError("the engine is not running")
         self._check_prompt(prompt_token_ids, sampling)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
+        stage = handoff.stage
+        if (stage is None) != self.span.whole:
+            raise ValueError(
+                "a pipeline stage runs only its part of a pipelined request"
+                if stage is None
+                else "this node is not a stage of a pipelined group"
+            )
         req = Request(
             rid,
             list(prompt_token_ids),
@@ -356,7 +374,11 @@ class EngineCore:
             handoff=handoff,
         )
         num_full = len(prompt_token_ids) // self.block_size
-        if prompt_hashes is not None and len(prompt_hashes) >= num_full:
+        if stage is not None:
+            # Its layers' own keys, and no input until the stage before sends it.
+            req.block_hashes = self.hash_prompt(prompt_token_ids)
+            req.ready_tokens = stage.start if stage.act_in is not None else None
+        elif prompt_hashes is not None and len(prompt_hashes) >= num_full:
             req.block_hashes = list(prompt_hashes[:num_full])
         else:
             req.block_hashes = block_hashes(prompt_token_ids, self.block_size, self.model_id)
@@ -367,6 +389,71 @@ class EngineCore:
         self.num_prompt_tokens_total += len(req.prompt_token_ids)
         self._wakeup.set()
         return stream
+
+    def hash_prompt(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The keys this node caches a prompt's full blocks under: the blocks'
+        hashes, or (a pipeline stage) its layers' keys derived from them."""
+        hashes = block_hashes(token_ids, self.block_size, self.model_id)
+        if self.span.whole:
+            return hashes
+        return layer_hashes(hashes, self.span.lo, self.span.hi)
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """Prompt tokens this node holds the KV of, on the device or in its own
+        host tiers (what a request would start from here); at most all but the
+        last token, which is always computed."""
+        hashes = self.hash_prompt(token_ids)
+        usable = (len(token_ids) - 1) // self.block_size
+        hashes = hashes[:usable]
+        n = len(self.pool.longest_cached_prefix(hashes))
+        n += self.connector.num_held(hashes[n:])
+        return n * self.block_size
+
+    async def run_probe(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str
+    ) -> None:
+        """Run a prompt here alone, to time this node's steps (its cost profile).
+        On a pipeline stage it runs through this stage's layers only: a stage
+        after the head takes its input from rows it sets aside (what they hold
+        is as good as anything for timing), and its output goes nowhere."""
+        stage: StageJob | None = None
+        pipe = self.pipe
+        if pipe is not None:
+            span = self.span
+            index, count = (0, 3) if span.first else ((2, 3) if span.last else (1, 3))
+            act_in = None
+            if not span.first:
+                act_in = pipe.reserve(
+                    request_id, 0, len(prompt_token_ids), upstream=None, url="", ttl_s=60.0
+                )
+                if act_in is None:
+                    raise QueueFullError("no activation rows free for a probe", 1.0)
+            stage = StageJob(index, count, 0, act_in=act_in, probe=True)
+            # A stage's requests end with their prompt (the last samples one token).
+            sampling = dataclasses.replace(sampling, max_tokens=1)
+        try:
+            handoff = Handoff(peer_fetch=False, stage=stage)
+            stream = self.add_request(prompt_token_ids, sampling, request_id, handoff=handoff)
+            if stage is not None and stage.act_in is not None and pipe is not None:
+                self.stage_arrived(request_id, 0, 0, len(prompt_token_ids))
+            async for _ in stream:
+                pass
+        finally:
+            if pipe is not None:
+                pipe.release(request_id)
+
+    def stage_arrived(self, request_id: str, seq: int, start: int, end: int) -> None:
+        """A pipeline stage's input for positions [start, end) of ``request_id``
+        is in its rows (the ``seq``-th chunk): the request may compute them.
+        ChunkRefused when the chunk does not follow the last one."""
+        if self.pipe is None:
+            raise ChunkRefused("this node is not a pipeline stage taking activations in")
+        req = self.outputs.request(request_id)
+        if req is None or req.handoff.stage is None:
+            raise ChunkRefused(f"this stage runs no request {request_id!r}")
+        frontier = self.pipe.arrived(request_id, seq, start, end)
+        req.ready_tokens = frontier
+        self._wakeup.set()
 
     def _check_prompt(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -419,6 +506,9 @@ class EngineCore:
         # Blocks whose writers outside can no longer write them: free again.
         self.pool.release_expired(self._clock())
         plan = self.scheduler.schedule()
+        for req, why in self.scheduler.take_failed():
+            self.scheduler.finish(req, FinishReason.ABORT)
+            self.outputs.finish(req.request_id, FinishReason.ABORT, error=why)
         for job in plan.loads:
             task = self._load_tasks.spawn(self._load(job), name=f"load-{job.request_id}")
             self._loads[job.request_id] = (job, task)
@@ -464,7 +554,23 @@ class EngineCore:
         # Before the outputs go: a request's last one carries what its
         # connector report says became of the KV it sent.
         self.connector.after_step(out.kv_report)
+        if out.hidden is not None and self.pipe is not None:
+            self.pipe.after_step(plan, out.hidden)
         self._emit(reqs)
+        if not self.span.last:
+            self._finish_stage_parts(plan)
+
+    def _finish_stage_parts(self, plan: StepPlan) -> None:
+        """A stage before the last is done with a request once its whole prompt
+        is computed here (it samples nothing): the request ends, its output
+        on its way to the next stage."""
+        for chunk in plan.chunks:
+            req = self.scheduler.requests.get(chunk.request_id)
+            if req is None or req.num_computed_tokens < req.num_prompt_tokens:
+                continue
+            # The output first: its last one carries what the KV sent came to.
+            self.outputs.finish(req.request_id, FinishReason.LENGTH)
+            self.scheduler.finish(req, FinishReason.LENGTH)
 
     def _report_step(self, next_start: float | None) -> None:
         """Tell the step listeners of the last step: its period up to
@@ -565,56 +671,12 @@ class EngineCore:
     # -- introspection ---------------------------------------------------
 
     def requests_in_flight(self, now: float | None = None) -> list[dict[str, object]]:
-        """Every unfinished request with its phase: queued, transferring (its KV
-        comes from a prefill node), loading (from the host tiers), prefilling,
-        decoding; oldest first."""
-        now = time.monotonic() if now is None else now
-        out: list[dict[str, object]] = []
-        for rid in self.outputs.request_ids():
-            req = self.outputs.request(rid)
-            if req is None:
-                continue
-            if req.state is RequestState.LOADING:
-                phase = "transferring" if req.handoff.source is not None else "loading"
-            elif req.state is RequestState.RUNNING:
-                phase = "decoding" if req.output_token_ids else "prefilling"
-            else:
-                phase = "queued"
-            out.append(
-                {
-                    "id": rid,
-                    "phase": phase,
-                    "prompt_tokens": req.num_prompt_tokens,
-                    "output_tokens": req.handoff.output_offset + req.num_output_tokens,
-                    "prefill_node": req.prefill_node,
-                    "age_s": round(now - req.arrival_time, 3),
-                }
-            )
-        out.sort(key=lambda r: -float(r["age_s"]))  # type: ignore[arg-type]
-        return out
+        """Every unfinished request with its phase (``introspect.requests_in_flight``)."""
+        return requests_in_flight(self, time.monotonic() if now is None else now)
 
     def stats(self) -> EngineStats:
         """Counters for /metrics; EngineClosedError before ``start()``."""
-        s = self.scheduler
-        queried = s.prefix_queried_tokens
-        return EngineStats(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            kv_num_blocks=self.pool.num_blocks,
-            kv_num_used_blocks=self.pool.num_used_blocks,
-            kv_usage=self.pool.usage,
-            prefix_queried_tokens=queried,
-            prefix_hit_tokens=s.prefix_hit_tokens,
-            prefix_hit_rate=s.prefix_hit_tokens / queried if queried else 0.0,
-            num_prompt_tokens_total=self.num_prompt_tokens_total,
-            num_generation_tokens_total=self.num_generation_tokens_total,
-            num_preemptions_total=s.num_preemptions,
-            num_steps=self.num_steps,
-            num_loading=len(s.loading),
-            num_loads_total=self.num_loads_total,
-            num_offloads_total=self.connector.num_saves(),
-            num_integrity_failures=self.num_integrity_failures,
-        )
+        return engine_stats(self)
 
     def _self_check(self) -> None:
         self.num_checks += 1

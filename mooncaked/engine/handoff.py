@@ -15,11 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mooncaked.engine.plan import SampledToken
 from mooncaked.handoff import KVGrant, PrefillTarget
 from mooncaked.request import Request
+
+if TYPE_CHECKING:
+    from mooncaked.engine.core import EngineCore
+    from mooncaked.engine.pipeline import StagePipe
 
 __all__ = [
     "HandoffPorts",
@@ -78,8 +82,11 @@ class WriteGrants(Protocol):
     """Opens a grant's blocks of this node's KV segment to one peer's writes
     (the transfer engine, adapted by the daemon)."""
 
-    def open(self, grant: KVGrant, peer: str, ttl_s: float) -> object:
-        """Let ``peer`` write the granted blocks for ``ttl_s`` seconds; a handle."""
+    def open(
+        self, grant: KVGrant, peer: str, ttl_s: float, layers: tuple[int, int] | None = None
+    ) -> object:
+        """Let ``peer`` write the granted blocks for ``ttl_s`` seconds (of the
+        layers [lo, hi) only, for a stage of a pipelined group); a handle."""
         ...
 
     def close(self, handle: object) -> None:
@@ -104,6 +111,9 @@ class HandoffPorts:
     prefill: PrefillCall
     # The prefill side's: writes into a decode node's granted blocks.
     writer: KVWriter
+    # A stage of a pipelined prefill group: its activations in and out, built
+    # over the engine once it is loaded (None: not a stage).
+    stage_pipe: Callable[[EngineCore], StagePipe] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,7 @@ from mooncaked.engine.handoff import (
 )
 from mooncaked.engine.late_binding import PrefillWalk
 from mooncaked.engine.plan import LoadJob
-from mooncaked.handoff import KVGrant, KVLayout, PrefillSource
+from mooncaked.handoff import KVGrant, KVLayout, PrefillSource, PrefillTarget
 from mooncaked.request import Request
 
 log = structlog.get_logger(__name__)
@@ -134,9 +134,17 @@ class KVReceiver(KVConnector):
                 # Slower than the candidates left even idle: not worth a call.
                 self.stats.passed_on += 1
                 continue
+            if target.stages and not _tiles(target, self.layout.num_layers):
+                log.warning(
+                    "a pipelined group's stages do not hold this model's layers; skipping it",
+                    request_id=req.request_id,
+                    prefill_node=target.node_id,
+                    layers=[(st.layer_lo, st.layer_hi) for st in target.stages],
+                )
+                continue
             t0 = self.ctx.clock()
             try:
-                opened = self._open_grant(grant, target.node_id)
+                opened = self._open_grants(grant, target)
             except ValueError as exc:
                 # Nothing could write the blocks: no node is worth asking.
                 log.error("cannot open a KV grant; computing it here", error=str(exc))
@@ -170,8 +178,9 @@ class KVReceiver(KVConnector):
                 # Whatever the outcome, this node writes no more: a late write
                 # (a timed-out node still sending) is refused, not landed in
                 # blocks the next node or this one now fills.
-                if opened is not None and self._write_grants is not None:
-                    self._write_grants.close(opened)
+                if self._write_grants is not None:
+                    for handle in opened:
+                        self._write_grants.close(handle)
             self.stats.ok += 1
             log.info(
                 "kv handoff done",
@@ -185,11 +194,25 @@ class KVReceiver(KVConnector):
             return reply
         return None
 
-    def _open_grant(self, grant: KVGrant, peer: str) -> object | None:
+    def _open_grants(self, grant: KVGrant, target: PrefillTarget) -> list[object]:
+        """The grant opened to the target's writes: a prefill node's to all
+        layers, each stage's of a pipelined group to its own layers alone."""
         if self._write_grants is None:
-            return None
+            return []
         # As long as the blocks stay held for a node that failed.
-        return self._write_grants.open(grant, peer, self.grant_ttl_s + GRANT_GRACE_S)
+        ttl = self.grant_ttl_s + GRANT_GRACE_S
+        if not target.stages:
+            return [self._write_grants.open(grant, target.node_id, ttl)]
+        opened: list[object] = []
+        try:
+            for stage in target.stages:
+                layers = (stage.layer_lo, stage.layer_hi)
+                opened.append(self._write_grants.open(grant, stage.node_id, ttl, layers))
+        except BaseException:
+            for handle in opened:
+                self._write_grants.close(handle)
+            raise
+        return opened
 
     def _until_expired(self, job: LoadJob, swap: bool) -> BlockHold:
         """The job's blocks, kept from everyone until no grant of them is live."""
@@ -198,3 +221,13 @@ class KVReceiver(KVConnector):
 
     def request_finished(self, req: Request) -> None:
         self._tried.discard(req.request_id)
+
+
+def _tiles(target: PrefillTarget, num_layers: int) -> bool:
+    """Whether the target's stages hold layers 0..num_layers, each once, in order."""
+    at = 0
+    for stage in target.stages:
+        if stage.layer_lo != at or stage.layer_hi <= at:
+            return False
+        at = stage.layer_hi
+    return at == num_layers

@@ -33,7 +33,7 @@ from typing import Any
 from mooncaked.engine.connector import KVConnector
 from mooncaked.engine.handoff import HandoffStats, KVWrite, KVWriter, StepObserver, StepSend
 from mooncaked.engine.plan import StepPlan
-from mooncaked.handoff import KVGrant, KVLayout
+from mooncaked.handoff import KVGrant, KVLayout, LayerSpan
 from mooncaked.request import KVSent, Request
 
 __all__ = ["KVSender", "SendMeta", "SendReport"]
@@ -110,6 +110,8 @@ class _Sink:
     # Batches of earlier chunks not waited for yet: the step that samples the
     # first token waits for them.
     pending: list[_Batch] = field(default_factory=list)
+    # The prompt's length: the chunk that reaches it is the request's last.
+    prompt_len: int = 0
 
 
 @dataclass(slots=True)
@@ -146,8 +148,19 @@ class KVSender(KVConnector):
         layer_batch_bytes: int = 0,
         on_step: StepObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        span: LayerSpan | None = None,
     ) -> None:
+        """``span``: the model's layers this node holds (a stage of a pipelined
+        prefill group writes only those of the decode node's KV); default all."""
         self._writer = writer
+        self._span = (
+            span if span is not None else LayerSpan(0, layout.num_layers, layout.num_layers)
+        )
+        if self._span.count != layout.num_layers:
+            raise ValueError(
+                f"a KV layout of {layout.num_layers} layers for layers "
+                f"{self._span.lo}..{self._span.hi}"
+            )
         self._on_step = on_step
         self._segment = segment
         self._layout = layout
@@ -173,14 +186,18 @@ class KVSender(KVConnector):
             grant,
             self._clock() + grant.ttl_s,
             sent_upto=grant.first_block * grant.layout.block_size,
+            prompt_len=req.num_prompt_tokens,
         )
         lay, mine = grant.layout, self._layout
         if (lay.num_layers, lay.block_size, lay.row_bytes) != (
-            mine.num_layers,
+            self._span.num_layers,
             mine.block_size,
             mine.row_bytes,
         ):
+            span = self._span
             sink.failed = f"the decode node's KV layout {lay} does not match this node's {mine}"
+            if not span.whole:
+                sink.failed += f" (layers {span.lo}..{span.hi} of {span.num_layers})"
         else:
             try:
                 self._writer.add_peer(grant.node_id, grant.transfer_address)
@@ -215,11 +232,14 @@ class KVSender(KVConnector):
                 sink.failed = "the grant does not cover the prompt"
                 continue
             sink.sent_upto = max(sink.sent_upto, chunk.end_pos)
-            if not runs:
+            # The chunk that ends the prompt (it samples, but for a pipeline
+            # stage before the last): its step waits for the request's writes.
+            final = chunk.sample or chunk.end_pos >= sink.prompt_len
+            if not runs and not final:
                 continue
-            sends.append(_Send(chunk.request_id, sink.grant, tuple(runs), final=chunk.sample))
+            sends.append(_Send(chunk.request_id, sink.grant, tuple(runs), final=final))
             timeout = min(timeout, sink.deadline - now)
-            if chunk.sample:
+            if final:
                 # This step waits for them; the loop forgets them.
                 pending += sink.pending
                 sink.pending = []
@@ -399,6 +419,8 @@ class KVSender(KVConnector):
     def _ops(self, layers: range, sends: list[_Send]) -> list[KVWrite]:
         mine = self._layout
         row = mine.row_bytes
+        # This node's layer i is the model's (and the decode node's) lo + i.
+        lo = self._span.lo
         ops: list[KVWrite] = []
         for s in sends:
             g = s.grant
@@ -410,7 +432,7 @@ class KVSender(KVConnector):
                                 mine.offset(layer, kv, src, r0),
                                 g.node_id,
                                 g.segment,
-                                g.layout.offset(layer, kv, dst, r0),
+                                g.layout.offset(lo + layer, kv, dst, r0),
                                 n * row,
                             )
                         )

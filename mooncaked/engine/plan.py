@@ -28,6 +28,9 @@ class ScheduledChunk:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # Tokens the request had sampled before this step (a seeded sampler's counter).
     num_output_tokens: int = 0
+    # A stage after the first of a pipelined prefill group: the rows of its
+    # inbound activations that hold these tokens' input (None: token ids).
+    act_rows: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -41,15 +44,21 @@ class ScheduledChunk:
 def chunk_of(
     req: Request, token_ids: list[int], start_pos: int, block_ids: list[int], sample: bool
 ) -> ScheduledChunk:
-    """A chunk of ``req`` with the request's values copied in."""
+    """A chunk of ``req`` with the request's values copied in. On a stage of a
+    pipelined prefill group, only the last samples, and every stage after
+    the head reads its input from the rows the stage before wrote."""
+    stage = req.handoff.stage
+    act_in = stage.act_in if stage is not None else None
+    end = start_pos + len(token_ids)
     return ScheduledChunk(
         request_id=req.request_id,
         token_ids=token_ids,
         start_pos=start_pos,
         block_ids=list(block_ids),
-        sample=sample,
+        sample=sample and (stage is None or stage.last),
         sampling=req.sampling,
         num_output_tokens=req.handoff.output_offset + len(req.output_token_ids),
+        act_rows=act_in.rows(start_pos, end) if act_in is not None else None,
     )
 
 
@@ -106,3 +115,6 @@ class StepOutput:
     # The KV connector worker side's report of the step (plain data; None:
     # it had nothing to do), applied on the event loop after the step.
     kv_report: Any = None
+    # A stage before the last of a pipelined prefill group: the step's output
+    # rows [tokens, hidden], in plan order, for the next stage (None elsewhere).
+    hidden: Any = None

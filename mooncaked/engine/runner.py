@@ -40,14 +40,24 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 KVAllocator = Callable[[int, torch.device], torch.Tensor]
 
 
-def kv_bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across every layer, K and V."""
+def kv_bytes_per_block(
+    arch: ModelArch, block_size: int, dtype: torch.dtype, num_layers: int | None = None
+) -> int:
+    """Bytes of one block across every layer (or ``num_layers`` of them: a
+    pipeline stage's), K and V."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+    layers = arch.num_layers if num_layers is None else num_layers
+    return 2 * layers * block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
-def num_blocks_for_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype, nbytes: int) -> int:
-    return max(0, nbytes // kv_bytes_per_block(arch, block_size, dtype))
+def num_blocks_for_bytes(
+    arch: ModelArch,
+    block_size: int,
+    dtype: torch.dtype,
+    nbytes: int,
+    num_layers: int | None = None,
+) -> int:
+    return max(0, nbytes // kv_bytes_per_block(arch, block_size, dtype, num_layers))
 
 
 class ModelRunner:
@@ -98,31 +108,15 @@ class ModelRunner:
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
         )
-        # One buffer [layers, K|V, blocks, block_size, kv_heads, head_dim]: per
-        # layer, K and V are contiguous views in flash-attn's paged layout,
-        # and the whole cache is one region a peer can address.
-        self.kv_layout = KVLayout(
-            num_layers=arch.num_layers,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            row_bytes=arch.num_kv_heads
-            * arch.head_dim
-            * torch.empty((), dtype=self.dtype).element_size(),
-        )
-        shape = (arch.num_layers, 2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        if kv_allocator is None:
-            self.kv_buffer = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        else:
-            raw = kv_allocator(self.kv_layout.total_bytes, self.device)
-            if raw.dtype != torch.uint8 or raw.numel() != self.kv_layout.total_bytes:
-                raise ValueError(
-                    f"kv_allocator gave {raw.dtype} x {raw.numel()}, "
-                    f"need uint8 x {self.kv_layout.total_bytes}"
-                )
-            self.kv_buffer = raw.view(self.dtype).view(shape)
+        # A pipeline stage holds the KV of its own layers only.
+        self.span = self.model.span
+        self.kv_layout, self.kv_buffer = self._allocate_kv(kv_allocator)
         self.kv_caches: list[KVCache] = [
-            (self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(arch.num_layers)
+            (self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(self.span.count)
         ]
+        # A stage after the first: the rows its input activations arrive in
+        # ([rows, hidden], the pipeline's inbound segment), once bound.
+        self.act_in: torch.Tensor | None = None
         self.sampler = sampler if sampler is not None else Sampler()
         self.graphs: DecodeGraphs | None = None
         # Why the decode step runs eagerly ("" when it is graphed).
@@ -131,6 +125,31 @@ class ModelRunner:
             self.graphs_off_reason = "a prefill-only node does not decode"
         elif cuda_graphs != "off":
             self._capture_decode(cuda_graphs, max_graph_batch)
+
+    def _allocate_kv(self, kv_allocator: KVAllocator | None) -> tuple[KVLayout, torch.Tensor]:
+        """One buffer [layers, K|V, blocks, block_size, kv_heads, head_dim]: per
+        layer, K and V are contiguous views in flash-attn's paged layout, and
+        the whole cache is one region a peer can address."""
+        arch, num_layers = self.arch, self.span.count
+        layout = KVLayout(
+            num_layers=num_layers,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            row_bytes=arch.num_kv_heads
+            * arch.head_dim
+            * torch.empty((), dtype=self.dtype).element_size(),
+        )
+        shape = (
+            num_layers, 2, self.num_blocks, self.block_size, arch.num_kv_heads, arch.head_dim,
+        )  # fmt: skip
+        if kv_allocator is None:
+            return layout, torch.zeros(shape, dtype=self.dtype, device=self.device)
+        raw = kv_allocator(layout.total_bytes, self.device)
+        if raw.dtype != torch.uint8 or raw.numel() != layout.total_bytes:
+            raise ValueError(
+                f"kv_allocator gave {raw.dtype} x {raw.numel()}, need uint8 x {layout.total_bytes}"
+            )
+        return layout, raw.view(self.dtype).view(shape)
 
     def _capture_decode(self, mode: str, max_batch: int) -> None:
         reason = graph_unavailable_reason(self.device, self.backend)
@@ -164,7 +183,7 @@ class ModelRunner:
 
     @property
     def block_bytes(self) -> int:
-        return kv_bytes_per_block(self.arch, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.arch, self.block_size, self.dtype, self.span.count)
 
     def execute(self, plan: StepPlan) -> list[SampledToken | None]:
         """One entry per chunk, in plan order: a token where ``chunk.sample``."""
@@ -178,7 +197,7 @@ class ModelRunner:
         if connector is None or meta is None:
             with torch.inference_mode():
                 hidden, sample_rows = self._forward(plan)
-                return StepOutput(self._sample(plan, hidden, sample_rows))
+                return self._output(plan, hidden, sample_rows)
 
         def layer_done(layer: int) -> None:
             connector.save_layer(layer, meta)
@@ -186,12 +205,19 @@ class ModelRunner:
         with torch.inference_mode():
             try:
                 hidden, sample_rows = self._forward(plan, layer_done)
-                tokens = self._sample(plan, hidden, sample_rows)
+                out = self._output(plan, hidden, sample_rows)
             finally:
                 # Even when the forward failed: its sends must be out of the
                 # device blocks before they are handed to anyone else.
                 report = connector.wait_for_save(meta)
-        return StepOutput(tokens, report)
+        return StepOutput(out.tokens, report, out.hidden)
+
+    def _output(self, plan: StepPlan, hidden: torch.Tensor, sample_rows: list[int]) -> StepOutput:
+        if not self.span.last:
+            # A stage before the last samples nothing: its output is the
+            # residual stream the next stage continues from.
+            return StepOutput([None] * len(plan.chunks), hidden=hidden)
+        return StepOutput(self._sample(plan, hidden, sample_rows))
 
     def _sample(
         self, plan: StepPlan, hidden: torch.Tensor, sample_rows: list[int]
@@ -237,6 +263,7 @@ class ModelRunner:
         starts: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        act_rows: list[int] = []
         for i, c in enumerate(plan.chunks):
             n = c.num_tokens
             if n == 0:
@@ -253,6 +280,15 @@ class ModelRunner:
                     f"chunk {i} ({c.request_id}) has block ids {bad[:4]} outside "
                     f"0..{self.num_blocks - 1}"
                 )
+            if (c.act_rows is None) != self.span.first:
+                raise ValueError(
+                    f"chunk {i} ({c.request_id}): layers {self.span.lo}..{self.span.hi} take "
+                    + ("token ids" if self.span.first else "the stage before's activations")
+                )
+            if c.act_rows is not None:
+                if len(c.act_rows) != n:
+                    raise ValueError(f"chunk {i} ({c.request_id}) has {len(c.act_rows)} input rows")
+                act_rows.extend(c.act_rows)
             ids.extend(c.token_ids)
             positions.extend(range(c.start_pos, end))
             query_lens.append(n)
@@ -279,7 +315,13 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(input_ids, pos, self.kv_caches, meta, layer_done)
+        hidden_in = None
+        if act_rows:
+            if self.act_in is None:
+                raise RuntimeError("a stage's input rows are not bound")
+            rows = torch.tensor(act_rows, dtype=torch.int64)
+            hidden_in = self.act_in.index_select(0, rows).to(self.device, non_blocking=True)
+        hidden = self.model(input_ids, pos, self.kv_caches, meta, layer_done, hidden=hidden_in)
         return hidden, sample_rows
 
     def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:

@@ -79,6 +79,8 @@ class Scheduler:
         # Leading blocks of each request already in the prefix index (hits, or
         # published by us).
         self._num_published: dict[str, int] = {}
+        # Requests that cannot go on (``take_failed``).
+        self._failed: list[tuple[Request, str]] = []
         # Counters for /metrics.
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -141,9 +143,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._num_new(req, budget)
             if num_new <= 0:
-                raise RuntimeError(f"running request {req.request_id} has nothing to compute")
+                if req.handoff.stage is None:
+                    raise RuntimeError(f"running request {req.request_id} has nothing to compute")
+                # A pipeline stage whose next input has not arrived yet.
+                i += 1
+                continue
             if not self._grow(req, num_new, plan, scheduled):
                 # The request itself was preempted; nothing after it remains
                 # either (preemption takes from the end).
@@ -174,13 +180,51 @@ class Scheduler:
                 continue
             req.state = RequestState.RUNNING
             self.running.append(req)
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._num_new(req, budget)
+            if num_new <= 0:
+                continue  # a pipeline stage admitted before its input arrives
             plan.chunks.append(self._chunk(req, num_new))
             scheduled.add(req.request_id)
             budget -= num_new
         for req in admitted:
             self.waiting.remove(req)
         return plan
+
+    def _num_new(self, req: Request, budget: int) -> int:
+        """Tokens of ``req`` to compute this step, within ``budget``.
+
+        A stage of a pipelined prefill group computes no further than its
+        input has arrived (``ready_tokens``), and the head no further than
+        its planned chunk; a stage that could not start exactly where the
+        group agreed (its cached prefix went meanwhile) fails (``take_failed``).
+        """
+        computed = req.num_computed_tokens
+        num_new = min(req.num_tokens - computed, budget)
+        stage = req.handoff.stage
+        if stage is None:
+            return num_new
+        if computed < stage.start:
+            self._fail(
+                req,
+                f"this stage holds {computed} of the {stage.start} prompt tokens its "
+                "group agreed to start from (evicted meanwhile)",
+            )
+            return 0
+        if req.ready_tokens is not None:
+            num_new = min(num_new, req.ready_tokens - computed)
+        end = stage.chunk_end(computed)
+        if end is not None:
+            num_new = min(num_new, end - computed)
+        return num_new
+
+    def _fail(self, req: Request, why: str) -> None:
+        if all(r is not req for r, _ in self._failed):
+            self._failed.append((req, why))
+
+    def take_failed(self) -> list[tuple[Request, str]]:
+        """Requests that cannot go on, and why; the caller finishes them."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
@@ -236,11 +280,17 @@ class Scheduler:
         # sequence is cached, recompute its last block rather than write into
         # a shared one.
         hit_ids = hit_ids[: (tokens_len - 1) // self.block_size]
+        stage = req.handoff.stage
+        if stage is not None:
+            # Every stage of a pipelined group computes from the prefix they
+            # all hold, even where this one holds more.
+            hit_ids = hit_ids[: stage.start // self.block_size]
         num_hit_tokens = len(hit_ids) * self.block_size
         hit = self.connector.lookup(req, num_hit_tokens)
         if hit is None:
             return None
-        num_ext = max(0, min(hit.num_tokens, tokens_len - num_hit_tokens))
+        limit = tokens_len if stage is None else stage.start
+        num_ext = max(0, min(hit.num_tokens, limit - num_hit_tokens))
         if num_ext:
             # Blocks for the loaded tokens only; the tail is allocated when
             # the request runs, like a later prefill chunk.
@@ -331,6 +381,10 @@ class Scheduler:
     def _hashes(self, req: Request, num_full: int) -> list[BlockHash]:
         """The request's first ``num_full`` block hashes, extending ``req.block_hashes``."""
         have = len(req.block_hashes)
+        if num_full > have and req.handoff.stage is not None:
+            # A stage's blocks are keyed by its layers' hashes, derived from the
+            # prompt's whole at entry; its requests never grow past the prompt.
+            raise RuntimeError(f"stage request {req.request_id} grew past its prompt's hashes")
         if num_full > have:
             req.block_hashes.extend(
                 block_hashes(

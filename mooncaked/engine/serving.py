@@ -29,6 +29,7 @@ from mooncaked.engine.core import EngineCore, FatalHandler
 from mooncaked.engine.handoff import HandoffPorts, StepObserver
 from mooncaked.engine.kv_receiver import KVReceiver
 from mooncaked.engine.kv_sender import KVSender
+from mooncaked.engine.pipeline import StagePipe
 from mooncaked.engine.runner import KVAllocator
 from mooncaked.engine.store_connector import TieredStoreConnector
 
@@ -76,10 +77,12 @@ async def load_engine(
 
 @dataclass(frozen=True, slots=True)
 class Handoff:
-    """The two sides of the prompt KV handoff of a serving engine."""
+    """The two sides of the prompt KV handoff of a serving engine, and (a
+    stage of a pipelined prefill group) its activations in and out."""
 
     receiver: KVReceiver
     sender: KVSender
+    pipe: StagePipe | None = None
 
 
 @contextlib.asynccontextmanager
@@ -113,7 +116,13 @@ async def serving_engine(
         layerwise=config.disagg.layerwise,
         layer_batch_bytes=config.disagg.layer_batch_bytes,
         on_step=on_step,
+        span=engine.span,
     )
+    pipe: StagePipe | None = None
+    if not engine.span.whole:
+        if ports.stage_pipe is None:
+            raise ConfigError("a pipeline stage needs a transfer engine for its activations")
+        pipe = ports.stage_pipe(engine)
     connectors: list[KVConnector] = [receiver]
     if cache is not None:
         # A request waits for a prefetch only when the fetcher would ask
@@ -127,11 +136,12 @@ async def serving_engine(
             )
         )
     connectors.append(sender)
-    async with engine.serving(on_fatal=on_fatal, connector=MultiConnector(connectors)):
+    async with engine.serving(on_fatal=on_fatal, connector=MultiConnector(connectors), pipe=pipe):
         structlog.get_logger(__name__).bind(node=node_id).info(
             "engine started",
             model=engine.model_name,
             max_model_len=engine.max_model_len,
             role=config.node.role,
+            layers=None if engine.span.whole else [engine.span.lo, engine.span.hi],
         )
-        yield Handoff(receiver, sender)
+        yield Handoff(receiver, sender, pipe)

@@ -20,7 +20,7 @@ device hits.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 
@@ -114,6 +114,9 @@ class TieredStoreConnector(KVConnector):
             return NO_HIT
         num_blocks = self.store.lookup(hashes, record_stats=False).num_blocks
         return KVHit(num_blocks * self.ctx.block_size)
+
+    def num_held(self, hashes: Sequence[bytes]) -> int:
+        return self.store.lookup(list(hashes), record_stats=False).num_blocks if hashes else 0
 
     def request_admitted(self, req: Request, hit: KVHit) -> None:
         # Counted here, once per admission, rather than on every pass the
