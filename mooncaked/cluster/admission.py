@@ -212,6 +212,12 @@ class Admission:
         score = next((s for s in decision.prefill if s.node_id == first), None)
         work = score.prefill_s if score is not None else 0.0
         tokens = score.new_tokens if score is not None else 0
+        if score is not None and score.stages:
+            # A pipelined group: each stage has its own share of the work queued.
+            for node_id, stage_s in zip(score.stages, score.stage_s, strict=False):
+                self.ledger.add(view, node_id, PendingLoad(stage_s, tokens, 0), now)
+            self.ledger.add(view, placement.decode.node_id, PendingLoad(0.0, 0, 1), now)
+            return
         if first == placement.decode.node_id:
             self.ledger.add(view, first, PendingLoad(work, tokens, 1), now)
         else:

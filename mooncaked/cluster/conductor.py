@@ -37,6 +37,7 @@ from mooncaked.cluster.ranking import (
     Prefixes,
     decode_score,
     decode_scorer,
+    group_score,
     order_decode,
     order_prefill,
     prefill_score,
@@ -45,6 +46,7 @@ from mooncaked.cluster.ranking import (
 )
 from mooncaked.cluster.slo import Slo
 from mooncaked.cluster.state import ClusterView, MemberStatus
+from mooncaked.handoff import StageRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +178,49 @@ def candidates(
             st.costs,
             st.forecast,
             pending.get(node_id, none),
+            st.stage,
         )
     return nodes
+
+
+def groups(nodes: Mapping[str, CandidateNode]) -> list[CandidateNode]:
+    """The pipelined prefill groups whose every stage is a candidate, each as
+    one candidate: its head's, naming the stages. A group missing a stage
+    (down, draining), or whose stages contradict one another (two claim one
+    place, their layers do not split the model), serves nothing."""
+    by_group: dict[str, list[CandidateNode]] = {}
+    for n in nodes.values():
+        if n.stage is not None:
+            by_group.setdefault(n.stage.group, []).append(n)
+    out: list[CandidateNode] = []
+    for _, members in sorted(by_group.items()):
+        members.sort(key=lambda m: (m.stage.index if m.stage else 0, m.cand.node_id))
+        head = members[0]
+        info = head.stage
+        if info is None or len(members) != info.num_stages:
+            continue
+        at = 0
+        refs: list[StageRef] = []
+        for i, m in enumerate(members):
+            st = m.stage
+            if (
+                st is None
+                or st.index != i
+                or st.num_stages != info.num_stages
+                or st.num_layers != info.num_layers
+                or st.layer_lo != at
+            ):
+                break
+            refs.append(StageRef(m.cand.node_id, m.cand.url, st.layer_lo, st.layer_hi))
+            at = st.layer_hi
+        if len(refs) != info.num_stages or at != info.num_layers:
+            continue
+        cand = Candidate(head.cand.node_id, head.cand.api_addr, "prefill", 0, tuple(refs))
+        suspect = any(m.suspect for m in members)
+        out.append(
+            CandidateNode(cand, suspect, head.load, head.costs, head.forecast, head.pending, info)
+        )
+    return out
 
 
 @functools.lru_cache(maxsize=8192)
@@ -200,8 +243,10 @@ def choose_pools(
     by_role: dict[str, list[CandidateNode]] = {"prefill": [], "decode": [], "both": []}
     for n in nodes.values():
         pool = by_role.get(n.cand.role)
-        if pool is not None:
+        # A stage prefills only with its group (a candidate of its own, below).
+        if pool is not None and n.stage is None:
             pool.append(n)
+    by_role["prefill"] += groups(nodes)
     prefill, decode, both = by_role["prefill"], by_role["decode"], by_role["both"]
     if not decode and not prefill:
         if not both:
@@ -238,7 +283,12 @@ def _disaggregated(
     """Prefill nodes by TTFT, then the decode node by TBT from when the prefill ends."""
     prefixes = Prefixes(view, request, params, matches, leasable)
     pool = pools.prefill
-    scores = [prefill_score(request, params, n, nodes, prefixes) for n in pool]
+    scores = [
+        group_score(request, params, n, nodes, prefixes)
+        if n.cand.stages
+        else prefill_score(request, params, n, nodes, prefixes)
+        for n in pool
+    ]
     order = within_ttft_first(params, slo, scores, order_prefill(params, pool, scores, rng))
     best = scores[order[0]] if order else None
     reject = check_ttft(params, slo, best)

@@ -167,6 +167,82 @@ class NodeCosts:
         }
 
 
+def equal_time_chunks(
+    step: StepCost,
+    new_tokens: int,
+    cached_tokens: int,
+    first_chunk: int,
+    *,
+    align: int = 1,
+) -> list[int]:
+    """Chunk sizes for ``new_tokens`` of a prompt after ``cached_tokens``, each
+    taking about as long as the first (``first_chunk`` tokens) on ``step``.
+
+    A chunk's attention grows with the context before it, so equal chunks
+    take longer and longer; in a pipeline the slowest chunk sets the pace
+    and the last one is the drain every later stage waits for. Solving the
+    step model for ``k`` at each position keeps the chunks level (SGLang's
+    dynamic chunking, on this node's fitted model). Sizes are multiples of
+    ``align`` (a block), never above the first, never below a quarter of
+    it: a chunk's fixed costs (a step, a hop between stages) are then paid
+    at most four times over.
+    """
+    if new_tokens <= 0:
+        return []
+    first = min(first_chunk, new_tokens) if first_chunk > 0 else new_tokens
+    align = max(1, align)
+    smallest = min(first, max(align, first // 4 // align * align))
+    target = step.token_s * first + step.pair_s * prefill_pairs(first, cached_tokens)
+    chunks: list[int] = []
+    pos, left = cached_tokens, new_tokens
+    while left > 0:
+        k = first
+        if chunks and step.pair_s > 0.0 and target > 0.0:
+            # pair/2 k^2 + (token + pair (pos + 1/2)) k = target
+            a = step.pair_s / 2.0
+            b = step.token_s + step.pair_s * (pos + 0.5)
+            k = int((-b + math.sqrt(b * b + 4.0 * a * target)) / (2.0 * a)) // align * align
+            k = max(smallest, min(first, k))
+        k = min(k, left)
+        chunks.append(k)
+        pos += k
+        left -= k
+    return chunks
+
+
+def pipeline_prefill_s(
+    stages: list[StepCost],
+    chunks: list[int],
+    cached_tokens: int,
+    *,
+    queue_s: list[float] | None = None,
+    hop_s: list[float] | None = None,
+) -> float:
+    """Seconds until the last stage of a pipelined group finishes a prompt
+    cut into ``chunks`` after ``cached_tokens``.
+
+    Stage ``s`` computes chunk ``i`` once it finished chunk ``i - 1`` and
+    chunk ``i``'s activations arrived from stage ``s - 1`` (``hop_s[i]``
+    after that stage finished it): the pipeline fills, runs at the pace of
+    its slowest stage and drains. Each stage's steps are priced by its own
+    model (it fits its own layers' steps); ``queue_s[s]`` is when stage
+    ``s`` is free to start.
+    """
+    n = len(stages)
+    queues = queue_s if queue_s is not None else [0.0] * n
+    hops = hop_s if hop_s is not None else [0.0] * len(chunks)
+    ready = [0.0] * len(chunks)
+    for s, cost in enumerate(stages):
+        free = queues[s]
+        pos = cached_tokens
+        for i, k in enumerate(chunks):
+            arrive = ready[i] + (hops[i] if s > 0 else 0.0)
+            free = max(free, arrive) + cost.step_s(StepFeatures(k, prefill_pairs(k, pos)))
+            ready[i] = free
+            pos += k
+    return ready[-1] if chunks else max(queues, default=0.0)
+
+
 def transfer_s(num_tokens: int, kv_bytes_per_token: int, bps: float, rtt_s: float = 0.0) -> float:
     """Moving ``num_tokens`` of KV over a link of ``bps`` bytes/s (inf if unknown)."""
     if num_tokens <= 0:

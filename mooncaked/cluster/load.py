@@ -33,8 +33,9 @@ from mooncaked.cluster.forecast import (
     OutputLengths,
     PrefillWork,
 )
-from mooncaked.cluster.state import LocalState
+from mooncaked.cluster.state import LocalState, StageInfo
 from mooncaked.cluster.work import NodeWork, gossiped_load, queue_s
+from mooncaked.config import PipelineConfig
 from mooncaked.engine.plan import StepPlan
 from mooncaked.request import Request, SamplingParams
 
@@ -188,9 +189,7 @@ class CostMeter:
         engine: EngineCore, prompt: list[int], max_tokens: int, tag: str, i: int
     ) -> None:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        stream = engine.add_request(prompt, sampling, f"profile-{tag}-{i}")
-        async for _ in stream:
-            pass
+        await engine.run_probe(prompt, sampling, f"profile-{tag}-{i}")
 
 
 class LoadMeter:
@@ -205,6 +204,7 @@ class LoadMeter:
         draining: Callable[[], bool],
         clock: Callable[[], float],
         costs: CostMeter | None = None,
+        pipeline: PipelineConfig | None = None,
     ) -> None:
         self._role = role
         self._api_addr = api_addr
@@ -212,6 +212,8 @@ class LoadMeter:
         self._draining = draining
         self._clock = clock
         self.costs = costs
+        self._pipeline = pipeline
+        self._stage_info: StageInfo | None = None
 
     def __call__(self) -> LocalState:
         engine = self._engine()
@@ -239,4 +241,26 @@ class LoadMeter:
             load=load,
             costs=costs,
             forecast=forecast,
+            stage=self._stage(engine),
         )
+
+    def _stage(self, engine: EngineCore) -> StageInfo | None:
+        """This node's place in its pipelined prefill group, if it is a stage."""
+        p = self._pipeline
+        span = engine.span
+        if p is None or not p.enabled or span.whole:
+            return None
+        info = self._stage_info
+        if info is None:
+            arch, dtype = engine.loaded.arch, engine.loaded.dtype
+            info = self._stage_info = StageInfo(
+                group=p.group,
+                index=p.stage,
+                num_stages=p.num_stages,
+                layer_lo=span.lo,
+                layer_hi=span.hi,
+                num_layers=span.num_layers,
+                act_bytes_per_token=arch.hidden_size * dtype.itemsize,
+                chunk_tokens=p.chunk_tokens,
+            )
+        return info

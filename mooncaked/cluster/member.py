@@ -144,6 +144,7 @@ async def joined(
         draining=draining,
         clock=time.monotonic,
         costs=costs,
+        pipeline=config.pipeline,
     )
     member = ClusterMember(
         config.cluster,

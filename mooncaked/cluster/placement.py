@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cluster.fit import Calibration
 from mooncaked.cluster.slo import Slo, target_each
-from mooncaked.handoff import PrefillOffer
+from mooncaked.handoff import PrefillOffer, StageRef
 
 
 class Policy(enum.StrEnum):
@@ -156,6 +156,9 @@ class Candidate:
     role: str
     # Leading prompt blocks the node holds in any tier (the cluster index's view).
     cached_blocks: int = 0
+    # A pipelined prefill group: its stages, head first (the candidate is its
+    # head); empty: one node.
+    stages: tuple[StageRef, ...] = ()
 
     @property
     def url(self) -> str:

@@ -14,8 +14,16 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from mooncaked.cache.hashing import layer_hashes
 from mooncaked.cluster.block_index import PrefixMatch
-from mooncaked.cluster.costs import NodeCosts, predicted_tbt_s, transfer_s
+from mooncaked.cluster.costs import (
+    NodeCosts,
+    StepCost,
+    equal_time_chunks,
+    pipeline_prefill_s,
+    predicted_tbt_s,
+    transfer_s,
+)
 from mooncaked.cluster.forecast import DecodeForecast
 from mooncaked.cluster.placement import (
     Candidate,
@@ -26,7 +34,7 @@ from mooncaked.cluster.placement import (
     Policy,
 )
 from mooncaked.cluster.slo import Slo
-from mooncaked.cluster.state import ClusterView, MemberStatus, NodeLoad
+from mooncaked.cluster.state import ClusterView, MemberStatus, NodeLoad, StageInfo
 
 
 def _fields_json(obj: object) -> dict[str, object]:
@@ -58,9 +66,25 @@ class PrefillScore:
     # Prompt tokens it computes (what it lacks, or lacks after the fetch).
     new_tokens: int = 0
     note: str = ""
+    # A pipelined group (the candidate is its head): its stages, each one's
+    # compute alone (seconds, by its own model), the chunks, the activations'
+    # time between stages, and the pipeline's fill and drain (its TTFT less
+    # the queue and the slowest stage's compute).
+    stages: tuple[str, ...] = ()
+    stage_s: tuple[float, ...] = ()
+    num_chunks: int = 0
+    hop_s: float = 0.0
+    fill_s: float = 0.0
 
     def to_json(self) -> dict[str, object]:
-        return _fields_json(self)
+        out = _fields_json(self)
+        if not self.stages:
+            for name in ("stages", "stage_s", "num_chunks", "hop_s", "fill_s"):
+                del out[name]
+        else:
+            out["stages"] = list(self.stages)
+            out["stage_s"] = [round(v, 6) for v in self.stage_s]
+        return out
 
 
 @dataclass(slots=True)
@@ -90,6 +114,8 @@ class CandidateNode:
     costs: NodeCosts
     forecast: DecodeForecast
     pending: PendingLoad
+    # A stage of a pipelined prefill group: its place in it.
+    stage: StageInfo | None = None
 
 
 class Prefixes:
@@ -123,6 +149,19 @@ class Prefixes:
         self._longest = [(-nb, other) for nb, other in ranked[:2]]
         self._held = sorted(m.num_blocks for m in matches.values())
         self._prefill: dict[tuple[object, ...], float] = {}
+        self._view = view
+        self._hashes = request.hashes[: self.usable]
+        # Per layer range: the keys a stage holding those layers caches under.
+        self._layer_hashes: dict[tuple[int, int], list[bytes]] = {}
+
+    def stage_blocks(self, node_id: str, lo: int, hi: int) -> int:
+        """Leading blocks of the prompt a stage holding layers [lo, hi) caches
+        (its own keys, derived from the prompt's: ``layer_hashes``)."""
+        key = (lo, hi)
+        hashes = self._layer_hashes.get(key)
+        if hashes is None:
+            hashes = self._layer_hashes[key] = layer_hashes(self._hashes, lo, hi)
+        return self._view.held_run(node_id, hashes)
 
     def longest_elsewhere(self, node_id: str) -> tuple[int, str | None]:
         """The longest prefix a node other than ``node_id`` can lease, and
@@ -227,6 +266,89 @@ def prefill_score(
         total - remote * bs,
         "replicates a busy holder's prefix" if busy else "fetches the prefix",
     )
+
+
+def group_score(
+    request: PlacementRequest,
+    params: ConductorParams,
+    n: CandidateNode,
+    nodes: Mapping[str, CandidateNode],
+    prefixes: Prefixes,
+) -> PrefillScore:
+    """A pipelined group's predicted TTFT (``n`` is its head): each stage
+    waits out its own queue, computes its layers of each chunk once the
+    stage before sent that chunk's activations, and the last stage's end is
+    the TTFT (``costs.pipeline_prefill_s``). The chunks level in time by
+    the head's model (``costs.equal_time_chunks``), as the head cuts them.
+    A stage whose costs are unknown yet is priced by one whose are, scaled
+    by their layers' share. The group computes what its stages all hold
+    cached; it fetches nothing (its stages hold only their layers)."""
+    bs = params.block_size
+    total = request.num_prompt_tokens
+    members = [nodes[ref.node_id] for ref in n.cand.stages]
+    cached_blocks = min(
+        prefixes.stage_blocks(ref.node_id, ref.layer_lo, ref.layer_hi) for ref in n.cand.stages
+    )
+    cached = cached_blocks * bs
+    new = total - cached
+    queues = [
+        m.load.predicted_queue_s + m.pending.prefill_s
+        if m.costs.step.known
+        else (m.load.queued_prefill_tokens + m.pending.prefill_tokens) * params.nominal_token_s
+        for m in members
+    ]
+    known = [m for m in members if m.costs.step.known]
+    ids = tuple(ref.node_id for ref in n.cand.stages)
+    if not known:
+        # A ranking aid only: the stages split the layers, not the tokens.
+        compute = new * params.nominal_token_s
+        return PrefillScore(
+            n.cand.node_id, cached_blocks, 0, None, max(queues), 0.0, compute,
+            max(queues) + compute, False, False, new, "pipelined", ids,
+        )  # fmt: skip
+    steps = [_stage_step(m, known) for m in members]
+    head = members[0]
+    first = head.stage.chunk_tokens if head.stage is not None else 0
+    chunks = equal_time_chunks(steps[0], new, cached, first, align=bs)
+    act = head.stage.act_bytes_per_token if head.stage is not None else 0
+    bps = params.default_link_bps
+    hops = [params.fetch_rtt_s + k * act / bps for k in chunks]
+    ttft = pipeline_prefill_s(steps, chunks, cached, queue_s=queues, hop_s=hops)
+    idle = pipeline_prefill_s(steps, chunks, cached, hop_s=hops)
+    alone = tuple(pipeline_prefill_s([st], chunks, cached) for st in steps)
+    return PrefillScore(
+        n.cand.node_id,
+        cached_blocks,
+        0,
+        None,
+        ttft - idle,
+        0.0,
+        idle,
+        ttft,
+        False,
+        True,
+        new,
+        f"pipelined: {len(members)} stages, {len(chunks)} chunks",
+        ids,
+        alone,
+        len(chunks),
+        # Every chunk crosses each boundary between stages once.
+        sum(hops) * (len(members) - 1),
+        max(0.0, idle - max(alone, default=0.0)),
+    )
+
+
+def _stage_step(m: CandidateNode, known: list[CandidateNode]) -> StepCost:
+    """A stage's step model: its own, or (not fitted yet) another stage's
+    scaled by the share of layers each holds."""
+    if m.costs.step.known:
+        return m.costs.step
+    ref = known[0]
+    mine = m.stage.layer_hi - m.stage.layer_lo if m.stage is not None else 1
+    theirs = ref.stage.layer_hi - ref.stage.layer_lo if ref.stage is not None else 1
+    k = mine / theirs
+    st = ref.costs.step
+    return StepCost(st.base_s, st.token_s * k, st.pair_s * k, st.seq_s * k, st.ctx_s * k)
 
 
 def _own_ttft(n: CandidateNode, total: int, cached_blocks: int, params: ConductorParams) -> float:

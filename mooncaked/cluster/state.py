@@ -56,6 +56,7 @@ __all__ = [
     "NodeLoad",
     "NodeState",
     "PrefixMatch",
+    "StageInfo",
     "Tier",
     "join_chunks",
     "merge_deltas",
@@ -97,6 +98,40 @@ class NodeLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class StageInfo:
+    """A node's place in a pipelined prefill group, as gossip spreads it.
+    Wire form: ``to_list`` / ``cluster.wire``'s decoder."""
+
+    group: str
+    index: int
+    num_stages: int
+    # Its layers [layer_lo, layer_hi) of the model's num_layers.
+    layer_lo: int
+    layer_hi: int
+    num_layers: int
+    # Bytes of one token's activations: what crosses to the next stage.
+    act_bytes_per_token: int
+    # The first chunk of a pipelined prompt (the head's; later chunks level
+    # in time), 0: the token budget.
+    chunk_tokens: int = 0
+
+    def to_list(self) -> list[object]:
+        return [
+            self.group,
+            self.index,
+            self.num_stages,
+            self.layer_lo,
+            self.layer_hi,
+            self.num_layers,
+            self.act_bytes_per_token,
+            self.chunk_tokens,
+        ]
+
+    def to_json(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
 class LocalState:
     """What the hosting daemon says about itself; polled by the gossip layer."""
 
@@ -108,6 +143,8 @@ class LocalState:
     load: NodeLoad = field(default_factory=NodeLoad)
     costs: NodeCosts = field(default_factory=NodeCosts)
     forecast: DecodeForecast = field(default_factory=DecodeForecast)
+    # A stage of a pipelined prefill group (None: a node of its own).
+    stage: StageInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +172,7 @@ class NodeState:
     segments_version: int
     costs: NodeCosts = field(default_factory=NodeCosts)
     forecast: DecodeForecast = field(default_factory=DecodeForecast)
+    stage: StageInfo | None = None
 
 
 @dataclass(slots=True)
@@ -319,6 +357,19 @@ class ClusterView:
             if k:
                 some[node_id] = PrefixMatch(k, (sub[0], sub[1], sub[2]))
         return every, some
+
+    def held_run(self, node_id: str, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``hashes`` ``node_id`` holds, in any tier."""
+        index = self.blocks.get(node_id)
+        if index is None:
+            return 0
+        masks = index.masks
+        n = 0
+        for h in hashes:
+            if not masks.get(h, 0):
+                break
+            n += 1
+        return n
 
     def check_integrity(self) -> None:
         """Raises RuntimeError if the view contradicts itself."""

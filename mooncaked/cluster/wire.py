@@ -35,7 +35,7 @@ from mooncaked.cache.hashing import BLOCK_HASH_BYTES
 from mooncaked.cluster.block_index import ALL_TIERS_MASK, BlockDelta
 from mooncaked.cluster.costs import MAX_LINKS, NodeCosts, StepCost
 from mooncaked.cluster.forecast import FORECAST_HORIZONS_S, DecodeForecast
-from mooncaked.cluster.state import NodeLoad, NodeState
+from mooncaked.cluster.state import NodeLoad, NodeState, StageInfo
 
 MAC_BYTES = 16
 MAGIC = b"MG"
@@ -353,6 +353,7 @@ def state_to_json(st: NodeState) -> dict[str, Any]:
         "sver": st.segments_version,
         "costs": st.costs.to_list(),
         "fc": [list(st.forecast.batch), list(st.forecast.context_tokens)],
+        **({"stage": st.stage.to_list()} if st.stage is not None else {}),
     }
 
 
@@ -381,6 +382,38 @@ def state_from_json(obj: Mapping[str, Any]) -> NodeState:
         segments_version=get_int(obj, "sver"),
         costs=_costs_from_list(obj.get("costs")),
         forecast=_forecast_from_list(obj.get("fc")),
+        stage=_stage_from_list(obj.get("stage")),
+    )
+
+
+_STAGE_NAMES = ("idx", "n", "lo", "hi", "layers", "actb", "chunk")
+# Most stages of a group, and layers of a model, a node may claim.
+_MAX_STAGES = 16
+_MAX_LAYERS = 1 << 12
+
+
+def _stage_from_list(values: Any) -> StageInfo | None:
+    """``StageInfo.to_list`` back, every number bounded; absent: not a stage."""
+    if values is None:
+        return None
+    if not isinstance(values, list) or len(values) != len(_STAGE_NAMES) + 1:
+        raise WireError(f"field 'stage' must be a list of {len(_STAGE_NAMES) + 1} items")
+    obj = dict(zip(("group", *_STAGE_NAMES), values, strict=True))
+    group = get_str(obj, "group")
+    num_stages = get_int(obj, "n", maximum=_MAX_STAGES, minimum=2)
+    num_layers = get_int(obj, "layers", maximum=_MAX_LAYERS, minimum=1)
+    index = get_int(obj, "idx", maximum=num_stages - 1)
+    lo = get_int(obj, "lo", maximum=num_layers - 1)
+    hi = get_int(obj, "hi", maximum=num_layers, minimum=lo + 1)
+    return StageInfo(
+        group,
+        index,
+        num_stages,
+        lo,
+        hi,
+        num_layers,
+        get_int(obj, "actb", maximum=1 << 24),
+        get_int(obj, "chunk"),
     )
 
 

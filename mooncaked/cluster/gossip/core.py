@@ -232,6 +232,7 @@ class GossipCore:
             segments_version=self._segments_version,
             costs=local.costs,
             forecast=local.forecast,
+            stage=local.stage,
         )
 
     def _bump_state(self) -> None:
