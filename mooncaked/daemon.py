@@ -263,6 +263,8 @@ class Node:
                 secret=s.identity.secret,
                 targets=self.router.target_of,
                 watch=self.router.watch,
+                pipeline=cfg.pipeline,
+                notice=s.stage_client.notify,
             ) as ports,
             serving_engine(
                 engine,

@@ -238,7 +238,13 @@ class Submission:
         self.decode_node = placement.decode.node_id
         offers = placement.offers
         targets = tuple(
-            PrefillTarget(c.node_id, c.url, placement.fetches(i), offers[i] if offers else None)
+            PrefillTarget(
+                c.node_id,
+                c.url,
+                placement.fetches(i),
+                offers[i] if offers else None,
+                c.stages,
+            )
             for i, c in enumerate(placement.prefill)
         )
         # Late binding: a hop to the next prefill node costs about a fetch's round trip.

@@ -22,10 +22,11 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from mooncaked.api.pipeline import PipelineAPI
 from mooncaked.api.refusals import REFUSALS, NodeMismatch, NotServing, refusal
 from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
 from mooncaked.engine.core import EngineCore
-from mooncaked.engine.handoff import PrefillBusy, PrefillReply
+from mooncaked.engine.handoff import PrefillBusy, PrefillError, PrefillReply
 from mooncaked.engine.kv_sender import KVSender
 from mooncaked.engine.plan import SampledToken
 from mooncaked.rpc import Target, Verifier
@@ -51,6 +52,7 @@ class DisaggAPI:
         sender: Callable[[], KVSender | None],
         draining: Callable[[], bool],
         queue_s: Callable[[], float] = lambda: 0.0,
+        pipeline: PipelineAPI | None = None,
     ) -> None:
         # Calls are good only if signed for this node in this process.
         self.verifier = Verifier(secret, identity=lambda: Target(node_id(), generation))
@@ -61,6 +63,8 @@ class DisaggAPI:
         self._engine = engine
         self._sender = sender
         self._draining = draining
+        # A pipelined group's head runs a prefill call naming its stages.
+        self._pipeline = pipeline
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post(GENERATE_PATH, self.generate), web.post(PREFILL_PATH, self.prefill)]
@@ -128,6 +132,13 @@ class DisaggAPI:
                     f"{limit:.3f} s allowed; ask the next node"
                 )
             engine = self._ready_engine()
+            if call.stages:
+                return await self._pipelined(call)
+            if not engine.span.whole:
+                raise NodeMismatch(
+                    f"this node holds layers {engine.span.lo}..{engine.span.hi} only: "
+                    "it prefills as a stage of its pipelined group"
+                )
             sender = self._sender()
             if sender is None:
                 raise NotServing("this node cannot send KV (no transfer engine)")
@@ -165,4 +176,17 @@ class DisaggAPI:
         )
         token = SampledToken(last.new_token_ids[-1], last.logprobs[-1] if last.logprobs else None)
         reply = PrefillReply(self._node_id(), token, last.num_cached_tokens, nbytes)
+        return web.Response(body=encode_prefill_reply(reply), content_type="application/json")
+
+    async def _pipelined(self, call: PrefillBody) -> web.Response:
+        """The call as its pipelined group's head (the refusals of a call that
+        does not fit propagate to the caller's table)."""
+        if self._pipeline is None:
+            raise NodeMismatch("this node runs no pipelined prefill groups")
+        try:
+            reply = await self._pipeline.head(call)
+        except PrefillError as exc:
+            if isinstance(exc, PrefillBusy):
+                raise
+            return rpc_error(502, str(exc))
         return web.Response(body=encode_prefill_reply(reply), content_type="application/json")

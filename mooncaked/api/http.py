@@ -27,6 +27,7 @@ from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import CLUSTER_METRICS, ENGINE_METRICS, SnapshotMetrics
 from mooncaked.api.middleware import api_middleware
 from mooncaked.api.openai import OpenAIAPI
+from mooncaked.api.pipeline import PipelineAPI
 from mooncaked.api.recent import RecentRequests
 from mooncaked.api.server import (
     CappedTCPSite,
@@ -95,6 +96,19 @@ class NodeApi:
         self.recent_requests = RecentRequests(lambda: s.node_id)
         self.openai.finished_listeners.append(self.recent_requests.add)
         # Disaggregated serving: the decode node's and the prefill node's calls.
+        # A stage of a pipelined prefill group: its calls, and its head's run.
+        self.pipeline = PipelineAPI(
+            secret=s.identity.secret,
+            node_id=lambda: s.node_id,
+            generation=s.identity.generation,
+            config=s.config.pipeline,
+            block_size=s.config.kv.block_size,
+            engine=lambda: s.engine,
+            draining=lambda: s.lifecycle.draining,
+            client=s.stage_client,
+            step_cost=lambda: s.costs.costs().step if s.costs is not None else None,
+            watch=s.router.watch,
+        )
         self.disagg = DisaggAPI(
             secret=s.identity.secret,
             node_id=lambda: s.node_id,
@@ -104,6 +118,7 @@ class NodeApi:
             sender=lambda: s.sender,
             draining=lambda: s.lifecycle.draining,
             queue_s=s.queue_s,
+            pipeline=self.pipeline,
         )
         self.handoff = HandoffStatus(s)
         # The sender's per-step observer.
@@ -137,6 +152,7 @@ class NodeApi:
             *self.recent_requests.routes(),
             *ui_routes(),
             *self.disagg.routes(),
+            *self.pipeline.routes(),
             *self.conductor.routes(),
         ]
 

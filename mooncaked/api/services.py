@@ -22,6 +22,7 @@ from mooncaked.api.metrics import ApiMetrics
 from mooncaked.config import Config
 from mooncaked.identity import NodeIdentity
 from mooncaked.router import Router
+from mooncaked.wire.pipeline import StageClient
 
 if TYPE_CHECKING:
     from mooncaked.cache.peer import LeaseDesk, PeerFetcher
@@ -136,6 +137,8 @@ class Services:
     lifecycle: Lifecycle
     metrics: ApiMetrics
     router: Router
+    # A pipeline stage's calls to the next one, signed like the router's.
+    stage_client: StageClient
     # Each None until its subsystem runs, and again once it stopped.
     transfer: TransferStatus | None = None
     engine: EngineCore | None = None
@@ -172,7 +175,10 @@ class Services:
             # make the same choice among near-equal nodes.
             rng=random.Random(secrets.randbits(64)),
         )
-        services = cls(config, identity, lifecycle, ApiMetrics(), router)
+        stage_client = StageClient(
+            key=router.key, session=router.session, targets=router.target_of, watch=router.watch
+        )
+        services = cls(config, identity, lifecycle, ApiMetrics(), router, stage_client)
         return services
 
     @property

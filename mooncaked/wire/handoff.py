@@ -2,7 +2,7 @@
 their offers, and KV grants.
 
 ``handoff.py`` keeps the values; these are their one encoder and decoder
-each. An offer travels as ``PrefillOffer.to_list()``, the same four figures
+each (a pipelined group's stages too). An offer travels as ``PrefillOffer.to_list()``, the same four figures
 ``/admin/explain`` shows.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mooncaked.handoff import KVGrant, KVLayout, PrefillOffer, PrefillTarget
+from mooncaked.handoff import KVGrant, KVLayout, PrefillOffer, PrefillTarget, StageRef
 from mooncaked.wire import fields
 
 # Most blocks one grant may name (a 1M-token prompt in 16-token blocks).
@@ -37,18 +37,55 @@ def encode_target(target: PrefillTarget) -> dict[str, Any]:
     out: dict[str, Any] = {"node_id": target.node_id, "url": target.url, "fetch": target.fetch}
     if target.offer is not None:
         out["offer"] = target.offer.to_list()
+    if target.stages:
+        out["stages"] = [encode_stage(s) for s in target.stages]
     return out
 
 
 def decode_target(raw: Any, name: str = "target") -> PrefillTarget:
     d = fields.obj(raw, name)
     offer = d.get("offer")
+    stages = d.get("stages")
+    node_id = fields.text(d.get("node_id"), f"{name}.node_id")
+    refs = () if stages is None else decode_stages(stages, f"{name}.stages")
+    if refs and refs[0].node_id != node_id:
+        raise fields.refuse(f"{name}.stages[0][0]", f"the target's own id {node_id!r}", refs[0])
     return PrefillTarget(
-        node_id=fields.text(d.get("node_id"), f"{name}.node_id"),
+        node_id=node_id,
         url=fields.text(d.get("url"), f"{name}.url", 2048),
         fetch=fields.flag(d.get("fetch", True), f"{name}.fetch"),
         offer=None if offer is None else decode_offer(offer, f"{name}.offer"),
+        stages=refs,
     )
+
+
+# A pipelined group's stages: at most as many as the config allows.
+MAX_STAGES = 16
+_STAGE = "[node_id, url, layer_lo, layer_hi]"
+
+
+def encode_stage(ref: StageRef) -> list[Any]:
+    return [ref.node_id, ref.url, ref.layer_lo, ref.layer_hi]
+
+
+def decode_stages(raw: Any, name: str = "stages") -> tuple[StageRef, ...]:
+    """A pipelined group's stages, head first: each ``[node_id, url, lo, hi]``,
+    their layers one after the other from 0."""
+    if not isinstance(raw, list) or not 2 <= len(raw) <= MAX_STAGES:
+        raise fields.refuse(name, f"a list of 2..{MAX_STAGES} stages", raw)
+    out: list[StageRef] = []
+    at = 0
+    for i, item in enumerate(raw):
+        where = f"{name}[{i}]"
+        if not isinstance(item, list) or len(item) != 4:
+            raise fields.refuse(where, _STAGE, item)
+        node_id = fields.text(item[0], f"{where}[0]")
+        url = fields.text(item[1], f"{where}[1]", 2048)
+        lo = fields.integer(item[2], f"{where}[2]", at, at)
+        hi = fields.integer(item[3], f"{where}[3]", lo + 1, 1 << 12)
+        out.append(StageRef(node_id, url, lo, hi))
+        at = hi
+    return tuple(out)
 
 
 def encode_grant(grant: KVGrant) -> dict[str, Any]:

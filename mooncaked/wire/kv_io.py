@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import structlog
@@ -19,8 +20,10 @@ import torch
 
 from mooncaked.cache.peer import Offer, PeerError
 from mooncaked.cluster.watch import MemberLost, MemberWatch
-from mooncaked.config import DisaggConfig
+from mooncaked.config import DisaggConfig, PipelineConfig
+from mooncaked.engine.core import EngineCore
 from mooncaked.engine.handoff import HandoffPorts, KVWrite
+from mooncaked.engine.pipeline import ACT_IN_SEGMENT, ACT_OUT_SEGMENT, ChunkNotice, StagePipe
 from mooncaked.engine.serving import KV_SEGMENT
 from mooncaked.handoff import KVGrant
 from mooncaked.rpc import Target
@@ -68,12 +71,15 @@ class TransferKVWriter:
 
 class TransferWriteGrants:
     """The KV receiver's ``WriteGrants`` over the transfer engine: a grant's
-    blocks, in every layer's K and V plane of the KV segment, open to one peer."""
+    blocks, in every layer's K and V plane of the KV segment (or a stage's
+    layers' planes), open to one peer; and a stage's ``RowGrants``."""
 
     def __init__(self, transfer: TransferEngine) -> None:
         self._transfer = transfer
 
-    def open(self, grant: KVGrant, peer: str, ttl_s: float) -> WriteGrant:
+    def open(
+        self, grant: KVGrant, peer: str, ttl_s: float, layers: tuple[int, int] | None = None
+    ) -> WriteGrant:
         lay = grant.layout
         return self._transfer.grant_write(
             grant.segment,
@@ -81,6 +87,27 @@ class TransferWriteGrants:
             block_bytes=lay.block_bytes,
             blocks_per_plane=lay.num_blocks,
             block_ids=grant.block_ids,
+            ttl_s=ttl_s,
+            # Planes are (layer, K|V): layers [lo, hi) are planes [2 lo, 2 hi).
+            planes=None if layers is None else (2 * layers[0], 2 * layers[1]),
+        )
+
+    def open_blocks(
+        self,
+        segment: str,
+        peer: str,
+        *,
+        block_bytes: int,
+        num_blocks: int,
+        block_ids: Sequence[int],
+        ttl_s: float,
+    ) -> WriteGrant:
+        return self._transfer.grant_write(
+            segment,
+            peer,
+            block_bytes=block_bytes,
+            blocks_per_plane=num_blocks,
+            block_ids=block_ids,
             ttl_s=ttl_s,
         )
 
@@ -126,17 +153,67 @@ async def handoff_ports(
     secret: bytes,
     targets: Callable[[str], Target | None],
     watch: MemberWatch,
+    pipeline: PipelineConfig | None = None,
+    notice: ChunkNotice | None = None,
 ) -> AsyncIterator[HandoffPorts]:
-    """The handoff's ports while entered: the prefill client is open."""
+    """The handoff's ports while entered: the prefill client is open. A
+    pipeline stage (``pipeline`` enabled) gets its activations' segments,
+    announcing each chunk to the next stage with ``notice``."""
+    writer = TransferKVWriter(transfer, watch)
+    grants = TransferWriteGrants(transfer)
+    make_pipe = None
+    if pipeline is not None and pipeline.enabled:
+        make_pipe = functools.partial(
+            stage_pipe, transfer, pipeline, writer=writer, grants=grants, notice=notice
+        )
     async with PrefillClient(
         secret=secret, timeout_s=config.grant_ttl_s, targets=targets, watch=watch
     ) as client:
         yield HandoffPorts(
             transfer_address=transfer.address,
-            write_grants=TransferWriteGrants(transfer),
+            write_grants=grants,
             prefill=client.prefill,
-            writer=TransferKVWriter(transfer, watch),
+            writer=writer,
+            stage_pipe=make_pipe,
         )
+
+
+def stage_pipe(
+    transfer: TransferEngine,
+    config: PipelineConfig,
+    engine: EngineCore,
+    *,
+    writer: TransferKVWriter,
+    grants: TransferWriteGrants,
+    notice: ChunkNotice | None,
+) -> StagePipe:
+    """A stage's activations over the transfer engine: its input rows in a
+    segment the stage before writes only under a grant, its output staged in
+    one of its own (each ``pipeline.activation_bytes``)."""
+    span, arch, dtype = engine.span, engine.loaded.arch, engine.loaded.dtype
+    row_bytes = arch.hidden_size * torch.empty((), dtype=dtype).element_size()
+    block_rows = engine.block_size
+    rows = max(1, config.activation_bytes // (row_bytes * block_rows)) * block_rows
+
+    def rows_of(name: str, access: Access) -> torch.Tensor:
+        segment = transfer.allocate(name, rows * row_bytes, access)
+        raw = torch.frombuffer(segment.view.cast("B"), dtype=torch.uint8)
+        return raw.view(dtype).view(rows, arch.hidden_size)
+
+    return StagePipe(
+        node_id=transfer.node_id,
+        span=span,
+        hidden_size=arch.hidden_size,
+        dtype=dtype,
+        block_rows=block_rows,
+        # The stage before writes here only under a grant (and reads nothing).
+        act_in=None if span.first else rows_of(ACT_IN_SEGMENT, Access.GRANTED),
+        act_out=None if span.last else rows_of(ACT_OUT_SEGMENT, Access.READ),
+        transfer_address=transfer.address,
+        writer=writer,
+        grants=grants,
+        notice=notice,
+    )
 
 
 class TransferBlockReader:

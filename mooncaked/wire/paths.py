@@ -6,6 +6,10 @@ from __future__ import annotations
 GENERATE_PATH = "/internal/generate"
 # Decode node -> prefill node: compute a prompt's KV into granted blocks.
 PREFILL_PATH = "/internal/prefill"
+# Stage -> next stage of a pipelined prefill group: take part in a request;
+# a chunk's activations are in the granted rows.
+PIPELINE_OPEN_PATH = "/internal/pipeline/open"
+PIPELINE_CHUNK_PATH = "/internal/pipeline/chunk"
 # Reader -> holder: lease the cached blocks of a prefix, give a lease back.
 LOOKUP_PATH = "/internal/cache/lookup"
 RELEASE_PATH = "/internal/cache/release"

@@ -25,12 +25,12 @@ import orjson
 from mooncaked.cluster.watch import MemberLost, MemberWatch
 from mooncaked.engine.handoff import PrefillBusy, PrefillError, PrefillReply
 from mooncaked.engine.plan import SampledToken
-from mooncaked.handoff import Handoff, KVGrant, PrefillTarget
+from mooncaked.handoff import Handoff, KVGrant, PrefillTarget, StageRef
 from mooncaked.request import Request, SamplingParams
 from mooncaked.rpc import Target, derive_key, signed_headers
 from mooncaked.wire import fields
 from mooncaked.wire.errors import ErrorAnswer
-from mooncaked.wire.handoff import decode_grant, encode_grant
+from mooncaked.wire.handoff import decode_grant, decode_stages, encode_grant, encode_stage
 from mooncaked.wire.paths import PREFILL_PATH
 from mooncaked.wire.request import (
     decode_logprob,
@@ -56,6 +56,9 @@ class PrefillBody:
     # Late binding: the longest queue the prefill node may take the request
     # with (inf: any; absent from the wire).
     max_wait_s: float = math.inf
+    # A pipelined group's stages, the node asked first (its head); empty:
+    # one prefill node.
+    stages: tuple[StageRef, ...] = ()
 
     def encode(self) -> bytes:
         doc: dict[str, Any] = {
@@ -67,12 +70,15 @@ class PrefillBody:
         }
         if math.isfinite(self.max_wait_s):
             doc["max_wait_s"] = round(self.max_wait_s, 6)
+        if self.stages:
+            doc["stages"] = [encode_stage(s) for s in self.stages]
         return orjson.dumps(doc)
 
     @classmethod
     def decode(cls, data: dict[str, Any]) -> PrefillBody:
         """ValueError naming the field that is wrong."""
         max_wait = data.get("max_wait_s")
+        stages = data.get("stages")
         return cls(
             request_id=fields.text(data.get("request_id"), "request_id"),
             prompt_token_ids=decode_prompt(data.get("prompt_token_ids")),
@@ -84,6 +90,7 @@ class PrefillBody:
                 if max_wait is None
                 else fields.number(max_wait, "max_wait_s", unit="seconds")
             ),
+            stages=() if stages is None else decode_stages(stages),
         )
 
     def handoff(self) -> Handoff:
@@ -169,7 +176,13 @@ class PrefillClient:
                 "a call to it cannot be signed"
             )
         body = PrefillBody(
-            req.request_id, req.prompt_token_ids, req.sampling, grant, target.fetch, max_wait_s
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling,
+            grant,
+            target.fetch,
+            max_wait_s,
+            target.stages,
         ).encode()
         headers = {
             "Content-Type": "application/json",
