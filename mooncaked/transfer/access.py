@@ -87,7 +87,7 @@ class WriteGrant:
         per_plane, ids = self.blocks_per_plane, self.block_ids
         if self.planes is not None:
             lo, hi = self.planes
-            if not lo <= first // per_plane and last // per_plane < hi:
+            if not (lo <= first // per_plane and last // per_plane < hi):
                 return False
         return all(unit % per_plane in ids for unit in range(first, last + 1))
 
