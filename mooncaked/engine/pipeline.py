@@ -247,6 +247,8 @@ class StagePipe:
         self._outbound: dict[str, _Outbound] = {}
         self._out_freed = asyncio.Condition()
         self._tasks = TaskSet("stage-pipe")
+        # Frees held rows once their grant ends (``_release_expired``).
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- inbound ---------------------------------------------------------------
 
@@ -346,10 +348,13 @@ class StagePipe:
             # Over shm a granted mapping outlives the grant: whatever the
             # writer still sends lands here until then.
             self._held.append((inbound.deadline, ids))
+            self._release_expired()
         else:
             self._in_blocks.free(ids)
 
     def _release_expired(self) -> None:
+        """Frees held rows whose grant ended; wakes itself for the next to end
+        (nothing else may come to free them: the group may be gone)."""
         now = self._clock()
         keep: list[tuple[float, list[int]]] = []
         for until, ids in self._held:
@@ -358,6 +363,14 @@ class StagePipe:
             else:
                 keep.append((until, ids))
         self._held = keep
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if keep:
+            wait = min(until for until, _ in keep) - now
+            self._timer = asyncio.get_running_loop().call_later(
+                max(0.0, wait) + 0.01, self._release_expired
+            )
 
     # -- outbound --------------------------------------------------------------
 
@@ -509,3 +522,6 @@ class StagePipe:
         await self._tasks.wait()
         for rid in list(self._inbound):
             self.release(rid)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
