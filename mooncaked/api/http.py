@@ -108,6 +108,7 @@ class NodeApi:
             client=s.stage_client,
             step_cost=lambda: s.costs.costs().step if s.costs is not None else None,
             watch=s.router.watch,
+            fetcher=lambda: s.peer_fetcher,
         )
         self.disagg = DisaggAPI(
             secret=s.identity.secret,
@@ -129,6 +130,7 @@ class NodeApi:
         self.admin.add_status_section("cluster", s.cluster_status)
         self.admin.add_status_section("handoff", self.handoff.status_section)
         self.admin.add_status_section("conductor", self.conductor.status_section)
+        self.admin.add_status_section("pipeline", self.pipeline.status_section)
         for source in (
             SnapshotMetrics(s.engine_stats, ENGINE_METRICS),
             self.cache.metrics_source(),

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from mooncaked.api.refusals import REFUSALS, NodeMismatch, NotServing, refusal
 from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
+from mooncaked.cache.peer import PeerFetcher
 from mooncaked.cluster.costs import StepCost, equal_time_chunks
 from mooncaked.cluster.watch import MemberLost, MemberWatch
 from mooncaked.config import PipelineConfig
@@ -84,6 +85,7 @@ class PipelineAPI:
         client: StageClient,
         step_cost: Callable[[], StepCost | None],
         watch: MemberWatch | None = None,
+        fetcher: Callable[[], PeerFetcher | None] = lambda: None,
     ) -> None:
         self.verifier = Verifier(secret, identity=lambda: Target(node_id(), generation))
         self._node_id = node_id
@@ -94,11 +96,28 @@ class PipelineAPI:
         self._client = client
         self._step_cost = step_cost
         self._watch = watch
+        # Pulls a prefix of this stage's layers from a peer holding them.
+        self._fetcher = fetcher
         self.num_requests = 0
         self.num_failed = 0
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post(PIPELINE_OPEN_PATH, self.open), web.post(PIPELINE_CHUNK_PATH, self.chunk)]
+
+    def status_section(self) -> dict[str, object] | None:
+        """/admin/status's ``pipeline``: this stage, its rows and counters (None: not a stage)."""
+        engine = self._engine()
+        cfg = self._config
+        if not cfg.enabled or engine is None or engine.pipe is None:
+            return None
+        return {
+            "group": cfg.group,
+            "stage": cfg.stage,
+            "num_stages": cfg.num_stages,
+            "requests": self.num_requests,
+            "failed": self.num_failed,
+            **engine.pipe.status(),
+        }
 
     def _stage_engine(self, index: int, me: StageRef) -> tuple[EngineCore, StagePipe]:
         """This node's engine, if it serves stage ``index`` as ``me`` names it."""
@@ -135,6 +154,17 @@ class PipelineAPI:
             )
         )
 
+    async def _held(self, engine: EngineCore, prompt: list[int], peer_fetch: bool) -> int:
+        """Prompt tokens this stage holds of its layers, once what peers hold of
+        them (another group's same stage) is pulled into its DRAM tier."""
+        fetcher = self._fetcher()
+        if peer_fetch and fetcher is not None:
+            hashes = engine.hash_prompt(prompt)[: (len(prompt) - 1) // engine.block_size]
+            if fetcher.would_ask(hashes):
+                # Bounded by the fetcher's own deadline; a failure costs a recompute.
+                await fetcher.fetch(hashes)
+        return engine.cached_prefix(prompt)
+
     async def _race(self, node_id: str, call: Awaitable[T]) -> T:
         """``call``, cut short when gossip loses ``node_id`` (a frozen stage
         neither answers nor closes its connections)."""
@@ -152,7 +182,7 @@ class PipelineAPI:
         engine, pipe = self._stage_engine(0, me)
         prompt = call.prompt_token_ids
         local_id = f"{call.request_id}@stage0"
-        cap = engine.cached_prefix(prompt)
+        cap = await self._held(engine, prompt, call.peer_fetch)
         self.num_requests += 1
         try:
             opened = await self._client.open(
@@ -215,7 +245,7 @@ class PipelineAPI:
         prompt = call.prompt_token_ids
         local_id = f"{call.request_id}@stage{call.index}"
         last = call.index == len(call.stages) - 1
-        cap = min(engine.cached_prefix(prompt), call.cap)
+        cap = min(await self._held(engine, prompt, call.peer_fetch), call.cap)
         opened: OpenedStage | None = None
         stream: RequestStream | None = None
         try:

@@ -320,7 +320,13 @@ def _disaggregated(
         decode=d.cand,
         prefill=tuple(pool[i].cand for i in tried),
         fetch=best.fetch,
-        prefill_fetch=tuple(scores[i].fetch for i in tried),
+        # A group's stages pull what a peer holds of their own layers (another
+        # group's same stage) under the conductor policy: placement does not
+        # price it, a stage only asks where the cluster index says a peer has it.
+        prefill_fetch=tuple(
+            scores[i].fetch or (bool(pool[i].cand.stages) and params.policy is Policy.CONDUCTOR)
+            for i in tried
+        ),
         predicted_ttft_s=params.ttft(model_ttft),
         predicted_tbt_s=params.tbt(dbest.tbt_s),
         model_ttft_s=model_ttft,
