@@ -37,6 +37,14 @@ class Cluster:
             engine = n.engine
             assert engine is not None
             engine.check_integrity()
+            if engine.pipe is not None:
+                engine.pipe.check_integrity()
+
+
+def stage(group: str, index: int, num_stages: int, **pipeline: Any) -> tuple[str, Any]:
+    """A prefill node that is stage ``index`` of pipelined group ``group``."""
+    sections = {"pipeline": {"group": group, "stage": index, "num_stages": num_stages, **pipeline}}
+    return ("prefill", sections)
 
 
 ClusterFactory = Callable[..., Awaitable[Cluster]]
@@ -47,17 +55,21 @@ async def cluster_factory(tmp_path: Path) -> AsyncIterator[ClusterFactory]:
     started: list[Node] = []
 
     async def make(
-        roles: list[str], transports: list[str] | None = None, **extra: dict[str, Any]
+        roles: list[str | tuple[str, dict[str, dict[str, Any]]]],
+        transports: list[str] | None = None,
+        **extra: dict[str, Any],
     ) -> Cluster:
+        """Nodes of ``roles``, each a role or (role, its own config sections)."""
         nodes: list[Node] = []
         seeds: list[str] = []
-        for i, role in enumerate(roles):
+        for i, spec in enumerate(roles):
+            role, mine = (spec, {}) if isinstance(spec, str) else spec
             plan = NodePlan(f"{role}-{i}-{len(started)}", role, 0, 0)
             own: dict[str, dict[str, Any]] = {"store": {"dram_bytes": 16 << 20}}
             if transports is not None:
                 own["transfer"] = {"transports": transports}
             sections = node_config(
-                merge_sections(own, extra),
+                merge_sections(own, extra, mine),
                 plan,
                 cluster=True,
                 seeds=seeds,

@@ -70,8 +70,11 @@ class Cluster:
         self.nodes: dict[str, DaemonProcess] = {}
         self.seed: list[str] = []
 
-    def start(self, node_id: str, role: str) -> DaemonProcess:
-        d = spawn_daemon(self.tmp / node_id, toml(node_id, role, self.seed, self.grant_ttl_s))
+    def start(self, node_id: str, role: str, extra: str = "") -> DaemonProcess:
+        """``extra``: TOML appended to the node's config (its own sections)."""
+        d = spawn_daemon(
+            self.tmp / node_id, toml(node_id, role, self.seed, self.grant_ttl_s) + extra
+        )
         self.nodes[node_id] = d
         if not self.seed:
             self.seed = [get(d.url + "/admin/cluster")["nodes"][0]["gossip_addr"]]
@@ -264,3 +267,48 @@ def test_kill_9_of_a_decode_node_mid_stream_resumes_elsewhere(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     decode_node_fault_mid_stream(cluster, tmp_path, signal.SIGKILL, 160, WAIT_S)
+
+
+def stage_toml(index: int) -> str:
+    return f'\n[pipeline]\ngroup = "g"\nstage = {index}\nnum_stages = 2\nchunk_tokens = 256\n'
+
+
+@pytest.mark.parametrize("victim", ["s0", "s1"])
+def test_kill_9_of_a_stage_of_a_pipelined_group_mid_request(
+    cluster: Cluster, tmp_path: Path, victim: str
+) -> None:
+    """A group's stage dies while long prompts flow through it: the decode node
+    computes them itself (no other prefill candidate), every request ends
+    with the single node's text, and the surviving stage lets go of all it
+    held for them (rows, grants, blocks)."""
+    rng = random.Random(17)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(1000, 3000))] for _ in range(10)]
+    want = reference(tmp_path, prompts)
+    cluster.start("s0", "prefill", stage_toml(0))
+    cluster.start("s1", "prefill", stage_toml(1))
+    d = cluster.start("d1", "decode")
+    cluster.wait_converged(["s0", "s1", "d1"])
+
+    async def run() -> list[tuple[str, dict[str, str]]]:
+        tasks = [asyncio.ensure_future(complete(d.url, p)) for p in prompts]
+        await three_done(tasks, WAIT_S)
+        cluster.nodes[victim].proc.send_signal(signal.SIGKILL)
+        return list(await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S))
+
+    got = asyncio.run(run())
+    assert [g[0] for g in got] == want
+    # The group's head served those before the kill; d1 the rest.
+    served = [h["x-mooncaked-prefill-node"] for _, h in got]
+    assert set(served) <= {"s0", "d1"} and "s0" in served and "d1" in served, served
+    survivor = "s1" if victim == "s0" else "s0"
+    for nid in (survivor, "d1"):
+        cluster.assert_clean(nid)
+    st = get(cluster.nodes[survivor].url + "/admin/status")["pipeline"]
+    assert st["inbound_requests"] == 0 and st["outbound_requests"] == 0, st
+    # Rows a dead stage might still have written wait out its grant, then free.
+    deadline = time.monotonic() + WAIT_S
+    while (st := get(cluster.nodes[survivor].url + "/admin/status")["pipeline"])[
+        "input_blocks_held"
+    ]:
+        assert time.monotonic() < deadline, st
+        time.sleep(0.2)
