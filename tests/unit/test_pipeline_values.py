@@ -360,3 +360,14 @@ async def test_an_output_the_next_stage_refuses_fails_the_request(
     assert head.stats.send_failures == 1
     await head.close()
     await tail.close()
+
+
+def test_the_reference_stage_config_loads() -> None:
+    from pathlib import Path
+
+    from mooncaked.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "config" / "prefill-stage.toml")
+    assert cfg.node.role == "prefill" and cfg.pipeline.enabled
+    assert (cfg.pipeline.group, cfg.pipeline.stage, cfg.pipeline.num_stages) == ("cpp-0", 0, 2)
+    assert cfg.transfer.host != "127.0.0.1" and cfg.cluster.gossip_host == cfg.transfer.host
