@@ -453,4 +453,6 @@ def _state_json(st: NodeState) -> dict[str, Any]:
             "batch": list(st.forecast.batch),
             "context_tokens": list(st.forecast.context_tokens),
         },
+        # A stage of a pipelined prefill group: its group, place and layers.
+        "stage": st.stage.to_json() if st.stage is not None else None,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -18,7 +19,7 @@ from mooncaked.cluster.block_index import (
     merge_deltas,
     tier_mask,
 )
-from mooncaked.cluster.state import ClusterView, Member, MemberStatus, NodeLoad
+from mooncaked.cluster.state import ClusterView, Member, MemberStatus, NodeLoad, StageInfo
 from tests.cluster_views import member
 
 GEN = 5
@@ -308,6 +309,24 @@ def test_wire_roundtrip_of_state_and_blocks() -> None:
         wire.state_from_json(bad)
     with pytest.raises(ValueError):
         wire.Codec(b"short", "x")
+
+
+def test_a_stage_s_place_in_its_group_travels_and_is_bounded() -> None:
+    st = _member("node-1").state
+    assert st is not None
+    staged = dataclasses.replace(st, stage=StageInfo("g", 1, 2, 15, 30, 30, 1152, 512))
+    doc = wire.state_to_json(staged)
+    assert wire.state_from_json(doc) == staged
+    assert wire.state_from_json(wire.state_to_json(st)).stage is None
+    for bad in (
+        ["g", 2, 2, 15, 30, 30, 1152, 512],  # index past the stages
+        ["g", 1, 2, 30, 30, 30, 1152, 512],  # an empty layer range
+        ["g", 1, 99, 15, 30, 30, 1152, 512],  # more stages than allowed
+        ["", 1, 2, 15, 30, 30, 1152, 512],
+        ["g", 1, 2, 15, 30],
+    ):
+        with pytest.raises(wire.WireError):
+            wire.state_from_json({**doc, "stage": bad})
 
 
 def test_check_integrity_catches_contradictions() -> None:
