@@ -138,6 +138,7 @@ class NodeApi:
             self.handoff.metrics_source(),
             ConductorCollector(s),
             self.handoff_steps,
+            self.pipeline.metrics_source(),
         ):
             s.metrics.register(source)
 

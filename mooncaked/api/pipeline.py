@@ -30,6 +30,7 @@ from typing import TypeVar
 import structlog
 from aiohttp import web
 
+from mooncaked.api.metrics import SnapshotMetrics, Spec
 from mooncaked.api.refusals import REFUSALS, NodeMismatch, NotServing, refusal
 from mooncaked.api.signed import Rejected, read_signed_json, rpc_error
 from mooncaked.cache.peer import PeerFetcher
@@ -39,7 +40,7 @@ from mooncaked.config import PipelineConfig
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.handoff import PrefillBusy, PrefillError, PrefillReply
 from mooncaked.engine.output import RequestStream
-from mooncaked.engine.pipeline import ChunkRefused, StageError, StagePipe
+from mooncaked.engine.pipeline import ChunkRefused, PipeStats, StageError, StagePipe
 from mooncaked.engine.plan import SampledToken
 from mooncaked.handoff import Handoff, KVGrant, StageJob, StageRef
 from mooncaked.request import RequestOutput, SamplingParams
@@ -103,6 +104,17 @@ class PipelineAPI:
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post(PIPELINE_OPEN_PATH, self.open), web.post(PIPELINE_CHUNK_PATH, self.chunk)]
+
+    def metrics_source(self) -> SnapshotMetrics:
+        """The stage's counters for /metrics (nothing on a node that is no stage)."""
+        return SnapshotMetrics(self._stats, PIPELINE_METRICS)
+
+    def _stats(self) -> PipeStats | None:
+        engine = self._engine()
+        if engine is None or engine.pipe is None:
+            return None
+        # A copy: the counters go on moving while the snapshot is read.
+        return dataclasses.replace(engine.pipe.stats)
 
     def status_section(self) -> dict[str, object] | None:
         """/admin/status's ``pipeline``: this stage, its rows and counters (None: not a stage)."""
@@ -403,3 +415,38 @@ class PipelineAPI:
             lp = last.logprobs[-1] if last.logprobs else None
             token = SampledToken(last.new_token_ids[-1], lp)
         return token, sent.num_bytes
+
+
+# Read off ``PipeStats``.
+PIPELINE_METRICS: tuple[Spec, ...] = (
+    Spec(
+        "mooncaked_pipeline_chunks",
+        "Chunks of activations this pipeline stage sent to the next stage (sent) and took "
+        "in from the one before (received, refused: out of order, twice or outside the rows).",
+        lambda st: {
+            "sent": st.chunks_sent,
+            "received": st.chunks_received,
+            "refused": st.chunks_refused,
+        },
+        counter=True,
+        label="outcome",
+    ),
+    Spec(
+        "mooncaked_pipeline_sent_bytes",
+        "Activation bytes this pipeline stage wrote into the next stage's rows.",
+        lambda st: st.bytes_sent,
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_pipeline_send_failures",
+        "Requests whose activations this stage could not deliver to the next.",
+        lambda st: st.send_failures,
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_pipeline_reserve_refused",
+        "Requests refused for want of free input rows (the group asked its next candidate).",
+        lambda st: st.reserve_refused,
+        counter=True,
+    ),
+)

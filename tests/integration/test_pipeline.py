@@ -87,6 +87,10 @@ async def check_group(
         if n.engine is not None and n.engine.pipe is not None:
             st = n.engine.pipe.status()
             assert st["chunks_refused"] == 0 and st["send_failures"] == 0, st
+            async with aiohttp.ClientSession() as s, s.get(n.url + "/metrics") as r:
+                text = await r.text()
+            line = f'mooncaked_pipeline_chunks_total{{outcome="{"sent" if n.engine.span.first else "received"}"}}'
+            assert line in text, text[:2000]
     assert_no_leftovers(cluster)
 
 
