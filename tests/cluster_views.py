@@ -14,7 +14,14 @@ from mooncaked.cluster.block_index import NodeBlocks
 from mooncaked.cluster.costs import NodeCosts
 from mooncaked.cluster.forecast import DecodeForecast
 from mooncaked.cluster.placement import ConductorParams
-from mooncaked.cluster.state import ClusterView, Member, MemberStatus, NodeLoad, NodeState
+from mooncaked.cluster.state import (
+    ClusterView,
+    Member,
+    MemberStatus,
+    NodeLoad,
+    NodeState,
+    StageInfo,
+)
 
 MODEL = "m"
 DRAM = 0b010
@@ -46,6 +53,7 @@ def node_state(
     load: NodeLoad | None = None,
     costs: NodeCosts | None = None,
     forecast: DecodeForecast | None = None,
+    stage: StageInfo | None = None,
 ) -> NodeState:
     return NodeState(
         node_id,
@@ -62,6 +70,7 @@ def node_state(
         0,
         costs=costs or NodeCosts(),
         forecast=forecast or DecodeForecast(),
+        stage=stage,
     )
 
 

@@ -453,4 +453,6 @@ def _state_json(st: NodeState) -> dict[str, Any]:
             "batch": list(st.forecast.batch),
             "context_tokens": list(st.forecast.context_tokens),
         },
+        # Its group, index and layers where it is a stage of a pipelined group.
+        "stage": None if st.stage is None else st.stage.to_json(),
     }
