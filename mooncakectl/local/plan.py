@@ -140,15 +140,20 @@ def plan_nodes(
     return plans
 
 
+def check_num_stages(num_stages: int, flag: str) -> None:
+    """ValueError naming ``flag`` unless a daemon takes a group of ``num_stages`` stages."""
+    try:
+        PipelineConfig(group=GROUP_PREFIX + "0", num_stages=num_stages)
+    except ConfigValueError as exc:
+        raise ValueError(f"{flag} {num_stages}: pipeline.{exc}") from None
+
+
 def pipeline_groups(plans: Sequence[NodePlan], num_stages: int) -> list[NodePlan]:
     """``plans`` with their prefill nodes, in order, the stages of pipelined
     groups of ``num_stages`` each: ``cpp-0`` of the first ``num_stages``,
     ``cpp-1`` of the next... ValueError naming ``--cpp`` where the group size
     is not one a daemon takes or the prefill nodes do not divide into it."""
-    try:
-        PipelineConfig(group=GROUP_PREFIX + "0", num_stages=num_stages)
-    except ConfigValueError as exc:
-        raise ValueError(f"--cpp {num_stages}: pipeline.{exc}") from None
+    check_num_stages(num_stages, "--cpp")
     prefill = [i for i, p in enumerate(plans) if p.role == "prefill"]
     if not prefill or len(prefill) % num_stages:
         raise ValueError(

@@ -225,10 +225,13 @@ def stages_seen(url: str, *, admin_token: str = "") -> dict[str, dict[str, Any]]
 
 
 def describe_stage(stage: Mapping[str, Any]) -> str:
-    """``cpp-0 stage 1/2, layers 15-29 of 30`` (layers counted from 0, both ends in)."""
+    """``cpp-0 stage 1/2, layers 15-29 of 30`` (layers counted from 0, both
+    ends in; ``layer 3 of 4`` for one)."""
     text = f"{stage['group']} stage {stage['index']}/{stage['num_stages']}"
     if "layer_lo" in stage:
-        text += f", layers {stage['layer_lo']}-{stage['layer_hi'] - 1} of {stage['num_layers']}"
+        lo, last = stage["layer_lo"], stage["layer_hi"] - 1
+        layers = f"layer {lo}" if lo == last else f"layers {lo}-{last}"
+        text += f", {layers} of {stage['num_layers']}"
     return text
 
 

@@ -279,4 +279,7 @@ def test_describe_stage_counts_layers_from_zero_both_ends_in() -> None:
     assert describe_stage(stage | {"layer_hi": 30, "num_layers": 30}) == (
         "cpp-0 stage 1/2, layers 15-29 of 30"
     )
+    assert describe_stage(stage | {"layer_lo": 3, "layer_hi": 4, "num_layers": 4}) == (
+        "cpp-0 stage 1/2, layer 3 of 4"
+    )
     assert describe_stage({"group": "cpp-1", "index": 0, "num_stages": 3}) == "cpp-1 stage 0/3"
