@@ -217,7 +217,10 @@ async def sample(
         session, ep, BenchRequest(0, tuple(prompt), output_len), rec, time.perf_counter, str
     )
     if not rec.ok or rec.ttft is None:
-        raise RuntimeError(f"a {len(prompt)}-token prompt failed at {ep.base_url}: {rec.error}")
+        raise RuntimeError(
+            f"a {len(prompt)}-token prompt failed at {ep.base_url} "
+            f"({rec.error_kind or 'no token'}): {rec.error}"
+        )
     n, rep, reuse = key
     return Sample(
         n, rep, reuse, rec.ttft * 1e3, rec.text or "", rec.cached_tokens, rec.prefill_node
