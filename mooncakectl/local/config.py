@@ -109,4 +109,8 @@ def node_config(
         put("node", role=plan.role, cluster_secret=secret, data_dir=str(data_dir))
         put("transfer", host=LOOPBACK)
         put("cluster", gossip_host=LOOPBACK, gossip_port=plan.gossip_port, seeds=list(seeds))
+    if plan.group:
+        # Its place in the group; the base config may set the rest of the
+        # section (split, chunk_tokens), the same for every stage.
+        put("pipeline", group=plan.group, stage=plan.stage, num_stages=plan.num_stages)
     return doc

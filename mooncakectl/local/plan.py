@@ -1,4 +1,5 @@
-"""Which nodes a local cluster has: their roles, ids and ports, the seed, the cores each may use."""
+"""Which nodes a local cluster has: their roles, ids and ports, the seed, the
+pipelined prefill groups, the cores each may use."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mooncaked.config import ConfigValueError, PipelineConfig
+
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 8000
+# The names of the pipelined groups of ``up --cpp``: cpp-0, cpp-1, ...
+GROUP_PREFIX = "cpp-"
 # Ports are drawn from here up to the OS's ephemeral range, where it leaves room.
 _LOW_PORT = 20000
 _PORT_TRIES = 200
@@ -23,13 +28,18 @@ class NodePlan:
     ``node_id`` empty: the daemon's own default. ``port`` 0: any free port,
     read back from the line the daemon prints once it listens.
     ``gossip_port`` 0: any free port; only the seed, the node every other
-    one joins through, needs one known before it starts.
+    one joins through, needs one known before it starts. ``group`` (empty:
+    none): the pipelined prefill group whose stage ``stage`` (of
+    ``num_stages``) the node is, its ``[pipeline]`` section.
     """
 
     node_id: str
     role: str
     port: int
     gossip_port: int
+    group: str = ""
+    stage: int = 0
+    num_stages: int = 0
 
     @property
     def url(self) -> str:
@@ -94,11 +104,21 @@ def plan_cluster(members: Sequence[tuple[str, str]], *, fixed_ports: bool) -> li
     ]
 
 
-def plan_nodes(num_prefill: int | None, num_decode: int | None, port: int | None) -> list[NodePlan]:
+def plan_nodes(
+    num_prefill: int | None,
+    num_decode: int | None,
+    port: int | None,
+    *,
+    num_stages: int | None = None,
+) -> list[NodePlan]:
     """The nodes of ``up``. Neither count given: one ``both`` node on ``port``
     (default 8000). Otherwise prefill nodes then decode nodes; the entry (the
-    first decode node) gets ``port`` when given, every other port is free."""
+    first decode node) gets ``port`` when given, every other port is free.
+    ``num_stages`` (``--cpp``): the prefill nodes form pipelined groups of
+    that many stages (``pipeline_groups``)."""
     if num_prefill is None and num_decode is None:
+        if num_stages is not None:
+            raise ValueError(f"--cpp {num_stages} needs prefill nodes: add --prefill and --decode")
         return [NodePlan("", "both", DEFAULT_PORT if port is None else port, 0)]
     num_prefill = num_prefill or 0
     num_decode = num_decode or 0
@@ -112,10 +132,39 @@ def plan_nodes(num_prefill: int | None, num_decode: int | None, port: int | None
     members = [(f"prefill-{i}", "prefill") for i in range(num_prefill)]
     members += [(f"decode-{i}", "decode") for i in range(num_decode)]
     plans = plan_cluster(members, fixed_ports=True)
+    if num_stages is not None:
+        plans = pipeline_groups(plans, num_stages)
     if port is not None:
         entry = entry_index(plans)
         plans[entry] = replace(plans[entry], port=port)
     return plans
+
+
+def check_num_stages(num_stages: int, flag: str) -> None:
+    """ValueError naming ``flag`` unless a daemon takes a group of ``num_stages`` stages."""
+    try:
+        PipelineConfig(group=GROUP_PREFIX + "0", num_stages=num_stages)
+    except ConfigValueError as exc:
+        raise ValueError(f"{flag} {num_stages}: pipeline.{exc}") from None
+
+
+def pipeline_groups(plans: Sequence[NodePlan], num_stages: int) -> list[NodePlan]:
+    """``plans`` with their prefill nodes, in order, the stages of pipelined
+    groups of ``num_stages`` each: ``cpp-0`` of the first ``num_stages``,
+    ``cpp-1`` of the next... ValueError naming ``--cpp`` where the group size
+    is not one a daemon takes or the prefill nodes do not divide into it."""
+    check_num_stages(num_stages, "--cpp")
+    prefill = [i for i, p in enumerate(plans) if p.role == "prefill"]
+    if not prefill or len(prefill) % num_stages:
+        raise ValueError(
+            f"--cpp {num_stages} does not divide --prefill {len(prefill)}: every pipelined "
+            f"group needs {num_stages} prefill nodes, one per stage"
+        )
+    out = list(plans)
+    for k, i in enumerate(prefill):
+        group = f"{GROUP_PREFIX}{k // num_stages}"
+        out[i] = replace(plans[i], group=group, stage=k % num_stages, num_stages=num_stages)
+    return out
 
 
 def entry_index(plans: Sequence[NodePlan]) -> int:
@@ -141,6 +190,25 @@ def node_cpus(num_nodes: int, allowed: Sequence[int]) -> list[str]:
             f"--pin: {num_nodes} nodes need a core each, and this process may use {len(cpus)}"
         )
     return [",".join(str(c) for c in cpus[i * per : (i + 1) * per]) for i in range(num_nodes)]
+
+
+def stage_cpus(num_prefill: int, num_decode: int, allowed: Sequence[int]) -> list[str]:
+    """``node.cpus`` of prefill nodes (first) and decode nodes where each
+    prefill node must have a core of its own: a stage of a pipelined group
+    that waits for another's core stalls every stage after it, while a
+    decode node is mostly idle until a prompt's KV has arrived. One core to
+    each prefill node, in order; the decode nodes take the cores left in
+    turn, or share the last prefill node's when none is left. ValueError
+    where the prefill nodes outnumber the cores."""
+    cpus = sorted(allowed)
+    if num_prefill > len(cpus):
+        raise ValueError(
+            f"--pin: {num_prefill} prefill nodes need a core each, and this process "
+            f"may use {len(cpus)}"
+        )
+    left = cpus[num_prefill:] or cpus[num_prefill - 1 : num_prefill]
+    own = [str(c) for c in cpus[:num_prefill]]
+    return own + [str(left[i % len(left)]) for i in range(num_decode)]
 
 
 def pool_cpus(prefill: int, decode: int, cpus: Sequence[int]) -> list[str]:

@@ -207,6 +207,34 @@ def sees_all(url: str, node_ids: set[str], *, admin_token: str = "") -> bool:
     return node_ids <= alive
 
 
+def stages_seen(url: str, *, admin_token: str = "") -> dict[str, dict[str, Any]]:
+    """The stages of pipelined groups that the node at ``url`` sees, by node
+    id: each one's ``/admin/cluster`` stage (group, index, num_stages, its
+    layers ``layer_lo`` to ``layer_hi`` of ``num_layers``); empty when the
+    node cannot say."""
+    try:
+        doc = Client(url, timeout=_ASK_TIMEOUT_S, token=admin_token).get_json("/admin/cluster")
+    except (DaemonUnreachable, DaemonError):
+        return {}
+    out = {}
+    for n in doc.get("nodes", []):
+        stage = (n.get("state") or {}).get("stage")
+        if isinstance(stage, dict):
+            out[str(n.get("node_id"))] = stage
+    return out
+
+
+def describe_stage(stage: Mapping[str, Any]) -> str:
+    """``cpp-0 stage 1/2, layers 15-29 of 30`` (layers counted from 0, both
+    ends in; ``layer 3 of 4`` for one)."""
+    text = f"{stage['group']} stage {stage['index']}/{stage['num_stages']}"
+    if "layer_lo" in stage:
+        lo, last = stage["layer_lo"], stage["layer_hi"] - 1
+        layers = f"layer {lo}" if lo == last else f"layers {lo}-{last}"
+        text += f", {layers} of {stage['num_layers']}"
+    return text
+
+
 def wait_joined(
     members: Sequence[tuple[str, str]],
     deadline: float,

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from mooncakectl.cluster_cmds import request_rows, resolve_node
-from mooncakectl.local.commands import choose_model
+from mooncakectl.local.commands import choose_model, pin_cpus
 from mooncakectl.local.config import node_config, read_base_config, to_toml
-from mooncakectl.local.plan import NodePlan, entry_index, node_cpus, plan_nodes
+from mooncakectl.local.plan import NodePlan, entry_index, node_cpus, plan_nodes, stage_cpus
+from mooncakectl.local.process import describe_stage
 from mooncaked.config import Config, config_from_dict, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -194,3 +195,91 @@ def test_pin_gives_each_local_node_cores_of_its_own(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--pin: 3 nodes need a core each"):
         node_cpus(3, [0, 1])
     assert _cluster_node_config(tmp_path, {}, num_nodes=3, cpus="4,5").node.cpus == "4,5"
+
+
+def test_cpp_plan_groups_the_prefill_nodes_in_order() -> None:
+    plans = plan_nodes(4, 1, None, num_stages=2)
+    assert [(p.node_id, p.group, p.stage, p.num_stages) for p in plans] == [
+        ("prefill-0", "cpp-0", 0, 2),
+        ("prefill-1", "cpp-0", 1, 2),
+        ("prefill-2", "cpp-1", 0, 2),
+        ("prefill-3", "cpp-1", 1, 2),
+        ("decode-0", "", 0, 0),
+    ]
+    # The entry is still the decode node, with --port.
+    assert plan_nodes(3, 1, 9555, num_stages=3)[3] == NodePlan("decode-0", "decode", 9555, 0)
+
+
+def test_cpp_plan_refuses_what_no_group_can_be() -> None:
+    with pytest.raises(ValueError, match=r"--cpp 2 does not divide --prefill 3"):
+        plan_nodes(3, 1, None, num_stages=2)
+    with pytest.raises(ValueError, match=r"--cpp 2 does not divide --prefill 0"):
+        plan_nodes(0, 1, None, num_stages=2)
+    with pytest.raises(ValueError, match=r"--cpp 1: pipeline\.num_stages: must be in 2\.\.16"):
+        plan_nodes(2, 1, None, num_stages=1)
+    with pytest.raises(ValueError, match=r"--cpp 2 needs prefill nodes"):
+        plan_nodes(None, None, None, num_stages=2)
+
+
+def test_a_stage_gets_its_pipeline_section_under_the_base(tmp_path: Path) -> None:
+    base = {"pipeline": {"chunk_tokens": 128, "num_stages": 4}}
+
+    def config(plan: NodePlan) -> Config:
+        doc = node_config(
+            base,
+            plan,
+            cluster=True,
+            seeds=[],
+            secret="s" * 43,
+            model=None,
+            data_dir=tmp_path / plan.name,
+        )
+        return config_from_dict(tomllib.loads(to_toml(doc)))
+
+    configs = [config(plan) for plan in plan_nodes(2, 1, None, num_stages=2)]
+    # Ours win for the group, the stage and its count; the base keeps the rest.
+    assert [
+        (c.node.role, c.pipeline.group, c.pipeline.stage, c.pipeline.num_stages) for c in configs
+    ] == [("prefill", "cpp-0", 0, 2), ("prefill", "cpp-0", 1, 2), ("decode", "", 0, 4)]
+    assert [c.pipeline.chunk_tokens for c in configs] == [128, 128, 128]
+    assert not configs[2].pipeline.enabled
+
+
+def test_stage_cpus_give_each_stage_a_core_and_decode_shares() -> None:
+    assert stage_cpus(2, 1, [1, 0, 2]) == ["0", "1", "2"]
+    # No core left: the decode node shares the last stage's.
+    assert stage_cpus(2, 1, [0, 1]) == ["0", "1", "1"]
+    assert stage_cpus(1, 1, [3]) == ["3", "3"]
+    # Decode nodes take the cores left in turn.
+    assert stage_cpus(2, 3, [0, 1, 2, 3]) == ["0", "1", "2", "3", "2"]
+    with pytest.raises(
+        ValueError, match="--pin: 3 prefill nodes need a core each, and this process may use 2"
+    ):
+        stage_cpus(3, 1, [0, 1])
+
+
+def test_up_pin_with_groups_shares_a_core_only_when_short_and_says_so() -> None:
+    err = io.StringIO()
+    plans = plan_nodes(2, 1, None, num_stages=2)
+    # Enough cores: an equal share each, as without --cpp, and nothing said.
+    assert pin_cpus(plans, list(range(6)), err) == ["0,1", "2,3", "4,5"]
+    assert err.getvalue() == ""
+    assert pin_cpus(plans, [0, 1], err) == ["0", "1", "1"]
+    assert err.getvalue() == (
+        "mooncakectl: --pin: 2 cores for 3 nodes: each prefill node (a stage) gets one "
+        "of its own; decode-0 shares core 1 with prefill-1\n"
+    )
+    # Without groups, too few cores is refused as before.
+    with pytest.raises(ValueError, match="--pin: 3 nodes need a core each"):
+        pin_cpus(plan_nodes(2, 1, None), [0, 1], err)
+
+
+def test_describe_stage_counts_layers_from_zero_both_ends_in() -> None:
+    stage = {"group": "cpp-0", "index": 1, "num_stages": 2, "layer_lo": 15}
+    assert describe_stage(stage | {"layer_hi": 30, "num_layers": 30}) == (
+        "cpp-0 stage 1/2, layers 15-29 of 30"
+    )
+    assert describe_stage(stage | {"layer_lo": 3, "layer_hi": 4, "num_layers": 4}) == (
+        "cpp-0 stage 1/2, layer 3 of 4"
+    )
+    assert describe_stage({"group": "cpp-1", "index": 0, "num_stages": 3}) == "cpp-1 stage 0/3"

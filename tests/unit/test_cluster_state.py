@@ -345,3 +345,22 @@ def test_check_integrity_catches_contradictions() -> None:
     view.blocks["c"] = NodeBlocks(1)
     with pytest.raises(RuntimeError, match="unknown members"):
         view.check_integrity()
+
+
+def test_to_json_shows_a_stage_of_a_pipelined_group() -> None:
+    view = ClusterView("a", clock=lambda: 10.0)
+    stage = StageInfo("cpp-0", 1, 2, 2, 4, 4, 256, 512)
+    view.members["a"] = member("a", "prefill", stage=stage)
+    view.members["b"] = _member("b")
+    states = [n["state"] for n in view.to_json()["nodes"]]
+    assert states[0]["stage"] == {
+        "group": "cpp-0",
+        "index": 1,
+        "num_stages": 2,
+        "layer_lo": 2,
+        "layer_hi": 4,
+        "num_layers": 4,
+        "act_bytes_per_token": 256,
+        "chunk_tokens": 512,
+    }
+    assert states[1]["stage"] is None
