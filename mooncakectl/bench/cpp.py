@@ -124,6 +124,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per daemon")
     p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="model.dtype of every daemon (float32: greedy text does not hang on how a "
+        "prompt is chunked; bfloat16 rounds a chunk's attention by where it ends)",
+    )
+    p.add_argument(
         "--chunk-tokens",
         type=int,
         help="[pipeline] chunk_tokens of the stages: the first chunk of a prompt "
@@ -173,7 +180,7 @@ def daemon_sections(args: argparse.Namespace, model: str) -> dict[str, dict[str,
     """What every daemon of the benchmark runs with, under its node's own settings."""
     sections: dict[str, dict[str, Any]] = {
         "server": {"drain_timeout_s": 5.0},
-        "model": {"cpu_threads": args.cpu_threads, "path": model},
+        "model": {"cpu_threads": args.cpu_threads, "path": model, "dtype": args.dtype},
         "cluster": _FAST_GOSSIP,
         "log": {"level": "warning"},
     }
