@@ -12,6 +12,8 @@ Modules, imports running one way (top never imports from below):
 - ``cache``    a node's KV block cache: DRAM with LRU and a capacity, an optional SSD tier
 - ``network``  NICs and flows: a transfer shares its NICs' bandwidth with the others on them
 - ``node``     one node's engine: prefill queue with chunked prefill, continuous-batching decode
+- ``pipeline`` pipelined prefill groups (``--cpp``): stages, each a range of the layers, chunks
+               flowing through them
 - ``cluster``  the event loop: arrivals, gossip snapshots, entry nodes deciding on stale views
 - ``results``  per-request outcomes -> the summary (TTFT, TBT, SLO attainment, goodput...)
 - ``plot``     PNGs from a result

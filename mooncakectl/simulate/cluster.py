@@ -10,6 +10,11 @@ deciding at time t sees what was published at the last tick at or before
 t, so its view is up to ``gossip_s`` old. Ticks are taken only where a
 request arrives (a tick nobody reads changes nothing).
 
+With ``shape.cpp`` the prefill nodes form pipelined groups of that many
+stages (``pipeline``): each stage publishes its place in its group, the
+Conductor places on whole groups, and a group runs what it is given chunk
+by chunk through its stages.
+
 Each request enters at a node drawn at random (seeded): every node can act
 as the Conductor, each with its own ``Admission`` (ledger, calibrations,
 margins, probes, output lengths, random source), fed back the first token
@@ -26,11 +31,12 @@ from dataclasses import dataclass, field, replace
 
 from mooncakectl.bench.trace import TraceRecord
 from mooncakectl.bench.workloads import TraceScale
-from mooncakectl.simulate.costs import NodeSpec
+from mooncakectl.simulate.costs import NodeSpec, StageModel, stage_spec
 from mooncakectl.simulate.events import EventQueue
 from mooncakectl.simulate.host import SharedHost
 from mooncakectl.simulate.network import Flow, Network
 from mooncakectl.simulate.node import SimNode, SimRequest
+from mooncakectl.simulate.pipeline import PipelineGroup, StageNode
 from mooncaked.cluster.admission import Admission
 from mooncaked.cluster.conductor import admits_decode
 from mooncaked.cluster.costs import MAX_LINKS, NodeCosts
@@ -42,19 +48,29 @@ from mooncaked.cluster.placement import (
 )
 from mooncaked.cluster.ranking import PrefillScore
 from mooncaked.cluster.slo import Slo
-from mooncaked.cluster.state import ClusterView, Member, MemberStatus, NodeBlocks, NodeState
+from mooncaked.cluster.state import (
+    ClusterView,
+    Member,
+    MemberStatus,
+    NodeBlocks,
+    NodeState,
+    StageInfo,
+)
 from mooncaked.engine.late_binding import PrefillWalk
+from mooncaked.handoff import LayerSpan, split_layers
 
 MODEL_ID = "simulated"
 
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """How many nodes of each role."""
+    """How many nodes of each role, and the prefill nodes' pipelined groups."""
 
     num_prefill: int = 0
     num_decode: int = 0
     num_both: int = 0
+    # Stages a pipelined prefill group has (0: no groups); every prefill node is one.
+    cpp: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_both"):
@@ -64,6 +80,21 @@ class Shape:
             raise ValueError("the cluster has no node: give --prefill and --decode, or --both")
         if self.num_prefill and not (self.num_decode or self.num_both):
             raise ValueError(f"{self.num_prefill} prefill node(s) and none that can decode")
+        if self.cpp == 0:
+            return
+        # The daemon's [pipeline] num_stages bounds.
+        if not 2 <= self.cpp <= 16:
+            raise ValueError(f"--cpp must be 0 (no groups) or 2..16 stages, got {self.cpp}")
+        if self.num_prefill == 0:
+            raise ValueError(
+                f"--cpp {self.cpp} forms the prefill nodes into groups, and there are none: "
+                f"give --prefill, a multiple of {self.cpp}"
+            )
+        if self.num_prefill % self.cpp:
+            raise ValueError(
+                f"--cpp {self.cpp} does not divide --prefill {self.num_prefill} into groups "
+                f"of {self.cpp} stages: give a multiple of {self.cpp} prefill nodes"
+            )
 
     @property
     def num_nodes(self) -> int:
@@ -71,7 +102,9 @@ class Shape:
 
     def label(self) -> str:
         parts = []
-        if self.num_prefill or self.num_decode:
+        if self.cpp:
+            parts.append(f"{self.num_prefill // self.cpp}x{self.cpp}P+{self.num_decode}D")
+        elif self.num_prefill or self.num_decode:
             parts.append(f"{self.num_prefill}P+{self.num_decode}D")
         if self.num_both:
             parts.append(f"{self.num_both}B")
@@ -83,6 +116,13 @@ class Shape:
             + [(f"d{i}", "decode") for i in range(self.num_decode)]
             + [(f"b{i}", "both") for i in range(self.num_both)]
         )
+
+    def groups(self) -> list[list[str]]:
+        """The pipelined groups' stage nodes, head first: consecutive prefill nodes."""
+        if not self.cpp:
+            return []
+        n = self.cpp
+        return [[f"p{g * n + s}" for s in range(n)] for g in range(self.num_prefill // n)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +151,10 @@ class SimConfig:
     node_threads: int = 1
     # Nodes requests enter at, at random (0: every node, as in the daemon).
     entries: int = 0
+    # Pipelined groups (``shape.cpp``): how the model splits into stages,
+    # and the head's first chunk ([pipeline] chunk_tokens; 0: the budget).
+    stage_model: StageModel | None = None
+    cpp_chunk_tokens: int = 512
 
     def spec_for(self, role: str) -> NodeSpec:
         if role == "decode" and self.decode_node is not None:
@@ -132,13 +176,23 @@ class SimConfig:
             raise ValueError(f"--node-threads must be >= 1, got {self.node_threads}")
         if self.entries < 0:
             raise ValueError(f"--entries must be >= 0 (0: every node), got {self.entries}")
+        if self.cpp_chunk_tokens < 0:
+            raise ValueError(f"--cpp-chunk must be >= 0 tokens, got {self.cpp_chunk_tokens}")
+        model, cpp = self.stage_model, self.shape.cpp
+        if cpp and model is None:
+            raise ValueError(
+                "--cpp splits the model's layers among stages: it needs a --preset "
+                "(a measured --profile does not say the model's layers)"
+            )
+        if cpp and model is not None and cpp > model.num_layers:
+            raise ValueError(f"--cpp {cpp}: more stages than the model's {model.num_layers} layers")
 
 
 @dataclass(slots=True)
 class SimResult:
     config: SimConfig
     requests: list[SimRequest]
-    nodes: list[SimNode]
+    nodes: list[SimNode | StageNode]
     bytes_moved: dict[str, float]
     num_events: int
     wall_s: float
@@ -192,12 +246,17 @@ class Simulation:
         self.requests = list(requests)
         self.events = EventQueue()
         ids = config.shape.node_ids()
+        self.node_ids = [node_id for node_id, _ in ids]
         self.host = SharedHost(config.host_cores) if config.host_cores > 0 else None
+        self._stage_info = self._stage_infos()
+        specs = {n: self._spec(n, role) for n, role in ids}
+        self.network = Network(self.events, {n: spec.nic_bps for n, spec in specs.items()})
+        # Whole-model nodes; stages of pipelined groups (``groups``, by head) apart.
         self.nodes = {
             node_id: SimNode(
                 node_id,
                 role,
-                config.spec_for(role),
+                specs[node_id],
                 self.events,
                 block_tokens=self.block_tokens,
                 on_prefill_start=self._prefill_started,
@@ -208,39 +267,23 @@ class Simulation:
                 threads=config.node_threads,
             )
             for node_id, role in ids
+            if node_id not in self._stage_info
         }
-        self.node_ids = [node_id for node_id, _ in ids]
+        self.groups = {
+            stages[0]: self._group([(n, specs[n], self._stage_info[n]) for n in stages])
+            for stages in config.shape.groups()
+        }
+        stage_nodes = {s.node_id: s for g in self.groups.values() for s in g.stages}
+        self.all_nodes: dict[str, SimNode | StageNode] = {
+            n: self.nodes[n] if n in self.nodes else stage_nodes[n] for n in self.node_ids
+        }
         # Where requests enter: every node, or ``entries`` spread over the list.
         n = len(self.node_ids)
         k = config.entries if 0 < config.entries < n else n
         self.entry_ids = [self.node_ids[i * n // k] for i in range(k)]
-        self.network = Network(
-            self.events, {n: node.spec.nic_bps for n, node in self.nodes.items()}
-        )
         self._entry_rng = random.Random(config.seed)
         self._policy_rng = random.Random(config.seed + 1)
-        # The published view, shared by every entry's ClusterView.
-        self._members: dict[str, Member] = {}
-        self._blocks: dict[str, NodeBlocks] = {}
-        self._published: dict[str, tuple[int, int]] = {}
-        self._state_version = 0
-        self._costs: dict[str, NodeCosts] = {}
-        for node_id in self.node_ids:
-            spec = self.nodes[node_id].spec
-            peers = [p for p in self.node_ids if p != node_id][:MAX_LINKS]
-            # What a node would measure pulling from a peer: the slower NIC of the two.
-            links = tuple((p, min(spec.nic_bps, self.nodes[p].spec.nic_bps)) for p in peers)
-            self._costs[node_id] = replace(spec.costs, links=links)
-            self._members[node_id] = Member(
-                node_id, ("127.0.0.1", 0), 1, 1, MemberStatus.ALIVE, 0.0, 0.0, None
-            )
-            self._blocks[node_id] = NodeBlocks(1)
-        self.views: dict[str, ClusterView] = {}
-        for node_id in self.node_ids:
-            view = ClusterView(node_id, clock=lambda: self.events.now)
-            view.members = self._members
-            view.blocks = self._blocks
-            self.views[node_id] = view
+        self._gossip_views(specs)
         # Every node is an entry with its own admission policy, as in the daemon.
         self.admissions = {
             n: Admission(
@@ -252,6 +295,73 @@ class Simulation:
             for n in self.node_ids
         }
         self._forecasts = self.params.early_reject is EarlyReject.PREDICTED
+
+    def _stage_infos(self) -> dict[str, StageInfo]:
+        """Each stage node's place in its group: layers split as the daemon splits them."""
+        cfg = self.config
+        model = cfg.stage_model
+        out: dict[str, StageInfo] = {}
+        if model is None:
+            return out
+        for g, stages in enumerate(cfg.shape.groups()):
+            spans = split_layers(model.num_layers, len(stages))
+            for i, (node_id, span) in enumerate(zip(stages, spans, strict=True)):
+                out[node_id] = StageInfo(
+                    f"g{g}",
+                    i,
+                    len(stages),
+                    span.lo,
+                    span.hi,
+                    span.num_layers,
+                    model.act_bytes_per_token,
+                    cfg.cpp_chunk_tokens,
+                )
+        return out
+
+    def _spec(self, node_id: str, role: str) -> NodeSpec:
+        info = self._stage_info.get(node_id)
+        model = self.config.stage_model
+        if info is None or model is None:
+            return self.config.spec_for(role)
+        span = LayerSpan(info.layer_lo, info.layer_hi, info.num_layers)
+        return stage_spec(self.config.spec_for(role), model, span)
+
+    def _group(self, stages: list[tuple[str, NodeSpec, StageInfo]]) -> PipelineGroup:
+        return PipelineGroup(
+            stages,
+            self.events,
+            self.network,
+            block_tokens=self.block_tokens,
+            rtt_s=self.params.fetch_rtt_s,
+            on_prefilled=self._prompt_done,
+            on_kv_in=self._kv_arrived,
+            host=self.host,
+            threads=self.config.node_threads,
+        )
+
+    def _gossip_views(self, specs: dict[str, NodeSpec]) -> None:
+        """The published view, shared by every entry's ClusterView."""
+        self._members: dict[str, Member] = {}
+        self._blocks: dict[str, NodeBlocks] = {}
+        self._published: dict[str, tuple[int, int]] = {}
+        self._state_version = 0
+        self._costs: dict[str, NodeCosts] = {}
+        for node_id in self.node_ids:
+            spec = specs[node_id]
+            peers = [p for p in self.node_ids if p != node_id][:MAX_LINKS]
+            # What a node would measure pulling from a peer: the slower NIC of the two.
+            links = tuple((p, min(spec.nic_bps, specs[p].nic_bps)) for p in peers)
+            self._costs[node_id] = replace(spec.costs, links=links)
+            self._members[node_id] = Member(
+                node_id, ("127.0.0.1", 0), 1, 1, MemberStatus.ALIVE, 0.0, 0.0, None
+            )
+            self._blocks[node_id] = NodeBlocks(1)
+        self.views: dict[str, ClusterView] = {}
+        for node_id in self.node_ids:
+            view = ClusterView(node_id, clock=lambda: self.events.now)
+            view.members = self._members
+            view.blocks = self._blocks
+            self.views[node_id] = view
 
     # -- running ------------------------------------------------------------------
 
@@ -269,12 +379,12 @@ class Simulation:
         for r in self.requests:
             self.events.at(r.arrival_s, self._arrive, r)
         self.events.run()
-        for node in self.nodes.values():
+        for node in self.all_nodes.values():
             node.cache.check_integrity()
         return SimResult(
             self.config,
             self.requests,
-            list(self.nodes.values()),
+            list(self.all_nodes.values()),
             dict(self.network.bytes_moved),
             self.events.num_events,
             time.perf_counter() - t0,
@@ -283,7 +393,7 @@ class Simulation:
     # -- gossip -------------------------------------------------------------------
 
     def _publish(self, _: object = None) -> None:
-        for node_id, node in self.nodes.items():
+        for node_id, node in self.all_nodes.items():
             changes = node.cache.take_changes()
             if changes:
                 masks = self._blocks[node_id].masks
@@ -313,6 +423,7 @@ class Simulation:
                 0,
                 self._costs[node_id],
                 forecast,
+                self._stage_info.get(node_id),
             )
 
     # -- a request's path ---------------------------------------------------------
@@ -354,8 +465,12 @@ class Simulation:
         if step is None:
             raise RuntimeError(f"request {r.index}: no prefill candidate took it")
         i, max_wait = step
-        pnode = self.nodes[p.prefill[i].node_id]
-        queued = pnode.queue_s() if max_wait < math.inf else 0.0
+        node_id = p.prefill[i].node_id
+        group = self.groups.get(node_id)
+        queued = 0.0
+        if max_wait < math.inf:
+            # A group's head judges the offer by its own queue, as any prefill node.
+            queued = (group.head if group is not None else self.nodes[node_id]).queue_s()
         if queued > max_wait:
             r.num_bounces += 1
             # A limit below 0 is known before asking (the decode node skips
@@ -364,6 +479,10 @@ class Simulation:
             self.events.at(self.events.now + hop, self._offer, r)
             return
         r.walk = None
+        if group is not None:
+            group.start(r)
+            return
+        pnode = self.nodes[node_id]
         r.prefill_node = pnode.node_id
         score = r.scores.get(pnode.node_id)
         self._start_prefill(r, pnode, p.fetches(i) and score is not None, score)
@@ -425,15 +544,22 @@ class Simulation:
         nbytes = r.num_prompt_tokens * pnode.costs.kv_bytes_per_token
 
         def arrived(_flow: Flow, r: SimRequest = r) -> None:
-            r.kv_in = True
-            if r.prefilled:
-                # The KV lagged the compute: the first token leaves once it is all in.
-                r.first_token_s = self.events.now
-                self._join_decode(r)
+            self._kv_arrived(r)
 
         self.network.start(pnode.node_id, r.decode_node or "", nbytes, arrived, "kv")
 
-    def _prefilled(self, pnode: SimNode, r: SimRequest) -> None:
+    def _kv_arrived(self, r: SimRequest) -> None:
+        r.kv_in = True
+        if r.prefilled:
+            # The KV lagged the compute: the first token leaves once it is all in.
+            r.first_token_s = self.events.now
+            self._join_decode(r)
+
+    def _prefilled(self, _pnode: SimNode, r: SimRequest) -> None:
+        self._prompt_done(r)
+
+    def _prompt_done(self, r: SimRequest) -> None:
+        """The prompt is computed (on a node, or a group's last stage)."""
         r.prefilled = True
         if r.num_output_tokens <= 1:
             self._first_token(r)
@@ -442,7 +568,7 @@ class Simulation:
             self._join_decode(r)
         else:
             # As in the daemon, the first token is out only when the KV is in
-            # place on the decode node (``arrived`` sets it).
+            # place on the decode node (``_kv_arrived`` sets it).
             r.first_token_s = None
 
     def _join_decode(self, r: SimRequest) -> None:

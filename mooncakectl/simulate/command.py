@@ -33,7 +33,14 @@ from mooncakectl.flags import number_list
 from mooncakectl.registry import Env, ExitStatus, command
 from mooncakectl.simulate import against
 from mooncakectl.simulate.cluster import Shape, SimConfig, SimResult, Simulation, trace_requests
-from mooncakectl.simulate.costs import GB, PRESETS, NodeSpec, preset_node, profile_node
+from mooncakectl.simulate.costs import (
+    GB,
+    PRESETS,
+    NodeSpec,
+    preset_node,
+    preset_stage_model,
+    profile_node,
+)
 from mooncakectl.simulate.results import SimSummary, false_rejections, result_json, sim_summary
 from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy
 from mooncaked.cluster.slo import Slo
@@ -164,6 +171,18 @@ def _configure_cluster(c: argparse._ArgumentGroup) -> None:
     c.add_argument(
         "--node-threads", type=int, default=1, help="cores a node's step keeps busy (--host-cores)"
     )
+    c.add_argument(
+        "--cpp",
+        default="0",
+        help="prefill nodes in pipelined groups of this many stages (chunked pipeline "
+        "parallelism; 0: none); a comma-separated list runs each, e.g. 0,2",
+    )
+    c.add_argument(
+        "--cpp-chunk",
+        type=int,
+        default=512,
+        help="tokens in a pipelined prompt's first chunk (the head's [pipeline] chunk_tokens)",
+    )
 
 
 def _configure_conductor(s: argparse._ArgumentGroup) -> None:
@@ -241,6 +260,8 @@ def _settle_defaults(args: argparse.Namespace) -> None:
         args.slo_ttft = 2.0 if against else 30.0
     if not against:
         return
+    if args.cpp != "0":
+        raise ValueError("--against-cluster starts no pipelined groups: not --cpp")
     if args.both:
         raise ValueError("--against-cluster starts prefill and decode daemons: not --both")
     if not args.prefill and not args.decode:
@@ -264,6 +285,8 @@ class Inputs:
     base: SimConfig
     policies: list[Policy]
     rejects: list[EarlyReject]
+    # Stages of the prefill nodes' pipelined groups, one run each (0: none).
+    cpps: list[int]
 
 
 def _node(args: argparse.Namespace, profile: str | None) -> NodeSpec:
@@ -309,9 +332,16 @@ def _inputs(args: argparse.Namespace) -> Inputs:
         raise ValueError(f"--max-replicas must be >= 1, got {args.max_replicas}")
     node = _node(args, args.profile)
     decode_node = _node(args, args.decode_profile) if args.decode_profile else None
+    cpps = _ints(args.cpp, "--cpp", minimum=0)
+    if args.sweep and any(cpps):
+        raise ValueError("--sweep tries shapes of single prefill nodes: not --cpp")
+    shape = Shape(args.prefill, args.decode, args.both) if not args.sweep else Shape(num_both=1)
+    stage_model = None
+    if any(cpps) and not args.profile:
+        stage_model = preset_stage_model(args.preset or DEFAULT_PRESET)
     records = read_trace(args.trace, slice_from_args(args))
     base = SimConfig(
-        shape=Shape(args.prefill, args.decode, args.both) if not args.sweep else Shape(num_both=1),
+        shape=shape,
         node=node,
         decode_node=decode_node,
         params=ConductorParams(
@@ -333,8 +363,13 @@ def _inputs(args: argparse.Namespace) -> Inputs:
         host_cores=args.host_cores,
         node_threads=args.node_threads,
         entries=args.entries,
+        stage_model=stage_model,
+        cpp_chunk_tokens=args.cpp_chunk,
     )
-    return Inputs(records, node, base, policies, rejects)
+    for cpp in cpps:
+        # Refused before any run: a count that does not fit names itself.
+        replace(base, shape=replace(shape, cpp=cpp))
+    return Inputs(records, node, base, policies, rejects, cpps)
 
 
 def _run(cfg: SimConfig, records: Sequence[TraceRecord]) -> tuple[SimResult, SimSummary]:
@@ -390,11 +425,39 @@ def print_runs(env: Env, summaries: Sequence[SimSummary], title: str) -> None:
             f"{sum(s.bytes_moved.values()) / GB:.0f}",
             f"{s.sim_wall_s:.1f}",
         )
+    _print_table(env, table)
+
+
+def _print_table(env: Env, table: Table) -> None:
     # Wide: a pipe or file gets every column unabridged.
     tty = env.stdout_isatty
     Console(
         file=env.stdout, force_terminal=tty, no_color=not tty, width=None if tty else 200
     ).print(table)
+
+
+def print_buckets(env: Env, summaries: Sequence[SimSummary]) -> None:
+    """TTFT by prompt length, a column pair per run: single prefill nodes
+    and pipelined groups side by side (``--cpp 0,2``)."""
+    table = Table(title="TTFT by prompt length, ms", title_justify="left")
+    table.add_column("prompt tokens")
+    table.add_column("requests", justify="right")
+    rejected = any(b["served"] < b["requests"] for s in summaries for b in s.ttft_by_prompt)
+    for s in summaries:
+        run = f"{s.cluster} {s.policy} {s.early_reject}"
+        table.add_column(f"{run}\nmean", justify="right")
+        table.add_column("p90", justify="right")
+        if rejected:
+            table.add_column("served", justify="right")
+    for i, b in enumerate(summaries[0].ttft_by_prompt if summaries else []):
+        row = [b["bucket"], str(b["requests"])]
+        for s in summaries:
+            mine = s.ttft_by_prompt[i]
+            row += [_fmt(mine["mean_ms"]), _fmt(mine["p90_ms"])]
+            if rejected:
+                row.append(str(mine["served"]))
+        table.add_row(*row)
+    _print_table(env, table)
 
 
 def _config_json(args: argparse.Namespace, node: NodeSpec) -> dict[str, Any]:
@@ -489,6 +552,32 @@ def _sweep(args: argparse.Namespace, env: Env, inp: Inputs) -> int:
     return ExitStatus.OK if best is not None else ExitStatus.ERROR
 
 
+def _runs(args: argparse.Namespace, inp: Inputs) -> tuple[list[SimResult], list[SimSummary]]:
+    """One run per pipelined-group size x policy x early-rejection mode asked for."""
+    results: list[SimResult] = []
+    summaries: list[SimSummary] = []
+    for cpp in inp.cpps:
+        base = replace(inp.base, shape=replace(inp.base.shape, cpp=cpp))
+        for policy in inp.policies:
+            runs: dict[EarlyReject, tuple[SimResult, SimSummary]] = {}
+            # Rejection off first: the reference each other mode's false
+            # rejections are counted against (run even when not asked for).
+            modes = [EarlyReject.OFF, *(r for r in inp.rejects if r is not EarlyReject.OFF)]
+            if modes == [EarlyReject.OFF] or args.false_rejections == "off":
+                modes = list(inp.rejects)
+            for reject in modes:
+                params = replace(base.params, policy=policy, early_reject=reject)
+                runs[reject] = _run(replace(base, params=params), inp.records)
+            reference = runs.get(EarlyReject.OFF)
+            for reject in inp.rejects:
+                res, s = runs[reject]
+                if reference is not None and reject is not EarlyReject.OFF:
+                    s.false_rejections = false_rejections(res, reference[0])
+                results.append(res)
+                summaries.append(s)
+    return results, summaries
+
+
 @command("simulate", "simulate a cluster on a trace with the Conductor's own code", _configure)
 def simulate(args: argparse.Namespace, env: Env) -> int:
     _settle_defaults(args)
@@ -497,27 +586,7 @@ def simulate(args: argparse.Namespace, env: Env) -> int:
     inp = _inputs(args)
     if args.sweep:
         return _sweep(args, env, inp)
-    results: list[SimResult] = []
-    summaries: list[SimSummary] = []
-    for policy in inp.policies:
-        runs: dict[EarlyReject, tuple[SimResult, SimSummary]] = {}
-        # Rejection off first: the reference each other mode's false
-        # rejections are counted against (run even when not asked for).
-        modes = [EarlyReject.OFF, *(r for r in inp.rejects if r is not EarlyReject.OFF)]
-        if modes == [EarlyReject.OFF] or args.false_rejections == "off":
-            modes = list(inp.rejects)
-        for reject in modes:
-            cfg = replace(
-                inp.base, params=replace(inp.base.params, policy=policy, early_reject=reject)
-            )
-            runs[reject] = _run(cfg, inp.records)
-        reference = runs.get(EarlyReject.OFF)
-        for reject in inp.rejects:
-            res, s = runs[reject]
-            if reference is not None and reject is not EarlyReject.OFF:
-                s.false_rejections = false_rejections(res, reference[0])
-            results.append(res)
-            summaries.append(s)
+    results, summaries = _runs(args, inp)
     if args.json:
         env.stdout.write(json.dumps([s.to_json() for s in summaries], indent=1) + "\n")
     else:
@@ -527,6 +596,7 @@ def simulate(args: argparse.Namespace, env: Env) -> int:
             f"{len(inp.records)} requests, x{inp.base.speed:g} speed, SLO TTFT "
             f"{inp.base.slo.ttft_s:g} s, TBT {inp.base.slo.tbt_s * 1e3:g} ms",
         )
+        print_buckets(env, summaries)
     if args.result_json:
         write_result(
             args.result_json, result_json(_config_json(args, inp.node), summaries, results)

@@ -10,6 +10,9 @@ Two sources:
   simulated node as it reads a real one;
 - a profile measured from a real node: the ``conductor.costs`` section of
   ``GET /admin/status`` (the coefficients the daemon fitted and gossips).
+
+A stage of a pipelined prefill group costs its share of the layers of the
+whole model's node (``stage_spec``), a step's fixed part aside.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncaked.cluster.costs import NodeCosts, StepCost
+from mooncaked.handoff import LayerSpan
 
 # The paper's attention and projection coefficients.
 ATTN_A = 4.0
@@ -67,6 +71,11 @@ class HardwareSpec:
     # per step and per sequence in it (their traffic grows with the batch).
     step_overhead_s: float = 0.0
     seq_overhead_s: float = 0.0
+    # Of ``step_overhead_s``, what a step pays once whatever its layers (the
+    # scheduler's work, preparing the inputs, launching the step, sampling);
+    # the rest (each layer's all-reduces and kernels) a stage of a pipelined
+    # group pays for its own layers only.
+    step_fixed_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +120,9 @@ A800_X8 = HardwareSpec(
     1024 * GB,
     step_overhead_s=0.005,
     seq_overhead_s=25e-6,
+    # An assumption, not a fit: gpt-fast, with next to no host work a step,
+    # decodes at about the fitted times, so most of the 5 ms is per layer.
+    step_fixed_s=0.001,
 )
 # One GPU: no tensor parallelism, nothing to all-reduce.
 A800_X1 = HardwareSpec("1xa800", 1, 312e12, 2.039e12, 80 * GB, 1, 200.0, 256 * GB)
@@ -166,6 +178,59 @@ def preset_node(name: str) -> NodeSpec:
         dram_bytes=hw.dram_bytes,
         kv_capacity_tokens=int(kv_room // model.kv_bytes_per_token),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class StageModel:
+    """What splitting a node's model into the stages of a pipelined prefill
+    group needs to know of it (``stage_spec``)."""
+
+    num_layers: int
+    # One token's hidden state, what a stage sends the next: hidden size x
+    # bytes per value.
+    act_bytes_per_token: int
+    # What a step costs whatever its layers (``HardwareSpec.step_fixed_s``).
+    step_fixed_s: float = 0.0
+
+
+def preset_stage_model(name: str) -> StageModel:
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    model = preset.model
+    return StageModel(
+        model.num_layers,
+        model.hidden_size * model.bytes_per_value,
+        preset.hardware.step_fixed_s,
+    )
+
+
+def stage_spec(node: NodeSpec, model: StageModel, span: LayerSpan) -> NodeSpec:
+    """The node of one stage holding ``span`` of ``model``, from the whole
+    model's ``node``: every layer computes its tokens and pairs, reads its
+    weights and its KV and all-reduces on its own, so the per-token, per-pair,
+    per-sequence and per-context terms, the KV bytes per token and the base
+    less the fixed part scale by the stage's share of the layers; the fixed
+    part of a step (``step_fixed_s``) each stage pays whole. (The embedding
+    and the head go with the layers: a prefill reads a few rows of the one
+    and computes the other for one token a request.)"""
+    if span.num_layers != model.num_layers:
+        raise ValueError(
+            f"stage layers {span.lo}..{span.hi} are of a {span.num_layers}-layer model, "
+            f"not of this {model.num_layers}-layer one"
+        )
+    share = span.count / model.num_layers
+    s = node.costs.step
+    fixed = min(model.step_fixed_s, s.base_s)
+    step = StepCost(
+        fixed + (s.base_s - fixed) * share,
+        s.token_s * share,
+        s.pair_s * share,
+        s.seq_s * share,
+        s.ctx_s * share,
+    )
+    kvb = node.costs.kv_bytes_per_token * span.count // model.num_layers
+    return replace(node, costs=replace(node.costs, step=step, kv_bytes_per_token=kvb))
 
 
 def costs_from_json(doc: Any, source: str = "<profile>") -> NodeCosts:

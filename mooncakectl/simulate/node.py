@@ -50,6 +50,8 @@ class SimRequest:
     hashes: tuple[bytes, ...]
     entry: str = ""
     prefill_node: str | None = None
+    # A pipelined prefill group's stages it ran on, head first (empty: one node).
+    stages: tuple[str, ...] = ()
     decode_node: str | None = None
     reject_code: str | None = None
     # Where its entry placed it (None: rejected), each prefill candidate's

@@ -11,15 +11,19 @@
   (same seed and options: ``false_rejections``), what admission should
   not have rejected;
 - cache hit rates: prompt tokens served from the prefill node's own cache
-  (local), and from anywhere in the cluster, fetched blocks included (global).
+  (local), and from anywhere in the cluster, fetched blocks included (global);
+- TTFT by prompt length (``PROMPT_BUCKETS``): where pipelined prefill
+  groups (``--cpp``) should differ from single nodes, long prompts.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import numpy as np
 
 from mooncakectl.bench.metrics import RequestRecord, summarize
 from mooncakectl.simulate.cluster import SimResult
@@ -30,6 +34,15 @@ RESULT_FORMAT = "mooncakectl-simulate/1"
 PERCENTILES = (50.0, 90.0, 99.0)
 # Of the summary's statistics of a latency, those a simulation's reports.
 _STATS = ("mean", "p50", "p90", "p99")
+# Prompt lengths (tokens, as simulated) the TTFT is reported by: each
+# bucket up to (not including) its bound.
+PROMPT_BUCKETS: tuple[tuple[str, float], ...] = (
+    ("<1k", 1024),
+    ("1k-4k", 4096),
+    ("4k-16k", 16384),
+    ("16k-64k", 65536),
+    (">=64k", float("inf")),
+)
 
 
 @dataclass(slots=True)
@@ -117,6 +130,8 @@ class SimSummary:
     # Rejected requests that met both SLOs in the run without rejection
     # (None: not measured, or nothing is rejected in this run's mode).
     false_rejections: int | None = None
+    # TTFT by prompt length (``ttft_by_prompt``).
+    ttft_by_prompt: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -177,7 +192,33 @@ def sim_summary(result: SimResult) -> SimSummary:
         decode_busy=busy(("decode",)),
         sim_events=result.num_events,
         sim_wall_s=result.wall_s,
+        ttft_by_prompt=ttft_by_prompt(reqs),
     )
+
+
+def ttft_by_prompt(requests: Sequence[SimRequest]) -> list[dict[str, Any]]:
+    """Per prompt-length bucket (``PROMPT_BUCKETS``): its requests, those
+    with a first token, and their TTFT's mean and p90 in ms (None: none)."""
+    ttfts: list[list[float]] = [[] for _ in PROMPT_BUCKETS]
+    counts = [0] * len(PROMPT_BUCKETS)
+    for r in requests:
+        i = next(i for i, (_, bound) in enumerate(PROMPT_BUCKETS) if r.num_prompt_tokens < bound)
+        counts[i] += 1
+        if r.ttft_s is not None:
+            ttfts[i].append(r.ttft_s * 1000.0)
+    out = []
+    for (name, _), n, values in zip(PROMPT_BUCKETS, counts, ttfts, strict=True):
+        a = np.asarray(values, dtype=np.float64)
+        out.append(
+            {
+                "bucket": name,
+                "requests": n,
+                "served": len(values),
+                "mean_ms": float(a.mean()) if values else None,
+                "p90_ms": float(np.percentile(a, 90.0)) if values else None,
+            }
+        )
+    return out
 
 
 def false_rejections(run: SimResult, reference: SimResult) -> int:
@@ -189,7 +230,7 @@ def false_rejections(run: SimResult, reference: SimResult) -> int:
 
 
 def request_json(r: SimRequest) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "index": r.index,
         "arrival_s": r.arrival_s,
         "prompt_tokens": r.num_prompt_tokens,
@@ -205,6 +246,9 @@ def request_json(r: SimRequest) -> dict[str, Any]:
         "tbt_s": r.tbt_s,
         "done_s": r.done_s,
     }
+    if r.stages:
+        out["stages"] = list(r.stages)
+    return out
 
 
 def result_json(
