@@ -259,7 +259,6 @@ class Node:
         async with (
             handoff_ports(
                 transfer,
-                cfg.disagg,
                 secret=s.identity.secret,
                 targets=self.router.target_of,
                 watch=self.router.watch,

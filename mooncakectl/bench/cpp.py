@@ -182,6 +182,10 @@ def daemon_sections(args: argparse.Namespace, model: str) -> dict[str, dict[str,
         "server": {"drain_timeout_s": 5.0},
         "model": {"cpu_threads": args.cpu_threads, "path": model, "dtype": args.dtype},
         "cluster": _FAST_GOSSIP,
+        # A 6k-token prompt on one core outlasts the default 30 s grant: the
+        # baseline would fail over and compute the prompt twice (once on the
+        # decode node), timing a failure instead of a prefill.
+        "disagg": {"grant_ttl_s": 600.0},
         "log": {"level": "warning"},
     }
     if args.chunk_tokens is not None:

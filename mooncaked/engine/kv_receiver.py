@@ -40,7 +40,13 @@ from mooncaked.engine.handoff import (
 )
 from mooncaked.engine.late_binding import PrefillWalk
 from mooncaked.engine.plan import LoadJob
-from mooncaked.handoff import KVGrant, KVLayout, PrefillSource, PrefillTarget
+from mooncaked.handoff import (
+    MAX_KV_READY_IN_S,
+    KVGrant,
+    KVLayout,
+    PrefillSource,
+    PrefillTarget,
+)
 from mooncaked.request import Request
 
 log = structlog.get_logger(__name__)
@@ -98,7 +104,7 @@ class KVReceiver(KVConnector):
             layout=self.layout,
             first_block=job.first_block,
             block_ids=tuple(job.block_ids),
-            ttl_s=self.grant_ttl_s,
+            ttl_s=self._grant_ttl(req),
         )
         try:
             reply = await self._ask(req, job, source, grant)
@@ -108,12 +114,13 @@ class KVReceiver(KVConnector):
             if task is not None:
                 task.uncancel()
             self.stats.cancelled += 1
-            return LoadResult(0, hold=self._until_expired(job, swap=False))
+            return LoadResult(0, hold=self._until_expired(job, grant, swap=False))
         if reply is None:
             self.stats.fell_back += 1
             # A failed prefill node may still write the granted blocks until
             # the grant expires: compute into fresh blocks, those stay held.
-            return LoadResult(0, prefill_node=self.node_id, hold=self._until_expired(job, True))
+            hold = self._until_expired(job, grant, swap=True)
+            return LoadResult(0, prefill_node=self.node_id, hold=hold)
         return LoadResult(
             num_tokens=job.num_tokens,
             sampled=reply.token,
@@ -200,7 +207,7 @@ class KVReceiver(KVConnector):
         if self._write_grants is None:
             return []
         # As long as the blocks stay held for a node that failed.
-        ttl = self.grant_ttl_s + GRANT_GRACE_S
+        ttl = grant.ttl_s + GRANT_GRACE_S
         if not target.stages:
             return [self._write_grants.open(grant, target.node_id, ttl)]
         opened: list[object] = []
@@ -214,9 +221,21 @@ class KVReceiver(KVConnector):
             raise
         return opened
 
-    def _until_expired(self, job: LoadJob, swap: bool) -> BlockHold:
+    def _grant_ttl(self, req: Request) -> float:
+        """How long a prefill node may write a request's blocks: ``grant_ttl_s``,
+        or twice the time its placement forecast the prompt's KV to take when
+        that is longer. A long prompt on a slow node must not fail over for
+        taking long (and be computed twice): a node that is lost or frozen is
+        cut by gossip (``MemberWatch``), not by the grant."""
+        ttl = self.grant_ttl_s
+        ready = req.handoff.kv_ready_at
+        if ready > 0.0:
+            ttl = max(ttl, min(MAX_KV_READY_IN_S, 2.0 * (ready - self.ctx.clock())))
+        return ttl
+
+    def _until_expired(self, job: LoadJob, grant: KVGrant, swap: bool) -> BlockHold:
         """The job's blocks, kept from everyone until no grant of them is live."""
-        until = self.ctx.clock() + self.grant_ttl_s + GRANT_GRACE_S
+        until = self.ctx.clock() + grant.ttl_s + GRANT_GRACE_S
         return BlockHold(tuple(job.block_ids), until, swap=swap)
 
     def request_finished(self, req: Request) -> None:

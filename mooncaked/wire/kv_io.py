@@ -20,7 +20,7 @@ import torch
 
 from mooncaked.cache.peer import Offer, PeerError
 from mooncaked.cluster.watch import MemberLost, MemberWatch
-from mooncaked.config import DisaggConfig, PipelineConfig
+from mooncaked.config import PipelineConfig
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.handoff import HandoffPorts, KVWrite
 from mooncaked.engine.pipeline import ACT_IN_SEGMENT, ACT_OUT_SEGMENT, ChunkNotice, StagePipe
@@ -148,7 +148,6 @@ class TransferKVSegment:
 @contextlib.asynccontextmanager
 async def handoff_ports(
     transfer: TransferEngine,
-    config: DisaggConfig,
     *,
     secret: bytes,
     targets: Callable[[str], Target | None],
@@ -167,7 +166,7 @@ async def handoff_ports(
             stage_pipe, transfer, pipeline, writer=writer, grants=grants, notice=notice
         )
     async with PrefillClient(
-        secret=secret, timeout_s=config.grant_ttl_s, targets=targets, watch=watch
+        secret=secret, targets=targets, watch=watch
     ) as client:
         yield HandoffPorts(
             transfer_address=transfer.address,

@@ -135,7 +135,6 @@ class PrefillClient:
         self,
         *,
         secret: bytes,
-        timeout_s: float,
         targets: Callable[[str], Target | None],
         watch: MemberWatch | None = None,
     ) -> None:
@@ -143,7 +142,6 @@ class PrefillClient:
         generation from the cluster view), None when it is not in the view."""
         self._key = derive_key(secret)
         self._targets = targets
-        self._timeout_s = timeout_s
         # Cuts a call to a prefill node that gossip declares dead, instead of
         # waiting for the grant to run out.
         self._watch = watch
@@ -188,7 +186,9 @@ class PrefillClient:
             "Content-Type": "application/json",
             **signed_headers(self._key, "POST", PREFILL_PATH, body, target=bound),
         }
-        timeout = aiohttp.ClientTimeout(total=min(self._timeout_s, grant.ttl_s))
+        # The grant's own time (the decode node sizes it to the prompt): a
+        # prefill that outlives it could write nothing more anyway.
+        timeout = aiohttp.ClientTimeout(total=grant.ttl_s)
 
         async def call() -> bytes:
             async with session.post(

@@ -16,7 +16,7 @@ from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.kv_receiver import GRANT_GRACE_S, KVReceiver
 from mooncaked.engine.plan import LoadJob, SampledToken
 from mooncaked.engine.scheduler import Scheduler
-from mooncaked.handoff import Handoff, KVGrant, KVLayout, PrefillSource, PrefillTarget
+from mooncaked.handoff import Handoff, KVGrant, KVLayout, PrefillSource, PrefillTarget, StageRef
 from mooncaked.request import FinishReason, Request, RequestState, SamplingParams
 
 BS = 4
@@ -263,3 +263,66 @@ async def test_only_an_untried_request_with_prefill_nodes_is_offered_from_outsid
     assert receiver.lookup(req, 0) == NO_HIT
     receiver.request_finished(req)
     assert receiver.lookup(req, 0) == KVHit(10, cancellable=True)
+
+
+async def test_a_long_forecast_prompt_gets_a_grant_long_enough_for_it() -> None:
+    seen: list[float] = []
+
+    async def prefill(
+        target: PrefillTarget, req: Request, grant: KVGrant, wait: float
+    ) -> PrefillReply:
+        seen.append(grant.ttl_s)
+        raise PrefillError("p1 failed")
+
+    rig = Rig(prefill)
+    # The placement expects the KV in 40 s: twice that, more than the configured 30.
+    rig.req.handoff = Handoff(source=rig.req.handoff.source, kv_ready_at=rig.now + 40.0)
+    job = rig.admit()
+    result = await rig.receiver.load(rig.req, job)
+    assert seen == [80.0]
+    assert rig.grants.log[0] == ("open", ("p1", (0, 1, 2), 80.0 + GRANT_GRACE_S))
+    # What the failed node may still write stays held as long as its grant.
+    assert result.hold is not None and result.hold.until == 100.0 + 80.0 + GRANT_GRACE_S
+    # A short forecast keeps the configured time.
+    rig2 = Rig(prefill)
+    rig2.req.handoff = Handoff(source=rig2.req.handoff.source, kv_ready_at=rig2.now + 1.0)
+    await rig2.receiver.load(rig2.req, rig2.admit())
+    assert seen[-1] == TTL
+
+
+class StageGrants(Grants):
+    def open(  # type: ignore[override]
+        self, grant: KVGrant, peer: str, ttl_s: float, layers: tuple[int, int] | None = None
+    ) -> object:
+        self.log.append(("open", (peer, layers)))
+        return peer
+
+
+async def test_each_stage_of_a_group_may_write_only_its_own_layers() -> None:
+    asked: list[str] = []
+
+    async def prefill(
+        target: PrefillTarget, req: Request, grant: KVGrant, wait: float
+    ) -> PrefillReply:
+        asked.append(target.node_id)
+        return PrefillReply(target.node_id, SampledToken(7), num_cached_tokens=0)
+
+    rig = Rig(prefill)
+    rig.receiver.layout = KVLayout(num_layers=4, num_blocks=16, block_size=BS, row_bytes=8)
+    rig.grants = StageGrants()
+    rig.receiver._write_grants = rig.grants
+    bad = (StageRef("b0", "u", 0, 1), StageRef("b1", "u", 2, 4))  # layer 1 held by nobody
+    good = (StageRef("s0", "u", 0, 3), StageRef("s1", "u", 3, 4))
+    rig.req.handoff = Handoff(
+        source=PrefillSource(
+            (PrefillTarget("b0", "u", stages=bad), PrefillTarget("s0", "u", stages=good))
+        )
+    )
+    result = await rig.receiver.load(rig.req, rig.admit())
+    assert asked == ["s0"] and result.prefill_node == "s0"
+    assert rig.grants.log == [
+        ("open", ("s0", (0, 3))),
+        ("open", ("s1", (3, 4))),
+        ("close", "s0"),
+        ("close", "s1"),
+    ]

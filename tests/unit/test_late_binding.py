@@ -212,7 +212,7 @@ async def test_a_prefill_node_whose_queue_is_too_long_passes_the_request_on() ->
         assert status == 400 and "max_wait_s" in doc["error"]["message"]
 
         targets = {"p1": P1}
-        async with PrefillClient(secret=secret, timeout_s=5.0, targets=targets.get) as client:
+        async with PrefillClient(secret=secret, targets=targets.get) as client:
             target = PrefillTarget("p1", url)
             req = Request("r1", [1, 2, 3], SamplingParams(max_tokens=4))
             with pytest.raises(PrefillBusy, match=r"2\.000 s"):
