@@ -183,11 +183,12 @@ def candidates(
     return nodes
 
 
-def groups(nodes: Mapping[str, CandidateNode]) -> list[CandidateNode]:
+def groups(nodes: Mapping[str, CandidateNode], num_tokens: int = 0) -> list[CandidateNode]:
     """The pipelined prefill groups whose every stage is a candidate, each as
     one candidate: its head's, naming the stages. A group missing a stage
     (down, draining), or whose stages contradict one another (two claim one
-    place, their layers do not split the model), serves nothing."""
+    place, their layers do not split the model), serves nothing; nor does
+    one with a stage whose input rows cannot hold a prompt of ``num_tokens``."""
     by_group: dict[str, list[CandidateNode]] = {}
     for n in nodes.values():
         if n.stage is not None:
@@ -214,6 +215,8 @@ def groups(nodes: Mapping[str, CandidateNode]) -> list[CandidateNode]:
             refs.append(StageRef(m.cand.node_id, m.cand.url, st.layer_lo, st.layer_hi))
             at = st.layer_hi
         if len(refs) != info.num_stages or at != info.num_layers:
+            continue
+        if any(0 < m.stage.max_tokens < num_tokens for m in members if m.stage is not None):
             continue
         cand = Candidate(head.cand.node_id, head.cand.api_addr, "prefill", 0, tuple(refs))
         suspect = any(m.suspect for m in members)
@@ -246,7 +249,7 @@ def choose_pools(
         # A stage prefills only with its group (a candidate of its own, below).
         if pool is not None and n.stage is None:
             pool.append(n)
-    by_role["prefill"] += groups(nodes)
+    by_role["prefill"] += groups(nodes, request.num_prompt_tokens)
     prefill, decode, both = by_role["prefill"], by_role["decode"], by_role["both"]
     if not decode and not prefill:
         if not both:

@@ -252,7 +252,7 @@ class LoadMeter:
             return None
         info = self._stage_info
         if info is None:
-            arch, dtype = engine.loaded.arch, engine.loaded.dtype
+            arch, dtype, pipe = engine.loaded.arch, engine.loaded.dtype, engine.pipe
             info = self._stage_info = StageInfo(
                 group=p.group,
                 index=p.stage,
@@ -262,5 +262,8 @@ class LoadMeter:
                 num_layers=span.num_layers,
                 act_bytes_per_token=arch.hidden_size * dtype.itemsize,
                 chunk_tokens=p.chunk_tokens,
+                max_tokens=pipe.act_in.shape[0]
+                if pipe is not None and pipe.act_in is not None
+                else 0,
             )
         return info

@@ -114,6 +114,9 @@ class StageInfo:
     # The first chunk of a pipelined prompt (the head's; later chunks level
     # in time), 0: the token budget.
     chunk_tokens: int = 0
+    # The most prompt tokens its input rows hold (``pipeline.activation_bytes``;
+    # 0: no bound, the head): a longer prompt is refused there.
+    max_tokens: int = 0
 
     def to_list(self) -> list[object]:
         return [
@@ -125,6 +128,7 @@ class StageInfo:
             self.num_layers,
             self.act_bytes_per_token,
             self.chunk_tokens,
+            self.max_tokens,
         ]
 
     def to_json(self) -> dict[str, object]:

@@ -386,7 +386,7 @@ def state_from_json(obj: Mapping[str, Any]) -> NodeState:
     )
 
 
-_STAGE_NAMES = ("idx", "n", "lo", "hi", "layers", "actb", "chunk")
+_STAGE_NAMES = ("idx", "n", "lo", "hi", "layers", "actb", "chunk", "rows")
 # Most stages of a group, and layers of a model, a node may claim.
 _MAX_STAGES = 16
 _MAX_LAYERS = 1 << 12
@@ -414,6 +414,7 @@ def _stage_from_list(values: Any) -> StageInfo | None:
         num_layers,
         get_int(obj, "actb", maximum=1 << 24),
         get_int(obj, "chunk"),
+        get_int(obj, "rows"),
     )
 
 

@@ -139,7 +139,8 @@ class PipelineConfig:
     chunk_tokens: int = 512
     # Bytes for the activations of prompts in flight, in each direction:
     # the rows the stage before writes into here, and those waiting here to
-    # be written to the next.
+    # be written to the next. The input rows bound the longest prompt the
+    # stage takes (bytes / (hidden size x dtype bytes) tokens).
     activation_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:

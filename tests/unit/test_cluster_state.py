@@ -314,15 +314,16 @@ def test_wire_roundtrip_of_state_and_blocks() -> None:
 def test_a_stage_s_place_in_its_group_travels_and_is_bounded() -> None:
     st = _member("node-1").state
     assert st is not None
-    staged = dataclasses.replace(st, stage=StageInfo("g", 1, 2, 15, 30, 30, 1152, 512))
+    staged = dataclasses.replace(st, stage=StageInfo("g", 1, 2, 15, 30, 30, 1152, 512, 4096))
     doc = wire.state_to_json(staged)
     assert wire.state_from_json(doc) == staged
     assert wire.state_from_json(wire.state_to_json(st)).stage is None
     for bad in (
-        ["g", 2, 2, 15, 30, 30, 1152, 512],  # index past the stages
-        ["g", 1, 2, 30, 30, 30, 1152, 512],  # an empty layer range
-        ["g", 1, 99, 15, 30, 30, 1152, 512],  # more stages than allowed
-        ["", 1, 2, 15, 30, 30, 1152, 512],
+        ["g", 2, 2, 15, 30, 30, 1152, 512, 0],  # index past the stages
+        ["g", 1, 2, 30, 30, 30, 1152, 512, 0],  # an empty layer range
+        ["g", 1, 99, 15, 30, 30, 1152, 512, 0],  # more stages than allowed
+        ["", 1, 2, 15, 30, 30, 1152, 512, 0],
+        ["g", 1, 2, 15, 30, 30, 1152, 512, -1],
         ["g", 1, 2, 15, 30],
     ):
         with pytest.raises(wire.WireError):
@@ -362,5 +363,6 @@ def test_to_json_shows_a_stage_of_a_pipelined_group() -> None:
         "num_layers": 4,
         "act_bytes_per_token": 256,
         "chunk_tokens": 512,
+        "max_tokens": 0,
     }
     assert states[1]["stage"] is None

@@ -70,7 +70,7 @@ def test_a_complete_group_is_one_candidate_and_its_stages_none_of_their_own() ->
 
 @pytest.mark.parametrize(
     "breakage",
-    ["dead", "draining", "duplicate", "gap", "missing"],
+    ["dead", "draining", "duplicate", "gap", "missing", "rows"],
 )
 def test_a_group_missing_or_contradicting_a_stage_serves_nothing(breakage: str) -> None:
     view = cluster()
@@ -80,6 +80,9 @@ def test_a_group_missing_or_contradicting_a_stage_serves_nothing(breakage: str) 
         add(view, "s1", "prefill", draining=True, stage=info(1))
     elif breakage == "duplicate":
         add(view, "s2", "prefill", stage=info(1))
+    elif breakage == "rows":
+        # Its input rows hold 4,096 tokens: an 8k prompt cannot go there.
+        add(view, "s1", "prefill", stage=StageInfo("g", 1, 2, 15, 30, 30, 1152, CHUNK, 4096))
     elif breakage == "gap":
         add(view, "s1", "prefill", stage=StageInfo("g", 1, 2, 16, 30, 30, 1152, CHUNK))
     else:
