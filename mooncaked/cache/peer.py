@@ -40,7 +40,7 @@ import structlog
 
 from mooncaked.cache.dram import Clock, Lease, pop_expired
 from mooncaked.cache.hashing import BlockHash
-from mooncaked.cache.store import TieredStore
+from mooncaked.cache.store import Reservation, TieredStore
 from mooncaked.tasks import TaskSet
 
 log = structlog.get_logger(__name__)
@@ -349,8 +349,11 @@ class FetchStats:
     nobody_to_ask: int = 0
     # The caller stopped waiting at peer_fetch_timeout_s.
     timed_out: int = 0
-    # Failed fetches because the holder said the lease had lapsed.
+    # Reads discarded because the holder said the lease had lapsed.
     lapsed: int = 0
+    # Fetches that went on from another holder after the first could not
+    # give every block (it failed, died mid-read, or its lease lapsed).
+    failovers: int = 0
     # Peers that could not be asked or answered nonsense.
     lookup_errors: int = 0
     blocks: int = 0
@@ -362,6 +365,8 @@ class FetchStats:
 # The lease a reader asks for outlives its own deadline by this much, so a
 # fetch that ends at its deadline still finds the lease held.
 _LEASE_MARGIN_S = 5.0
+# Offers a fetch keeps: the one it reads and a standby from another holder.
+_KEPT_OFFERS = 2
 
 
 class PeerFetcher:
@@ -459,60 +464,24 @@ class PeerFetcher:
         self._stats.fetches += 1
         fetch_started = time.monotonic()
         want = hashes[start:]
-        offer, num_errors = await self._best_offer(want, holders, deadline)
-        if offer is None:
+        offers, num_errors = await self._offers(want, holders, deadline)
+        if not offers:
             # Nobody could be asked: a failure; everybody answered "none": a miss.
             if num_errors:
                 self._stats.failed += 1
             else:
                 self._stats.missed += 1
             return
-        reservation = self._store.reserve(want[: offer.num_blocks])
+        reservation = self._store.reserve(want[: offers[0].num_blocks])
         if reservation is None:
             # DRAM got the next block meanwhile (or has no slot to spare).
-            await self._release(offer, deadline)
+            await asyncio.gather(*(self._release(o, deadline) for o in offers))
             self._stats.missed += 1
             return
-        num_read = 0
         try:
-            dram = self._store.dram
-            local = [dram.slot_offset(s) for s in reservation.slots]
-            offsets = offer.offsets[: reservation.num_blocks]
-            part = Offer(
-                offer.peer,
-                offer.node_id,
-                offer.lease_id,
-                offsets,
-                offer.block_bytes,
-                offer.segment,
-                offer.transfer_address,
+            num_read = await self._read_all(
+                want, reservation, offers, holders, deadline, fetch_started
             )
-            try:
-                num_read = await self._reader.read(part, local, self._left(deadline))
-                num_read = min(max(num_read, 0), reservation.num_blocks)
-                if num_read and self.on_read is not None:
-                    # The whole fetch, lease round trip included: what a
-                    # request waiting for it waits.
-                    self.on_read(
-                        offer.node_id,
-                        num_read * offer.block_bytes,
-                        time.monotonic() - fetch_started,
-                    )
-            except Exception as exc:
-                log.warning("peer.read_failed", peer=offer.peer, error=repr(exc))
-                num_read = 0
-            if num_read < reservation.num_blocks:
-                log.warning(
-                    "peer.read_short",
-                    peer=offer.peer,
-                    wanted=reservation.num_blocks,
-                    read=num_read,
-                )
-            if not await self._release(offer, deadline):
-                if num_read:
-                    self._stats.lapsed += 1
-                    log.warning("peer.lease_lapsed_discarding", peer=offer.peer, blocks=num_read)
-                num_read = 0
         except BaseException:
             self._store.abort_reserved(reservation)
             raise
@@ -521,14 +490,95 @@ class PeerFetcher:
             self._stats.ok += 1
             self._stats.blocks += stored
             self._stats.bytes += stored * self._store.block_bytes
-            log.info("peer.fetched", peer=offer.peer, blocks=stored, first_block=start)
+            log.info("peer.fetched", peer=offers[0].peer, blocks=stored, first_block=start)
         else:
             self._stats.failed += 1
 
-    async def _best_offer(
+    async def _read_all(
+        self,
+        want: list[BlockHash],
+        reservation: Reservation,
+        offers: list[Offer],
+        holders: list[str],
+        deadline: float,
+        fetch_started: float,
+    ) -> int:
+        """The reserved blocks read from the best offer; what it could not give
+        (its holder failed or died mid-read, its lease lapsed) read from the
+        standby offer kept for that, then from holders not asked yet, within
+        the same deadline. How many leading reserved blocks hold good bytes."""
+        n = reservation.num_blocks
+        # Offers not read from yet, with the index in ``want`` of their first block.
+        pending = [(0, o) for o in offers]
+        asked = {o.peer for o in offers}
+        valid = 0
+        reads = 0
+        try:
+            while valid < n:
+                if not pending:
+                    rest = [p for p in holders if p not in asked]
+                    if not rest or self._left(deadline) <= 0.001:
+                        break
+                    asked.update(rest)
+                    more, _ = await self._offers(want[valid:n], rest, deadline)
+                    pending = [(valid, o) for o in more]
+                    continue
+                first, offer = pending.pop(0)
+                if reads:
+                    self._stats.failovers += 1
+                    log.info("peer.read_failover", peer=offer.peer, from_block=valid)
+                reads += 1
+                got = await self._read_from(offer, first, reservation, valid, deadline)
+                if got > valid and self.on_read is not None:
+                    # The whole fetch, lease round trip included: what a
+                    # request waiting for it waits.
+                    self.on_read(
+                        offer.node_id,
+                        (got - valid) * offer.block_bytes,
+                        time.monotonic() - fetch_started,
+                    )
+                valid = got
+        finally:
+            # Standby offers never needed: given back.
+            if pending:
+                await asyncio.gather(*(self._release(o, deadline) for _, o in pending))
+        return valid
+
+    async def _read_from(
+        self, offer: Offer, first: int, reservation: Reservation, valid: int, deadline: float
+    ) -> int:
+        """Read ``offer``'s blocks from reserved block ``valid`` on (the offer's
+        block 0 is reserved block ``first``) and release its lease; the number
+        of leading reserved blocks that hold good bytes afterwards. A lease
+        that lapsed (or a holder that cannot say) discards this read."""
+        end = min(reservation.num_blocks, first + offer.num_blocks)
+        if end <= valid:
+            await self._release(offer, deadline)
+            return valid
+        dram = self._store.dram
+        local = [dram.slot_offset(s) for s in reservation.slots[valid:end]]
+        part = dataclasses.replace(offer, offsets=offer.offsets[valid - first : end - first])
+        try:
+            num_read = await self._reader.read(part, local, self._left(deadline))
+            num_read = min(max(num_read, 0), end - valid)
+        except Exception as exc:
+            log.warning("peer.read_failed", peer=offer.peer, error=repr(exc))
+            num_read = 0
+        if num_read < end - valid:
+            log.warning("peer.read_short", peer=offer.peer, wanted=end - valid, read=num_read)
+        if not await self._release(offer, deadline):
+            if num_read:
+                self._stats.lapsed += 1
+                log.warning("peer.lease_lapsed_discarding", peer=offer.peer, blocks=num_read)
+            return valid
+        return valid + num_read
+
+    async def _offers(
         self, want: list[BlockHash], holders: list[str], deadline: float
-    ) -> tuple[Offer | None, int]:
-        """The longest offer (the others released) and how many holders failed."""
+    ) -> tuple[list[Offer], int]:
+        """The longest offer and a standby (the next longest, from another
+        holder: a read that the first cannot finish goes on there), the others
+        released; and how many holders failed."""
         ttl = self._timeout_s + _LEASE_MARGIN_S
         left = self._left(deadline)
         answers = await asyncio.gather(
@@ -560,13 +610,12 @@ class PeerFetcher:
                 await self._release(answer, deadline)
                 continue
             offers.append(answer)
-        if not offers:
-            return None, num_errors
-        best = max(offers, key=lambda o: o.num_blocks)
-        losers = [o for o in offers if o is not best]
+        # Longest first; among equals, as the locator ranked the holders.
+        offers.sort(key=lambda o: -o.num_blocks)
+        kept, losers = offers[:_KEPT_OFFERS], offers[_KEPT_OFFERS:]
         if losers:
             await asyncio.gather(*(self._release(o, deadline) for o in losers))
-        return best, num_errors
+        return kept, num_errors
 
     async def _release(self, offer: Offer, deadline: float) -> bool:
         """Give a lease back; whether it still held (False when the peer cannot say)."""

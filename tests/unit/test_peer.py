@@ -325,3 +325,55 @@ async def test_would_ask_only_when_something_is_missing_and_someone_to_ask(
     assert not reader.fetcher.would_ask(HASHES[:4])
     assert reader.fetcher.would_ask(HASHES[:5])
     assert reader.fetcher.stats().nobody_to_ask == 0
+
+
+async def test_a_read_the_first_holder_cannot_finish_goes_on_from_the_standby(
+    stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    # Both hold the prefix; the first's lease lapses at once (as a holder that
+    # ended it early, or died, could not say it held), so its bytes are thrown
+    # away and the standby offer, kept for this, gives them.
+    first = await make(stack, "first", tmp_path, lease_timeout_s=1e-9)
+    second = await make(stack, "second", tmp_path)
+    data = rows(6, seed=11)
+    await put(first, HASHES[:6], data)
+    await put(second, HASHES[:6], data)
+    reader = await make(stack, "reader", tmp_path, peers=(first.url, second.url))
+    assert reader.fetcher is not None
+    assert await reader.fetcher.fetch(HASHES[:6]) == 6
+    assert torch.equal(await read_back(reader, HASHES[:6]), data)
+    st = reader.fetcher.stats()
+    assert (st.ok, st.failed, st.blocks, st.lapsed, st.failovers) == (1, 0, 6, 1, 1)
+    for holder in (first, second):
+        assert holder.desk.stats().active == 0
+        holder.store.dram.check_integrity()
+    reader.store.dram.check_integrity()
+
+
+async def test_a_holder_gone_after_its_lease_costs_no_recompute(
+    stack: AsyncExitStack, tmp_path: Path
+) -> None:
+    # The longer holder withdraws its DRAM segment right after it leased the
+    # blocks (a node stopping): the read from it fails, and the standby,
+    # holding fewer blocks, gives what it has; the rest is computed.
+    gone = await make(stack, "gone", tmp_path)
+    other = await make(stack, "other", tmp_path)
+    data = rows(8, seed=12)
+    await put(gone, HASHES[:8], data)
+    await put(other, HASHES[:5], data[:5])
+    grant = gone.desk.grant
+
+    async def grant_then_vanish(*args: object, **kwargs: object) -> object:
+        out = await grant(*args, **kwargs)  # type: ignore[arg-type]
+        gone.transfer.unregister(SEGMENT)
+        return out
+
+    gone.desk.grant = grant_then_vanish  # type: ignore[method-assign]
+    reader = await make(stack, "reader", tmp_path, peers=(gone.url, other.url))
+    assert reader.fetcher is not None
+    assert await reader.fetcher.fetch(HASHES[:8]) == 5
+    assert torch.equal(await read_back(reader, HASHES[:5]), data[:5])
+    st = reader.fetcher.stats()
+    assert (st.ok, st.blocks, st.failovers) == (1, 5, 1)
+    reader.store.dram.check_integrity()
+    assert reader.store.dram.num_pending == 0
