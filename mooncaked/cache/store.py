@@ -59,16 +59,9 @@ from mooncaked.cache.buffers import (
     check_buffer,
     copy_out,
 )
-from mooncaked.cache.dram import (
-    BlockLayout,
-    Clock,
-    DramPool,
-    Lease,
-    gather_blocks,
-    physical_memory_bytes,
-    scatter_blocks,
-)
+from mooncaked.cache.dram import Clock, DramPool, Lease, physical_memory_bytes
 from mooncaked.cache.hashing import BlockHash
+from mooncaked.cache.layout import BlockLayout, gather_blocks, scatter_blocks
 from mooncaked.cache.offload import Offloader
 from mooncaked.cache.ssd import SsdTier
 from mooncaked.cache.ssd_writer import NO_DEADLINE, SsdWriter

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from mooncaked.cache.dram import BlockLayout
+from mooncaked.cache.layout import BlockLayout
 from mooncaked.cache.peer import ReaderKind
 from mooncaked.cache.service import KVCache
 from mooncaked.cache.store import TieredStore
