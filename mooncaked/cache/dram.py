@@ -12,9 +12,12 @@ filled) or leased (being read). Slot states:
 - ``FREE``: on the free list, holds nothing.
 - ``PENDING``: reserved by ``allocate`` for one hash and being filled; not
   visible to lookups, never evicted. ``commit`` publishes it, ``abort`` frees it.
-- ``CACHED``: visible under its hash. With no lease it sits in the evictable
-  queue in LRU order (least recently used first); with leases it is out of that
-  queue, so it can be neither evicted nor overwritten.
+- ``CACHED``: visible under its hash. With no lease it sits in an eviction
+  queue in LRU order (least recently used first), chosen by its pin
+  (``cache/pins.py``): unpinned blocks in the first queue, soft-pinned ones in
+  a second that is asked only when the first is empty; a hard-pinned block is
+  in none. With leases it is out of every queue, so it can be neither evicted
+  nor overwritten.
 - ``DEAD``: removed while leased; the hash is already gone from the index and
   the slot goes back to the free list when its last lease ends.
 
@@ -42,6 +45,7 @@ import torch
 
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.layout import BlockLayout, KVCaches, gather_blocks, scatter_blocks
+from mooncaked.cache.pins import PinKind
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +55,8 @@ StoredListener = Callable[[BlockHash], None]
 # (hash, slot, evicted) when a block leaves the index; the slot's bytes are
 # still intact during the call (it is reused only after the call returns).
 RemovedListener = Callable[[BlockHash, int, bool], None]
+# The pin of a hash (None: unpinned), as the store's pin table holds it.
+PinOf = Callable[[BlockHash], PinKind | None]
 
 # The layout's names, for callers that import them from here.
 __all__ = [
@@ -59,6 +65,7 @@ __all__ = [
     "DramPool",
     "KVCaches",
     "Lease",
+    "PinOf",
     "SlotState",
     "gather_blocks",
     "physical_memory_bytes",
@@ -108,6 +115,7 @@ class DramPool:
     the transfer engine registers so peers on the same host read slots without
     a socket. By default the pool allocates its own buffer, pinned when CUDA
     is present (``pin_memory=None``), so copies to and from the GPU are DMA.
+    (Page-locked memory; the pins of blocks against eviction are ``pin_of``.)
     """
 
     def __init__(
@@ -121,7 +129,10 @@ class DramPool:
         lease_timeout_s: float = 30.0,
         on_stored: StoredListener | None = None,
         on_removed: RemovedListener | None = None,
+        pin_of: PinOf | None = None,
     ) -> None:
+        """``pin_of`` says which blocks are pinned against eviction; whoever
+        changes a pin calls ``requeue`` for its block."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         if lease_timeout_s <= 0:
@@ -133,6 +144,7 @@ class DramPool:
         self._clock = clock
         self.on_stored = on_stored
         self.on_removed = on_removed
+        self._pin_of: PinOf = pin_of if pin_of is not None else _unpinned
         self._registered = False
         self.buffer = self._allocate_buffer(pin_memory, backing)
         # [num_slots, block_bytes]: row i is slot i, at byte offset i * block_bytes.
@@ -145,8 +157,10 @@ class DramPool:
         self._free = list(range(num_slots - 1, -1, -1))
         self._cached: dict[BlockHash, int] = {}
         self._pending: dict[BlockHash, int] = {}
-        # Cached and unleased, least recently used first.
+        # Cached, unleased and unpinned, least recently used first.
         self._evictable: OrderedDict[BlockHash, None] = OrderedDict()
+        # Cached, unleased and soft-pinned: evicted only once _evictable is empty.
+        self._soft: OrderedDict[BlockHash, None] = OrderedDict()
         self._leases: dict[int, Lease] = {}
         self._next_lease_id = 1
         self.num_dead = 0
@@ -214,9 +228,12 @@ class DramPool:
         return self._slot_hash[slot]
 
     def cached_hashes(self) -> list[BlockHash]:
-        """Visible blocks; the evictable ones least recently used first, leased ones last."""
-        leased = [h for h in self._cached if h not in self._evictable]
-        return [*self._evictable, *leased]
+        """Visible blocks in eviction order: unpinned ones least recently used
+        first, then soft-pinned ones, then those no eviction takes (leased or
+        hard-pinned)."""
+        queued = self._evictable.keys() | self._soft.keys()
+        kept = [h for h in self._cached if h not in queued]
+        return [*self._evictable, *self._soft, *kept]
 
     @property
     def num_cached(self) -> int:
@@ -231,6 +248,16 @@ class DramPool:
         return len(self._free)
 
     @property
+    def num_used(self) -> int:
+        """Slots that hold or are filling a block (or are dead): not free."""
+        return self.num_slots - len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        """Blocks an eviction may take now: unleased, unpinned or soft-pinned."""
+        return len(self._evictable) + len(self._soft)
+
+    @property
     def num_leases(self) -> int:
         return len(self._leases)
 
@@ -241,7 +268,7 @@ class DramPool:
     # -- filling slots -----------------------------------------------------
 
     def can_allocate(self) -> bool:
-        return bool(self._free) or bool(self._evictable) or self._any_expired()
+        return bool(self._free) or bool(self.num_evictable) or self._any_expired()
 
     def allocate(self, block_hash: BlockHash) -> int | None:
         """Reserve a slot for ``block_hash`` (PENDING); None when every slot is busy.
@@ -269,7 +296,7 @@ class DramPool:
         del self._pending[block_hash]
         self._state[slot] = SlotState.CACHED
         self._cached[block_hash] = slot
-        self._evictable[block_hash] = None
+        self._enqueue(block_hash)
         if self.on_stored is not None:
             self.on_stored(block_hash)
         return block_hash
@@ -286,8 +313,9 @@ class DramPool:
     def touch(self, hashes: Sequence[BlockHash]) -> None:
         """Mark blocks as just used (most recent last, so pass them in order)."""
         for h in hashes:
-            if h in self._evictable:
-                self._evictable.move_to_end(h)
+            for queue in (self._evictable, self._soft):
+                if h in queue:
+                    queue.move_to_end(h)
 
     # -- leases ------------------------------------------------------------
 
@@ -310,7 +338,7 @@ class DramPool:
             return None
         for h, slot in zip(leased, slot_ids, strict=True):
             if self._num_leases[slot] == 0:
-                del self._evictable[h]
+                self._dequeue(h)
             self._num_leases[slot] += 1
         lease = Lease(
             self._next_lease_id, owner, tuple(leased), tuple(slot_ids), self._clock() + ttl
@@ -375,7 +403,7 @@ class DramPool:
                 h = self._slot_hash[slot]
                 if h is None:
                     raise RuntimeError(f"cached slot {slot} has no hash")
-                self._evictable[h] = None
+                self._enqueue(h)
             elif state is SlotState.DEAD:
                 self.num_dead -= 1
                 self._free_slot(slot)
@@ -404,7 +432,7 @@ class DramPool:
         if block_hash is None or self._state[slot] is not SlotState.CACHED:
             raise RuntimeError(f"unindex of slot {slot} in state {self._state[slot].value}")
         del self._cached[block_hash]
-        self._evictable.pop(block_hash, None)
+        self._dequeue(block_hash)
         if self.on_removed is not None:
             self.on_removed(block_hash, slot, evicted)
         if self._num_leases[slot] > 0:
@@ -415,17 +443,72 @@ class DramPool:
 
     def _take_slot(self) -> int | None:
         if not self._free and not self._evictable and self._any_expired():
+            # A dead reader's lease frees an unpinned block before a soft
+            # pin is broken.
             self.reap_expired()
         if self._free:
             return self._free.pop()
-        if not self._evictable:
+        if self._evict_one() is None:
             return None
-        victim = next(iter(self._evictable))
-        slot = self._cached[victim]
-        self.num_evictions += 1
-        self._unindex(slot, evicted=True)
         # An unleased victim goes straight back to the free list.
         return self._free.pop()
+
+    def _evict_one(self) -> BlockHash | None:
+        """Evict the least recently used unpinned block, else soft-pinned one;
+        its hash, or None when every cached block is leased or hard-pinned."""
+        queue = self._evictable or self._soft
+        if not queue:
+            return None
+        victim = next(iter(queue))
+        self.num_evictions += 1
+        self._unindex(self._cached[victim], evicted=True)
+        return victim
+
+    def evict(self, num_blocks: int) -> list[BlockHash]:
+        """Evict up to ``num_blocks`` blocks in eviction order (unpinned least
+        recently used first, soft-pinned last; never leased or hard-pinned
+        ones); the hashes evicted. The listener sees each, as for ``allocate``."""
+        evicted: list[BlockHash] = []
+        while len(evicted) < num_blocks:
+            victim = self._evict_one()
+            if victim is None:
+                break
+            evicted.append(victim)
+        return evicted
+
+    # -- pins --------------------------------------------------------------
+
+    def requeue(self, block_hash: BlockHash) -> None:
+        """The pin of ``block_hash`` changed: move it to the eviction queue its
+        pin says. A block whose pin ended goes first in the unpinned queue (its
+        retention is over); a newly pinned one last in the soft one."""
+        slot = self._cached.get(block_hash)
+        if slot is None or self._num_leases[slot] > 0:
+            return
+        self._dequeue(block_hash)
+        queue = self._queue_for(block_hash)
+        if queue is None:
+            return
+        queue[block_hash] = None
+        if queue is self._evictable:
+            queue.move_to_end(block_hash, last=False)
+
+    def _queue_for(self, block_hash: BlockHash) -> OrderedDict[BlockHash, None] | None:
+        """The eviction queue of a cached, unleased block; None: no eviction takes it."""
+        kind = self._pin_of(block_hash)
+        if kind is None:
+            return self._evictable
+        return self._soft if kind is PinKind.SOFT else None
+
+    def _enqueue(self, block_hash: BlockHash) -> None:
+        """A cached block nobody leases joins its queue, most recently used."""
+        queue = self._queue_for(block_hash)
+        if queue is not None:
+            queue[block_hash] = None
+
+    def _dequeue(self, block_hash: BlockHash) -> None:
+        self._evictable.pop(block_hash, None)
+        self._soft.pop(block_hash, None)
 
     def _free_slot(self, slot: int) -> None:
         self._state[slot] = SlotState.FREE
@@ -453,13 +536,18 @@ class DramPool:
         for h, slot in self._cached.items():
             if self._slot_hash[slot] != h or self._state[slot] is not SlotState.CACHED:
                 problems.append(f"index entry {h.hex()} -> slot {slot} is stale")
-            if (self._num_leases[slot] == 0) != (h in self._evictable):
-                problems.append(f"slot {slot}: leases {self._num_leases[slot]} vs evictable")
+            want = self._queue_for(h) if self._num_leases[slot] == 0 else None
+            for queue, name in ((self._evictable, "unpinned"), (self._soft, "soft-pinned")):
+                if (h in queue) != (queue is want):
+                    problems.append(
+                        f"slot {slot}: leases {self._num_leases[slot]}, pin "
+                        f"{self._pin_of(h)}, vs the {name} eviction queue"
+                    )
         for h, slot in self._pending.items():
             if self._slot_hash[slot] != h or self._state[slot] is not SlotState.PENDING:
                 problems.append(f"pending entry {h.hex()} -> slot {slot} is stale")
-        if len(self._evictable) > len(self._cached):
-            problems.append("evictable queue holds blocks that are not cached")
+        if len(self._evictable) + len(self._soft) > len(self._cached):
+            problems.append("eviction queues hold blocks that are not cached")
         want = [0] * self.num_slots
         for lease in self._leases.values():
             for slot in lease.slot_ids:
@@ -471,3 +559,7 @@ class DramPool:
                 problems.append(f"free slot {slot} is leased")
         if problems:
             raise RuntimeError("DRAM pool integrity: " + "; ".join(problems))
+
+
+def _unpinned(block_hash: BlockHash) -> PinKind | None:
+    return None
