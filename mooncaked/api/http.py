@@ -29,6 +29,7 @@ from mooncaked.api.middleware import api_middleware
 from mooncaked.api.openai import OpenAIAPI
 from mooncaked.api.pipeline import PipelineAPI
 from mooncaked.api.recent import RecentRequests
+from mooncaked.api.replicas import ReplicaAPI
 from mooncaked.api.server import (
     CappedTCPSite,
     reserve_middleware,
@@ -92,6 +93,14 @@ class NodeApi:
             generation=s.identity.generation,
             holding=lambda: s.holding,
         )
+        # A replica put's holder side: inbox rows, checked commits, drops.
+        self.replicas = ReplicaAPI(
+            secret=s.identity.secret,
+            node_id=lambda: s.node_id,
+            generation=s.identity.generation,
+            desk=lambda: s.desk,
+            is_member=s.is_up_member,
+        )
         # The status page at /ui and the finished requests it lists.
         self.recent_requests = RecentRequests(lambda: s.node_id)
         self.openai.finished_listeners.append(self.recent_requests.add)
@@ -149,6 +158,7 @@ class NodeApi:
             *self.openai.routes(),
             *self.cache.routes(),
             *self.internal.routes(),
+            *self.replicas.routes(),
             # /admin/cluster, /admin/cluster/prefix (and the test hooks when
             # ``cluster.test_hooks``).
             *cluster_routes(lambda: s.cluster, test_hooks=s.config.cluster.test_hooks),
