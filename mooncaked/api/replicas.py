@@ -5,7 +5,8 @@
   node takes no replicas; 403 for a writer that is not an up member of this
   node's cluster view: a put takes DRAM).
 - ``POST /internal/store/commit``: the written rows checked against the
-  writer's checksums; only blocks that match enter DRAM.
+  writer's checksums; only blocks that match enter DRAM (soft-pinned when
+  the put keeps a request's prompt).
 - ``POST /internal/store/drop``: this node's copies dropped (pinned ones
   kept, unless the call ends pins).
 
@@ -29,7 +30,6 @@ from mooncaked.wire.paths import (
     REPLICA_RESERVE_PATH,
 )
 from mooncaked.wire.replicas import (
-    CommitAnswer,
     CommitBody,
     DropBody,
     ReplicaDesk,
@@ -92,15 +92,12 @@ class ReplicaAPI:
         try:
             data = await read_signed_json(request, self.verifier, max_bytes=MAX_REPLICA_BYTES)
             call = CommitBody.decode(data)
-            desk = self._ready()
-            if desk.inbox is None:
-                raise ValueError("this node takes no replicas (store.replica_inbox_bytes = 0)")
-            outcomes = await desk.inbox.commit(call.reservation_id, call.source, call.crcs)
+            answer = await self._ready().commit(call)
         except Rejected as bad:
             return bad.response
         except REFUSALS as exc:
             return refusal(exc).rpc_response()
-        return _json(CommitAnswer(tuple(outcomes)).encode())
+        return _json(answer.encode())
 
     async def drop(self, request: web.Request) -> web.Response:
         try:

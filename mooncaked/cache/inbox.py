@@ -197,6 +197,13 @@ class ReplicaInbox:
 
     # -- commit ------------------------------------------------------------
 
+    def hashes_of(self, reservation_id: int, source: str) -> tuple[BlockHash, ...]:
+        """The blocks a live reservation of ``source`` holds rows for (none: ())."""
+        entry = self._live.get(reservation_id)
+        if entry is None or entry[0].source != source:
+            return ()
+        return entry[0].hashes
+
     async def commit(
         self, reservation_id: int, source: str, crcs: Sequence[int | None]
     ) -> list[Outcome]:

@@ -6,9 +6,10 @@
   says which of the hashes got a row and at which byte offset of which
   transfer segment, and which the holder has already.
 - ``POST /internal/store/commit`` with a ``CommitBody`` (each block's
-  checksum as the writer states it, or null for a write that failed) -> a
-  ``CommitAnswer``: each block stored, held already, refused as corrupt,
-  not written, or without a DRAM slot.
+  checksum as the writer states it, or null for a write that failed; and
+  for how long the holder should soft-pin its copies, when the put keeps a
+  request's prompt) -> a ``CommitAnswer``: each block stored, held already,
+  refused as corrupt, not written, or without a DRAM slot.
 - ``POST /internal/store/drop`` with a ``DropBody`` -> a ``DropAnswer``: the
   holder drops its copies (lowering a replica count: pinned ones are kept;
   a remove: pins end too).
@@ -24,9 +25,11 @@ from typing import Any
 
 import aiohttp
 import orjson
+import structlog
 
 from mooncaked.cache.hashing import BlockHash, parse_hex_hashes
 from mooncaked.cache.inbox import Outcome, ReplicaInbox
+from mooncaked.cache.pins import MAX_TTL_S, PinBudgetExceeded
 from mooncaked.cache.store import TieredStore
 from mooncaked.rpc import Target, derive_key, signed_headers
 from mooncaked.wire import fields
@@ -46,6 +49,10 @@ _MAX_BLOCK_BYTES = 1 << 34
 # A checksum is a CRC-32.
 _MAX_CRC = 0xFFFFFFFF
 _OUTCOMES = {o.value: o for o in Outcome}
+# What a holder has after a commit.
+_KEPT = (Outcome.STORED, Outcome.HELD)
+
+log = structlog.get_logger(__name__)
 
 
 class ReplicaError(Exception):
@@ -159,11 +166,18 @@ class CommitBody:
     reservation_id: int
     # The writer's checksum of each reserved block, in order; None: its write failed.
     crcs: tuple[int | None, ...]
+    # Soft-pin the copies for this long (a retained prompt's); 0: no pin.
+    pin_s: float = 0.0
 
     def encode(self) -> bytes:
-        return orjson.dumps(
-            {"source": self.source, "reservation_id": self.reservation_id, "crcs": self.crcs}
-        )
+        doc: dict[str, Any] = {
+            "source": self.source,
+            "reservation_id": self.reservation_id,
+            "crcs": self.crcs,
+        }
+        if self.pin_s:
+            doc["pin_s"] = self.pin_s
+        return orjson.dumps(doc)
 
     @classmethod
     def decode(cls, data: dict[str, Any]) -> CommitBody:
@@ -178,6 +192,7 @@ class CommitBody:
             source=fields.text(data.get("source"), "source"),
             reservation_id=fields.integer(data.get("reservation_id"), "reservation_id", 1),
             crcs=crcs,
+            pin_s=fields.number(data.get("pin_s", 0.0), "pin_s", 0.0, MAX_TTL_S, unit="seconds"),
         )
 
 
@@ -264,6 +279,23 @@ class ReplicaDesk:
             transfer_address=self.transfer_address,
             ttl_s=self.store.config.replica_timeout_s,
         )
+
+    async def commit(self, body: CommitBody) -> CommitAnswer:
+        """ValueError for a reservation the writer does not hold, or this node
+        taking no replicas. The copies a retained prompt's put asks to pin are
+        soft-pinned here too, budget allowing (a refusal keeps them unpinned)."""
+        inbox = self.inbox
+        if inbox is None:
+            raise ValueError("this node takes no replicas (store.replica_inbox_bytes = 0)")
+        hashes = inbox.hashes_of(body.reservation_id, body.source)
+        outcomes = await inbox.commit(body.reservation_id, body.source, body.crcs)
+        kept = [h for h, o in zip(hashes, outcomes, strict=True) if o in _KEPT]
+        if body.pin_s and kept:
+            try:
+                self.store.pin(kept, ttl_s=body.pin_s, hard=False)
+            except PinBudgetExceeded as exc:
+                log.warning("replicas.pin_refused", blocks=len(kept), error=str(exc))
+        return CommitAnswer(tuple(outcomes))
 
     def drop(self, body: DropBody) -> DropAnswer:
         store = self.store

@@ -103,6 +103,18 @@ def _result_json(r: HolderResult) -> dict[str, Any]:
     return {name: getattr(r, name) for name in HolderResult.__slots__}  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True, slots=True)
+class _Blocks:
+    """The blocks of one put as the writer sends them: by index into
+    ``hashes``, each leased DRAM slot and its checksum."""
+
+    hashes: list[BlockHash]
+    slots: dict[int, int]
+    crcs: dict[int, int]
+    # Soft-pin the copies for this long where they land (0: not).
+    pin_s: float
+
+
 @dataclass(slots=True)
 class ReplicatorStats:
     puts: int = 0
@@ -168,14 +180,24 @@ class Replicator:
     # -- put -----------------------------------------------------------------------
 
     async def put(
-        self, hashes: Sequence[BlockHash], replicas: int, *, also_held_by: Sequence[str] = ()
+        self,
+        hashes: Sequence[BlockHash],
+        replicas: int,
+        *,
+        also_held_by: Sequence[str] = (),
+        pin_s: float = 0.0,
     ) -> ReplicaReport:
-        """Copy the blocks until each is on ``replicas`` nodes (this one counts)."""
-        report, _ = await self._put(list(dict.fromkeys(hashes)), replicas, also_held_by)
+        """Copy the blocks until each is on ``replicas`` nodes (this one counts);
+        the new copies soft-pinned for ``pin_s`` seconds where they land (0: not)."""
+        report, _ = await self._put(list(dict.fromkeys(hashes)), replicas, also_held_by, pin_s)
         return report
 
     async def _put(
-        self, hashes: list[BlockHash], replicas: int, also_held_by: Sequence[str]
+        self,
+        hashes: list[BlockHash],
+        replicas: int,
+        also_held_by: Sequence[str],
+        pin_s: float = 0.0,
     ) -> tuple[ReplicaReport, list[set[str]]]:
         """``put``, and each block's holders afterwards."""
         if isinstance(replicas, bool) or replicas < 1:
@@ -203,8 +225,9 @@ class Replicator:
             targets = rank_targets(view, self._model_id(), exclude={me})
             plan = plan_put([held_by[i] for i in short], replicas, targets)
             sends = {t: [short[j] for j in idx] for t, idx in plan.items()}
+            blocks = _Blocks(hashes, slots, crcs, pin_s)
             results = await asyncio.gather(
-                *(self._send(view, t, idx, hashes, slots, crcs) for t, idx in sends.items())
+                *(self._send(view, t, idx, blocks) for t, idx in sends.items())
             )
         finally:
             self._store.dram.release(lease)
@@ -232,13 +255,7 @@ class Replicator:
         return {i: data_crc(hashes[i], dram.slot(s).numpy()) for i, s in slots.items()}
 
     async def _send(
-        self,
-        view: ClusterView,
-        target: str,
-        indices: list[int],
-        hashes: list[BlockHash],
-        slots: dict[int, int],
-        crcs: dict[int, int],
+        self, view: ClusterView, target: str, indices: list[int], blocks: _Blocks
     ) -> tuple[HolderResult, list[int]]:
         """Write ``indices`` to ``target`` (rounds while its inbox takes some);
         what it did, and the indices it holds now."""
@@ -254,7 +271,7 @@ class Replicator:
             while todo:
                 body = ReserveBody(
                     self._node_id(),
-                    tuple(hashes[i] for i in todo),
+                    tuple(blocks.hashes[i] for i in todo),
                     self._store.block_bytes,
                     self._layout,
                 )
@@ -267,9 +284,9 @@ class Replicator:
                 if answer.reservation_id == 0:
                     result.failed += len(todo) - len(held)
                     break
-                stored = await self._write_and_commit(url, bound, answer, todo, slots, crcs, result)
-                done += stored
-                taken = {todo[k] for k in (*answer.reserved, *answer.held)}
+                picked = [todo[k] for k in answer.reserved]
+                done += await self._write_and_commit(url, bound, answer, picked, blocks, result)
+                taken = {*picked, *held}
                 todo = [i for i in todo if i not in taken]
         except ReplicaError as exc:
             self._stats.holder_errors += 1
@@ -283,53 +300,54 @@ class Replicator:
         url: str,
         bound: Target,
         answer: ReserveAnswer,
-        todo: list[int],
-        slots: dict[int, int],
-        crcs: dict[int, int],
+        picked: list[int],
+        blocks: _Blocks,
         result: HolderResult,
     ) -> list[int]:
         """One round: the reserved blocks written into their rows, committed;
-        the indices the holder stored."""
-        dram = self._store.dram
-        bb = self._store.block_bytes
-        picked = [todo[k] for k in answer.reserved]
-        self._transfer.add_peer(answer.node_id, answer.transfer_address)
-        ops = [
-            TransferOp.write(
-                self._dram_segment,
-                dram.slot_offset(slots[i]),
-                answer.node_id,
-                answer.segment,
-                off,
-                bb,
-            )
-            for i, off in zip(picked, answer.offsets, strict=True)
-        ]
-        batch = await self._transfer.submit(ops, op_timeout_s=self._timeout_s)
-        await batch.wait()
-        written = [s is OpStatus.DONE for s in batch.statuses]
+        the indices the holder keeps."""
+        written = await self._write(answer, [blocks.slots[i] for i in picked])
         self._stats.blocks_sent += sum(written)
         body = CommitBody(
             self._node_id(),
             answer.reservation_id,
-            tuple(crcs[i] if ok else None for i, ok in zip(picked, written, strict=True)),
+            tuple(blocks.crcs[i] if ok else None for i, ok in zip(picked, written, strict=True)),
+            blocks.pin_s,
         )
         outcomes = (await self._client.commit(url, bound, body, self._timeout_s)).outcomes
-        stored: list[int] = []
+        kept: list[int] = []
+        counts = dict.fromkeys(Outcome, 0)
         for i, outcome in zip(picked, outcomes, strict=True):
+            counts[outcome] += 1
             if outcome in (Outcome.STORED, Outcome.HELD):
-                stored.append(i)
-                if outcome is Outcome.STORED:
-                    result.stored += 1
-                else:
-                    result.held += 1
-            elif outcome is Outcome.CORRUPT:
-                result.corrupt += 1
-            else:
-                result.failed += 1
-        self._stats.blocks_stored += result.stored
-        self._stats.blocks_refused += result.corrupt
-        return stored
+                kept.append(i)
+        result.stored += counts[Outcome.STORED]
+        result.held += counts[Outcome.HELD]
+        result.corrupt += counts[Outcome.CORRUPT]
+        result.failed += counts[Outcome.NOT_WRITTEN] + counts[Outcome.NO_SLOT]
+        self._stats.blocks_stored += counts[Outcome.STORED]
+        self._stats.blocks_refused += counts[Outcome.CORRUPT]
+        return kept
+
+    async def _write(self, answer: ReserveAnswer, slots: list[int]) -> list[bool]:
+        """Write DRAM ``slots`` into the holder's rows; whether each landed."""
+        dram, bb = self._store.dram, self._store.block_bytes
+        ops = [
+            TransferOp.write(
+                self._dram_segment, dram.slot_offset(s), answer.node_id, answer.segment, off, bb
+            )
+            for s, off in zip(slots, answer.offsets, strict=True)
+        ]
+        try:
+            self._transfer.add_peer(answer.node_id, answer.transfer_address)
+            batch = await self._transfer.submit(ops, op_timeout_s=self._timeout_s)
+            await batch.wait()
+        except (OSError, ValueError, RuntimeError) as exc:
+            # Nothing landed (or nothing is known to have): the commit says
+            # so, and the holder gives the rows back at once.
+            log.warning("replicas.write_failed", holder=answer.node_id, error=repr(exc))
+            return [False] * len(ops)
+        return [st is OpStatus.DONE for st in batch.statuses]
 
     # -- change and remove -------------------------------------------------------
 
@@ -420,7 +438,12 @@ class Replicator:
             # node that received it is a holder already, counted as one.
             if job.prefill_node in (None, me) and job.retain.replicas > 1:
                 also = (job.sent_to,) if job.sent_to else ()
-                await self.put(job.hashes, job.retain.replicas, also_held_by=also)
+                await self.put(
+                    job.hashes,
+                    job.retain.replicas,
+                    also_held_by=also,
+                    pin_s=job.retain.retain_s,
+                )
         except ValueError as exc:
             # The pin budget, mostly: keeping is a favour, the request is done.
             self._stats.retain_failures += 1
