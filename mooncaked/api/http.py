@@ -37,6 +37,7 @@ from mooncaked.api.server import (
     with_expect_handler,
 )
 from mooncaked.api.services import Services
+from mooncaked.api.store_admin import StoreAdmin
 from mooncaked.api.ui import ui_routes
 from mooncaked.cluster.routes import cluster_routes
 from mooncaked.config import Config
@@ -87,6 +88,7 @@ class NodeApi:
         )
         self.admin = AdminAPI(s)
         self.cache = CacheAdmin(s)
+        self.store = StoreAdmin(s)
         self.internal = InternalAPI(
             secret=s.identity.secret,
             node_id=lambda: s.node_id,
@@ -157,6 +159,7 @@ class NodeApi:
             *self.admin.routes(),
             *self.openai.routes(),
             *self.cache.routes(),
+            *self.store.routes(),
             *self.internal.routes(),
             *self.replicas.routes(),
             # /admin/cluster, /admin/cluster/prefix (and the test hooks when
