@@ -17,10 +17,11 @@ Why an inbox of its own rather than writes straight into DRAM slots:
 - the DRAM tier stays read-only to peers, as everything that reads it
   assumes: a published slot is never written from outside, so what a
   reader leases is what was checked;
-- over shared memory and RDMA a grant is checked when the mapping (or key)
-  is handed out and the mapping outlives the grant, so a late or stray
-  write can only land in an inbox row, never in a published block; and the
-  check runs on the DRAM copy, which no peer can write, so nothing changes
+- over RDMA a grant is checked when the memory key is handed out, and the
+  key outlives the grant (over TCP each op is checked; shared memory is
+  never handed out for a granted segment), so a late or stray write can
+  only land in an inbox row, never in a published block; and the check
+  runs on the DRAM copy, which no peer can write, so nothing changes
   between the check and the publish.
 
 It costs one host copy per block on the target. A reservation not committed
