@@ -633,6 +633,7 @@ class TieredStore:
         ends, as with ``clear``."""
         self._check_started()
         self.retention.unpin(hashes)
+        self._ssd_writer.forget(hashes)
         removed = 0
         for h in dict.fromkeys(hashes):
             held = self.dram.remove(h)

@@ -97,6 +97,12 @@ def test_pinned_prefixes_survive_pressure_and_restarts(daemon_factory: Any, tmp_
     daemon = daemon_factory(toml)
     client = StoreClient(daemon.url)
     check_restored(client, daemon, session, other)
+    # Pins of blocks that are only on the SSD still count against the budget.
+    fresh = prompt(400, num_blocks=10)
+    run_completions(daemon.url, [fresh])
+    wait_until_sync(lambda: all(tiers(client, fresh)), "a fresh prompt in the store")
+    with pytest.raises(StoreError, match="9 pinned now"):
+        client.kv.pin(prompt=fresh, hard=True)
 
     # Killed with SIGKILL, started again.
     daemon.proc.send_signal(signal.SIGKILL)
@@ -113,6 +119,7 @@ def check_restored(
     assert all(b.here == ["ssd"] for b in found)
     pins = client.stats()["pins"]
     assert (pins["restored"], pins["hard_blocks"], pins["soft_blocks"]) == (9, 6, 3)
+    assert (pins["in_dram"], pins["on_ssd"]) == (0, 9)
     (out,) = run_completions(daemon.url, [session])
     assert cached(out) == 6 * 16
 

@@ -21,6 +21,7 @@ import torch
 
 import mooncaked.wire.replicator as replicator_module
 from mooncaked.cache.hashing import block_hashes
+from mooncaked.client import AsyncStoreClient
 from mooncaked.cluster.replicas import holders
 from mooncaked.daemon import Node
 from tests.conftest import wait_until
@@ -111,6 +112,21 @@ async def test_put_two_replicas_verified_then_lowered_to_one(
     # Never the last copy.
     with pytest.raises(ValueError, match="replicas must be >= 1"):
         await a.services.replicator.change(hashes, 0)
+    # The same through the admin API, as a program would: put, then remove.
+    async with AsyncStoreClient(a.url) as client:
+        put = await client.kv.put(hashes=hashes, replicas=2)
+        assert put.holders_after == [2] * len(hashes) and put.short == 0
+        await wait_until(
+            lambda: all(len(h_) == 2 for h_ in holders(view, hashes)), "two holders again"
+        )
+        found = await client.kv.exists(hashes=hashes)
+        assert all(len(b.holders) == 2 and b.here == ["dram"] for b in found.blocks)
+        removed = await client.kv.remove(hashes=hashes)
+        assert sum(r.dropped for r in removed.nodes.values()) == 2 * len(hashes)
+    assert not any(
+        n.store is not None and n.store.tiers_of(h) for n in cluster.nodes for h in hashes
+    )
+    await wait_until(lambda: holders(view, hashes) == [set()] * len(hashes), "no holder left")
     for n in cluster.nodes:
         assert n.store is not None
         n.store.check_integrity()
