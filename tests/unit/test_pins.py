@@ -340,3 +340,21 @@ async def test_remove_drops_blocks_and_pins_and_clear_drops_every_pin(tmp_path: 
     assert len(store.retention.pins) == 0
     store.check_integrity()
     await store.close()
+
+
+def test_a_log_from_before_pins_replays_as_it_did() -> None:
+    tag = b"t".ljust(16, b"\0")
+    # What the tier wrote before the pin kinds: PUTs and REMOVEs only.
+    raw = encode_header(64, 4096, 8, tag) + b"".join(
+        [
+            encode_record(1, 0, h(1), 11),
+            encode_record(1, 1, h(2), 22),
+            encode_record(2, 0, h(1), 0),
+            encode_record(1, 0, h(3), 33),
+        ]
+    )
+    parsed = parse_log(raw, 64, 4096, tag)
+    assert (parsed.corrupt_records, parsed.discarded) == (0, "")
+    index, crcs, _ = replay_ops(parsed.ops, 8)
+    assert index == {h(2): 1, h(3): 0} and crcs == {1: 22, 0: 33}
+    assert replay_pins(parsed.ops) == {}
