@@ -95,12 +95,8 @@ class ReplicaReport:
             "short": self.short,
             "holders_before": self.holders_before,
             "holders_after": self.holders_after,
-            "nodes": {n: _result_json(r) for n, r in sorted(self.nodes.items())},
+            "nodes": {n: dataclasses.asdict(r) for n, r in sorted(self.nodes.items())},
         }
-
-
-def _result_json(r: HolderResult) -> dict[str, Any]:
-    return {name: getattr(r, name) for name in HolderResult.__slots__}  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
