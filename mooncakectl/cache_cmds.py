@@ -1,10 +1,19 @@
-"""``cache stats | lookup PROMPT | clear``: the node's KV cache tiers.
+"""``cache stats | lookup | clear | pin | unpin | replicas``: the node's KV cache.
 
 - ``stats``: one row per tier (device, DRAM, SSD): blocks used of total, hit
-  ratio, bytes read and written, evictions; then peer fetches and transfers.
+  ratio, bytes read and written, evictions; then peer fetches, transfers,
+  pins, replicas and the watermark.
 - ``lookup PROMPT`` (or ``--token-ids 1,2,3``): how many prompt tokens would
   be served from each tier and how many computed.
 - ``clear``: drop the device prefix cache (blocks no request uses), DRAM and SSD.
+- ``pin PROMPT --ttl 600 [--hard]``: keep the prompt's blocks through
+  eviction (soft: evicted last, for ``--ttl`` seconds; hard: never, for
+  ``--ttl`` or until unpinned). ``unpin PROMPT`` ends their pins.
+- ``replicas PROMPT --replicas N``: copy the prompt's blocks until N nodes
+  hold each, or drop copies down to N (never the last one).
+
+The blocks of pin, unpin and replicas are a prompt's full blocks (text, or
+``--token-ids``) or ``--hashes HEX,HEX`` (block hashes).
 """
 
 from __future__ import annotations
@@ -105,7 +114,56 @@ def summary_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
             f"{store.get('ssd_writes_dropped', 0)} SSD writes, "
             f"{store.get('ssd_corrupt_dropped', 0)} corrupt SSD blocks",
         ),
+        *store_rows(doc),
     ]
+
+
+def store_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    """Pins, replicas and the watermark (absent from an older node's stats)."""
+    rows: list[tuple[str, str]] = []
+    pins = doc.get("pins")
+    if pins:
+        rows.append(
+            (
+                "pins",
+                f"{pins['soft_blocks']} soft, {pins['hard_blocks']} hard of a budget of "
+                f"{pins['budget_blocks']} blocks ({_bytes(float(pins['pinned_bytes']))} of "
+                f"{_bytes(float(pins['budget_bytes']))}, max_pinned_ratio "
+                f"{pins['max_pinned_ratio']:g}); {pins['in_dram']} in DRAM, "
+                f"{pins['on_ssd']} on SSD; {pins['refused_budget']} refused, "
+                f"{pins['expired']} expired",
+            )
+        )
+    replicas = doc.get("replicas") or {}
+    put, received = replicas.get("put"), replicas.get("received")
+    if put:
+        rows.append(
+            (
+                "replicas put",
+                f"{put['blocks_stored']} blocks stored on others, {put['blocks_refused']} "
+                f"refused (checksum), {put['blocks_dropped']} dropped; "
+                f"{put['retained']} prompts retained",
+            )
+        )
+    if received:
+        rows.append(
+            (
+                "replicas taken",
+                f"{received['stored']} stored, {received['corrupt']} refused (checksum), "
+                f"{received['no_slot']} without a slot; inbox "
+                f"{received['rows_free']}/{received['rows_total']} rows free",
+            )
+        )
+    mark = doc.get("watermark")
+    if mark:
+        rows.append(
+            (
+                "watermark",
+                f"evicts from {_pct(float(mark['high']))} to {_pct(float(mark['low']))} "
+                f"of DRAM: {mark['evictions']} blocks in {mark['runs']} runs",
+            )
+        )
+    return rows
 
 
 def _print_table(
@@ -170,20 +228,45 @@ def parse_token_ids(text: str) -> list[int]:
     return ids
 
 
+def blocks_arg(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """What pin, unpin and replicas act on: a prompt, or ``--hashes``."""
+    if args.hashes:
+        if args.prompt is not None or args.token_ids:
+            raise ValueError("give the blocks as a prompt or as --hashes, not both")
+        hashes = [h for h in args.hashes.replace(" ", "").split(",") if h]
+        if not hashes:
+            raise ValueError("--hashes is empty")
+        return {"hashes": hashes}
+    return {"prompt": prompt_arg(args, command)}
+
+
 def _configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=("stats", "lookup", "clear"), help="what to do")
-    p.add_argument("prompt", nargs="?", help="lookup: the prompt text")
     p.add_argument(
-        "--token-ids", metavar="IDS", help="lookup: the prompt as comma-separated token ids"
+        "action",
+        choices=("stats", "lookup", "clear", "pin", "unpin", "replicas"),
+        help="what to do",
     )
+    p.add_argument("prompt", nargs="?", help="lookup, pin, unpin, replicas: the prompt text")
+    p.add_argument("--token-ids", metavar="IDS", help="the prompt as comma-separated token ids")
+    p.add_argument(
+        "--hashes", metavar="HEX", help="pin, unpin, replicas: comma-separated block hashes"
+    )
+    p.add_argument(
+        "--ttl", type=float, metavar="SECONDS", help="pin: how long (a soft pin needs it)"
+    )
+    p.add_argument("--hard", action="store_true", help="pin: never evicted while pinned")
+    p.add_argument("--replicas", type=int, metavar="N", help="replicas: holders wanted")
 
 
 @command(
     "cache",
-    "the KV cache tiers: 'stats', 'lookup PROMPT' (tokens cached per tier), 'clear'",
+    "the KV cache: 'stats', 'lookup PROMPT' (tokens cached per tier), 'clear', "
+    "'pin PROMPT --ttl S [--hard]', 'unpin PROMPT', 'replicas PROMPT --replicas N'",
     configure=_configure,
 )
 def cache(args: argparse.Namespace, env: Env) -> int:
+    if args.action in STORE_ACTIONS:
+        return STORE_ACTIONS[args.action](args, env)
     client = env.client(args)
     if args.action != "lookup" and (args.prompt is not None or args.token_ids):
         raise ValueError(f"'cache {args.action}' takes no prompt")
@@ -211,3 +294,70 @@ def cache(args: argparse.Namespace, env: Env) -> int:
         f"cleared {doc['device_blocks']} device blocks and {doc['store_blocks']} DRAM/SSD blocks\n"
     )
     return ExitStatus.OK
+
+
+def _pin(args: argparse.Namespace, env: Env) -> int:
+    body = {**blocks_arg(args, "cache pin"), "hard": args.hard}
+    if args.ttl is not None:
+        body["ttl_s"] = args.ttl
+    doc = env.client(args).post_json("/admin/cache/pin", body)
+    if args.json:
+        print_json(env, doc)
+        return ExitStatus.OK
+    pins = doc["pins"]
+    missing = len(doc["missing"])
+    kind = f"{doc['kind']}, for {doc['ttl_s']:g} s" if doc["ttl_s"] else f"{doc['kind']}"
+    env.stdout.write(
+        f"pinned {doc['pinned']} of {doc['num_blocks']} blocks ({kind})"
+        + (f"; {missing} not held by this node" if missing else "")
+        + f"; pins now {pins['soft_blocks']} soft, {pins['hard_blocks']} hard "
+        f"of {pins['budget_blocks']}\n"
+    )
+    return ExitStatus.OK
+
+
+def _unpin(args: argparse.Namespace, env: Env) -> int:
+    doc = env.client(args).post_json("/admin/cache/unpin", blocks_arg(args, "cache unpin"))
+    if args.json:
+        print_json(env, doc)
+        return ExitStatus.OK
+    env.stdout.write(f"unpinned {doc['unpinned']} of {doc['num_blocks']} blocks\n")
+    return ExitStatus.OK
+
+
+def _replicas(args: argparse.Namespace, env: Env) -> int:
+    if args.replicas is None:
+        raise ValueError("'cache replicas' needs --replicas N")
+    body = {**blocks_arg(args, "cache replicas"), "replicas": args.replicas}
+    doc = env.client(args).post_json("/admin/cache/replicas", body)
+    if args.json:
+        print_json(env, doc)
+        return ExitStatus.OK
+    rows = [
+        ("blocks", f"{doc['num_blocks']} ({doc['missing']} not on this node)"),
+        ("holders before", _spread(doc["holders_before"])),
+        ("holders after", _spread(doc["holders_after"])),
+        ("short", f"{doc['short']} blocks below {doc['replicas']} holders"),
+    ]
+    for node, r in doc["nodes"].items():
+        what = (
+            f"{r['stored']} stored, {r['held']} held, {r['corrupt']} refused, "
+            f"{r['failed']} failed, {r['dropped']} dropped, {r['kept_pinned']} kept (pinned)"
+        )
+        rows.append((node, what + (f"; {r['error']}" if r["error"] else "")))
+    print_fields(env, f"replicas: {doc['replicas']}", rows)
+    return ExitStatus.OK
+
+
+def _spread(counts: list[int]) -> str:
+    """Holders per block, as "n blocks on k nodes" groups."""
+    if not counts:
+        return "-"
+    groups: dict[int, int] = {}
+    for n in counts:
+        groups[n] = groups.get(n, 0) + 1
+    return ", ".join(f"{blocks} on {n}" for n, blocks in sorted(groups.items()))
+
+
+# The store's own operations, each a function of its own.
+STORE_ACTIONS = {"pin": _pin, "unpin": _unpin, "replicas": _replicas}

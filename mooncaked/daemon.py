@@ -244,12 +244,14 @@ class Node:
             on_failure=self.fail,
         ) as pc:
             s.cache, s.holding = pc.cache, pc.holding
+            s.desk, s.replicator = pc.desk, pc.replicator
             try:
                 yield
             finally:
-                # Stop leasing first; the cache's exit then lets fetches in
-                # flight land (they write into DRAM slots) and closes the store.
-                s.cache = s.holding = None
+                # Stop leasing (and taking replicas) first; the cache's exit
+                # then lets fetches in flight land (they write into DRAM
+                # slots) and closes the store.
+                s.cache = s.holding = s.desk = s.replicator = None
 
     @contextlib.asynccontextmanager
     async def _engine_serving(
@@ -273,6 +275,7 @@ class Node:
                 cache=s.cache,
                 on_fatal=self.fail,
                 on_step=self.api.handoff_steps.observe,
+                retain=s.replicator.retain if s.replicator is not None else None,
             ) as handoff,
         ):
             s.receiver, s.sender = handoff.receiver, handoff.sender

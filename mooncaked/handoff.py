@@ -24,6 +24,10 @@ from dataclasses import dataclass
 # Furthest out a placement's "KV in by" forecast for a handoff may be: the
 # decode node refuses more, the entry clamps to it.
 MAX_KV_READY_IN_S = 3600.0
+# Longest a request may ask its prompt's KV to be retained (a week), and the
+# most holders it may ask for.
+MAX_RETAIN_S = 7 * 24 * 3600.0
+MAX_REPLICAS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +292,22 @@ class PrefillSource:
 
 
 @dataclass(frozen=True, slots=True)
+class Retain:
+    """A request's ask that its prompt's KV be kept (``"cache"`` in its body):
+    once computed and offloaded, the prompt's full blocks are soft-pinned for
+    ``retain_s`` seconds, and copied until ``replicas`` nodes hold them."""
+
+    retain_s: float
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.retain_s, bool) or not 0.0 < self.retain_s <= MAX_RETAIN_S:
+            raise ValueError(f"retain_s must be in (0, {MAX_RETAIN_S:g}] s, got {self.retain_s!r}")
+        if isinstance(self.replicas, bool) or not 1 <= self.replicas <= MAX_REPLICAS:
+            raise ValueError(f"replicas must be in 1..{MAX_REPLICAS}, got {self.replicas!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class Handoff:
     """Where a request's prompt KV comes from or goes to, and where its
     output continues from: the one value a ``Request`` carries for
@@ -308,6 +328,8 @@ class Handoff:
     output_offset: int = 0
     # On a stage of a pipelined prefill group: this request's part there.
     stage: StageJob | None = None
+    # Keep the prompt's KV once computed (the request asked); None: cache as usual.
+    retain: Retain | None = None
 
     def __post_init__(self) -> None:
         if self.source is not None and self.sink is not None:

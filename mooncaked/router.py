@@ -51,6 +51,7 @@ from mooncaked.handoff import (
     Handoff,
     PrefillSource,
     PrefillTarget,
+    Retain,
     kv_ready_at,
 )
 from mooncaked.request import RequestOutput, SamplingParams
@@ -90,6 +91,8 @@ class RoutedRequest:
     arrival: float
     # The request's own latency targets; None: the node's.
     slo: Slo | None = None
+    # Keep the prompt's KV once computed (its body's "cache"); None: cache as usual.
+    retain: Retain | None = None
 
 
 class Submission:
@@ -262,7 +265,15 @@ class Submission:
             self._run_here(prompt, sampling, placement, source, ready_in_s, resumed)
             return
         body = GenerateBody(
-            f"{self.request_id}~{self._attempts}", prompt, sampling, source, resumed, ready_in_s
+            f"{self.request_id}~{self._attempts}",
+            prompt,
+            sampling,
+            source,
+            resumed,
+            ready_in_s,
+            # A resumed stream's prompt holds its output too: only the
+            # first attempt keeps the prompt the client sent.
+            None if resumed else req.retain,
         )
         if not await self._forward(placement.decode, body):
             await self._start()
@@ -290,6 +301,7 @@ class Submission:
                 peer_fetch=placement.fetch,
                 kv_ready_at=kv_ready_at(ready_in_s, time.monotonic()),
                 output_offset=resumed,
+                retain=None if resumed else self.req.retain,
             ),
         )
         self._stream = stream
@@ -432,11 +444,15 @@ class Router:
         request_id: str,
         hashes: Sequence[BlockHash],
         slo: Slo | None = None,
+        *,
+        retain: Retain | None = None,
     ) -> Submission:
         """A submission that starts on its first iteration (or ``first()``)."""
         sub = Submission(
             self,
-            RoutedRequest(request_id, list(prompt_token_ids), sampling, hashes, self._clock(), slo),
+            RoutedRequest(
+                request_id, list(prompt_token_ids), sampling, hashes, self._clock(), slo, retain
+            ),
         )
         return sub
 

@@ -216,6 +216,10 @@ async def prompt_token_ids(engine: EngineCore, body: dict[str, Any]) -> list[int
     raise BadBody("'prompt' must be a non-empty string or a list of token ids")
 
 
+def _asdict(stats: Any) -> dict[str, Any] | None:
+    return None if stats is None else dataclasses.asdict(stats)
+
+
 def _unavailable(what: str) -> web.Response:
     return json_response(
         {
@@ -245,6 +249,9 @@ class CacheAdmin:
       prompt tokens would be served from the device prefix cache, DRAM and SSD.
     - ``POST /admin/cache/clear``: drop the device prefix cache (blocks no
       request uses), DRAM and SSD.
+
+    The store's own operations (pins, replicas, exists, remove) are
+    ``api/store_admin.py``'s; their counters are in the stats here.
     """
 
     def __init__(self, services: Services) -> None:
@@ -263,12 +270,16 @@ class CacheAdmin:
         store, fetcher, desk = node.store, node.peer_fetcher, node.lease_desk
         if store is None or fetcher is None or desk is None:
             return None
-        transfer = node.transfer
+        transfer, replicator, replica_desk = node.transfer, node.replicator, node.desk
+        inbox = replica_desk.inbox if replica_desk is not None else None
         return {
             "store": store.stats(),
             "fetch": fetcher.stats(),
             "leases": desk.stats(),
             "transfer": transfer.metrics() if transfer is not None else None,
+            "pins": store.pin_stats(),
+            "replicator": replicator.stats() if replicator is not None else None,
+            "inbox": inbox.stats() if inbox is not None else None,
         }
 
     def metrics_source(self) -> SnapshotMetrics:
@@ -303,6 +314,19 @@ class CacheAdmin:
             "peer": dataclasses.asdict(snap["fetch"]),
             "leases": dataclasses.asdict(snap["leases"]),
             "transfer": None,
+            # What the store keeps on purpose, and how it keeps DRAM in bounds.
+            "pins": dataclasses.asdict(snap["pins"]),
+            "watermark": {
+                "high": store.config.high_watermark,
+                "low": store.config.low_watermark,
+                "runs": st.watermark_runs,
+                "evictions": st.watermark_evictions,
+            },
+            # Blocks this node put on others, and those others put here.
+            "replicas": {
+                "put": _asdict(snap["replicator"]),
+                "received": _asdict(snap["inbox"]),
+            },
         }
         engine = self._services.engine
         if engine is not None:
@@ -351,6 +375,7 @@ class CacheAdmin:
             ),
             "peer_fetches": {"ok": fetch.ok, "failed": fetch.failed, "blocks": fetch.blocks},
             "leases_active": leases.active,
+            "pinned_blocks": {"soft": snap["pins"].soft_blocks, "hard": snap["pins"].hard_blocks},
             "transfer_address": transfer.address if transfer is not None else None,
         }
 

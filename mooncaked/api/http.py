@@ -29,6 +29,7 @@ from mooncaked.api.middleware import api_middleware
 from mooncaked.api.openai import OpenAIAPI
 from mooncaked.api.pipeline import PipelineAPI
 from mooncaked.api.recent import RecentRequests
+from mooncaked.api.replicas import ReplicaAPI
 from mooncaked.api.server import (
     CappedTCPSite,
     reserve_middleware,
@@ -36,6 +37,7 @@ from mooncaked.api.server import (
     with_expect_handler,
 )
 from mooncaked.api.services import Services
+from mooncaked.api.store_admin import StoreAdmin
 from mooncaked.api.ui import ui_routes
 from mooncaked.cluster.routes import cluster_routes
 from mooncaked.config import Config
@@ -86,11 +88,20 @@ class NodeApi:
         )
         self.admin = AdminAPI(s)
         self.cache = CacheAdmin(s)
+        self.store = StoreAdmin(s)
         self.internal = InternalAPI(
             secret=s.identity.secret,
             node_id=lambda: s.node_id,
             generation=s.identity.generation,
             holding=lambda: s.holding,
+        )
+        # A replica put's holder side: inbox rows, checked commits, drops.
+        self.replicas = ReplicaAPI(
+            secret=s.identity.secret,
+            node_id=lambda: s.node_id,
+            generation=s.identity.generation,
+            desk=lambda: s.desk,
+            is_member=s.is_up_member,
         )
         # The status page at /ui and the finished requests it lists.
         self.recent_requests = RecentRequests(lambda: s.node_id)
@@ -148,7 +159,9 @@ class NodeApi:
             *self.admin.routes(),
             *self.openai.routes(),
             *self.cache.routes(),
+            *self.store.routes(),
             *self.internal.routes(),
+            *self.replicas.routes(),
             # /admin/cluster, /admin/cluster/prefix (and the test hooks when
             # ``cluster.test_hooks``).
             *cluster_routes(lambda: s.cluster, test_hooks=s.config.cluster.test_hooks),

@@ -186,6 +186,16 @@ def _of(section: str, attr: str) -> Callable[[Any], float | None]:
     return read
 
 
+def _pinned(pins: Any) -> dict[str, float] | None:
+    return None if pins is None else {"soft": pins.soft_blocks, "hard": pins.hard_blocks}
+
+
+def _replicas(stats: Any) -> dict[str, float] | None:
+    if stats is None:
+        return None
+    return {"stored": stats.blocks_stored, "refused": stats.blocks_refused}
+
+
 def _lease_refusals(leases: Any) -> dict[str, float] | None:
     if leases is None:
         return None
@@ -248,6 +258,26 @@ CACHE_METRICS: tuple[Spec, ...] = (
         "SSD blocks that failed their checksum and were dropped.",
         _of("store", "ssd_corrupt_dropped"),
         counter=True,
+    ),
+    Spec(
+        "mooncaked_cache_watermark_evictions",
+        "DRAM blocks the background task evicted past store.high_watermark.",
+        _of("store", "watermark_evictions"),
+        counter=True,
+    ),
+    Spec(
+        "mooncaked_cache_pinned_blocks",
+        "Blocks pinned against eviction, by kind (soft: evicted last; hard: never).",
+        lambda snap: _pinned(snap["pins"]),
+        label="kind",
+    ),
+    Spec(
+        "mooncaked_store_replica_blocks",
+        "Blocks this node put on other nodes, by what the holder did: stored, or "
+        "refused because their bytes did not match the checksum stated.",
+        lambda snap: _replicas(snap["replicator"]),
+        counter=True,
+        label="result",
     ),
     Spec(
         "mooncaked_peer_fetches",

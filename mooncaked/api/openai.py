@@ -124,7 +124,12 @@ class OpenAIAPI:
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             hashes = block_hashes(parsed.prompt_token_ids, engine.block_size, engine.model_id)
             sub = self._router.submit(
-                parsed.prompt_token_ids, parsed.sampling, request_id, hashes, parsed.slo
+                parsed.prompt_token_ids,
+                parsed.sampling,
+                request_id,
+                hashes,
+                parsed.slo,
+                retain=parsed.retain,
             )
             self._router.track(sub)
             reply = Reply(

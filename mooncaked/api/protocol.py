@@ -15,6 +15,7 @@ from typing import Any
 from mooncaked.api.errors import ApiError, bad_param
 from mooncaked.api.limits import MAX_CHARS_PER_TOKEN, brief, type_name
 from mooncaked.cluster.slo import Slo
+from mooncaked.handoff import MAX_REPLICAS, MAX_RETAIN_S, Retain
 from mooncaked.request import SamplingParams
 
 # The most top alternatives a request may ask for (SamplingParams' own limit).
@@ -77,6 +78,8 @@ class Parsed:
     logprobs_style: str | None
     # The request's own latency targets ("slo": {"ttft_ms", "tbt_ms"}); None: the node's.
     slo: Slo | None = None
+    # Keep the prompt's KV ("cache": {"retain_s", "replicas"}); None: cache as usual.
+    retain: Retain | None = None
 
 
 def parse_slo(body: dict[str, Any]) -> Slo | None:
@@ -95,6 +98,36 @@ def parse_slo(body: dict[str, Any]) -> Slo | None:
         if not 0.0 <= ms <= 3_600_000.0:
             raise bad_param("slo", f"'slo.{key}' must be in [0, 3600000] ms, got {ms}")
     return Slo(ttft / 1e3, tbt / 1e3)
+
+
+def parse_cache(body: dict[str, Any]) -> Retain | None:
+    """A request's ``"cache": {"retain_s", "replicas"}``: keep the prompt's KV
+    for ``retain_s`` seconds (soft-pinned) on ``replicas`` nodes (default 1);
+    ApiError (400) naming the bad value."""
+    v = body.get("cache")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad_param("cache", f"'cache' must be an object, got {type_name(v)} {brief(v)}")
+    unknown = sorted(set(v) - {"retain_s", "replicas"})
+    if unknown:
+        raise bad_param("cache", f"'cache' has unknown fields {unknown}; use retain_s and replicas")
+    retain_s = v.get("retain_s")
+    if retain_s is None:
+        raise bad_param("cache.retain_s", "'cache.retain_s' is required: seconds to keep the KV")
+    if not _is_number(retain_s) or not 0.0 < retain_s <= MAX_RETAIN_S:
+        raise bad_param(
+            "cache.retain_s",
+            f"'cache.retain_s' must be a number of seconds in (0, {MAX_RETAIN_S:g}], "
+            f"got {brief(retain_s)}",
+        )
+    replicas = v.get("replicas", 1)
+    if not _is_int(replicas) or not 1 <= replicas <= MAX_REPLICAS:
+        raise bad_param(
+            "cache.replicas",
+            f"'cache.replicas' must be an integer in [1, {MAX_REPLICAS}], got {brief(replicas)}",
+        )
+    return Retain(float(retain_s), replicas)
 
 
 def check_model(body: dict[str, Any], served: str) -> None:
@@ -139,6 +172,7 @@ def parse_generation(
         include_usage=stream[1],
         logprobs_style=None if logprobs is None else ("chat" if chat else "completion"),
         slo=parse_slo(body),
+        retain=parse_cache(body),
     )
 
 

@@ -7,7 +7,8 @@ and ``PromptTooLongError``; a ``ValueError`` from checking a body; a node
 that is not serving (``NotServing``: draining, loading, stopping); a call
 this node cannot take as asked (``NodeMismatch``: its role or block layout
 differs); a prefill node whose queue is longer than the call allows
-(``PrefillBusy``); a reader a holder leases nothing to (``ReaderRefused``).
+(``PrefillBusy``); a reader a holder leases nothing to (``ReaderRefused``);
+a writer a node takes no replicas from (``WriterRefused``).
 
 ``refusal(exc)`` gives each its status, OpenAI error type, code and
 ``Retry-After`` (whole seconds, rounded up, at least 1), once. The public
@@ -37,6 +38,7 @@ from mooncaked.engine.core import (
 from mooncaked.engine.handoff import PrefillBusy
 from mooncaked.router import RouteError
 from mooncaked.wire.prefill import PREFILL_BUSY
+from mooncaked.wire.replicas import WriterRefused
 
 UNAVAILABLE = "service_unavailable"
 RATE_LIMITED = "rate_limit_exceeded"
@@ -114,6 +116,8 @@ def refusal(exc: Exception, param: str | None = None) -> Refusal:
             error = ApiError(409, why)
         case ReaderRefused():
             error = ApiError(403, why, type=FORBIDDEN, code="reader_refused")
+        case WriterRefused():
+            error = ApiError(403, why, type=FORBIDDEN, code="writer_refused")
         case PromptTooLongError():
             error = ApiError(400, why, param=param, code="context_length_exceeded")
         case ValueError():

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from mooncaked.engine.kv_receiver import KVReceiver
     from mooncaked.engine.kv_sender import KVSender
     from mooncaked.wire.lease import Holding
+    from mooncaked.wire.replicas import ReplicaDesk
+    from mooncaked.wire.replicator import Replicator
 
 
 class TransferCounters(Protocol):
@@ -145,6 +147,10 @@ class Services:
     cache: KVCache | None = None
     # What this node answers peers' lease lookups from (None: it lends nothing).
     holding: Holding | None = None
+    # What it answers replica calls from (None: it takes none), and what
+    # puts its own blocks on other nodes.
+    desk: ReplicaDesk | None = None
+    replicator: Replicator | None = None
     receiver: KVReceiver | None = None
     sender: KVSender | None = None
     # The engine's cost model (cluster/costs.py, fitted by cluster/fit.py).
@@ -203,6 +209,12 @@ class Services:
 
     def cluster_view(self) -> ClusterView | None:
         return self.member.view if self.member is not None else None
+
+    def is_up_member(self, node_id: str) -> bool:
+        """Another node this one's cluster view knows as up."""
+        view = self.cluster_view()
+        member = view.get(node_id) if view is not None else None
+        return member is not None and member.is_up and node_id != self.node_id
 
     def cluster_snapshot(self) -> ClusterSnapshot | None:
         return self.member.snapshot() if self.member is not None else None

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mooncaked.cache.dram import BlockLayout, DramPool, KVCaches, gather_blocks, scatter_blocks
+from mooncaked.cache.dram import DramPool
+from mooncaked.cache.layout import BlockLayout, KVCaches, gather_blocks, scatter_blocks
 from mooncaked.cache.tiers import Tier
 
 

@@ -1,8 +1,8 @@
 """The DRAM tier: one preallocated host pool of fixed-size block slots.
 
-A block is every layer's K and V for ``block_size`` tokens, laid out in a slot
-as ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``, so one slot
-is one contiguous byte range that a peer can read at ``slot * block_bytes``.
+A slot holds one block in the layout of ``cache/layout.py`` (every layer's K
+and V for ``block_size`` tokens), so one slot is one contiguous byte range
+that a peer can read at ``slot * block_bytes``.
 
 The pool knows hashes, slots and leases; it never does I/O. Every method runs
 on the owner's thread (the event loop); only the bytes inside a slot are
@@ -12,9 +12,12 @@ filled) or leased (being read). Slot states:
 - ``FREE``: on the free list, holds nothing.
 - ``PENDING``: reserved by ``allocate`` for one hash and being filled; not
   visible to lookups, never evicted. ``commit`` publishes it, ``abort`` frees it.
-- ``CACHED``: visible under its hash. With no lease it sits in the evictable
-  queue in LRU order (least recently used first); with leases it is out of that
-  queue, so it can be neither evicted nor overwritten.
+- ``CACHED``: visible under its hash. With no lease it sits in an eviction
+  queue in LRU order (least recently used first), chosen by its pin
+  (``cache/pins.py``): unpinned blocks in the first queue, soft-pinned ones in
+  a second that is asked only when the first is empty; a hard-pinned block is
+  in none. With leases it is out of every queue, so it can be neither evicted
+  nor overwritten.
 - ``DEAD``: removed while leased; the hash is already gone from the index and
   the slot goes back to the free list when its last lease ends.
 
@@ -30,7 +33,6 @@ discarded.
 from __future__ import annotations
 
 import enum
-import hashlib
 import os
 import time
 from collections import OrderedDict
@@ -38,11 +40,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import structlog
 import torch
 
 from mooncaked.cache.hashing import BlockHash
+from mooncaked.cache.layout import BlockLayout, KVCaches, gather_blocks, scatter_blocks
+from mooncaked.cache.pins import PinKind
 
 log = structlog.get_logger(__name__)
 
@@ -52,245 +55,23 @@ StoredListener = Callable[[BlockHash], None]
 # (hash, slot, evicted) when a block leaves the index; the slot's bytes are
 # still intact during the call (it is reused only after the call returns).
 RemovedListener = Callable[[BlockHash, int, bool], None]
+# The pin of a hash (None: unpinned), as the store's pin table holds it.
+PinOf = Callable[[BlockHash], PinKind | None]
 
-KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockLayout:
-    """The shape of one KV block: what a slot holds, on every tier."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if value <= 0:
-                raise ValueError(f"BlockLayout.{name} must be > 0, got {value}")
-        if not isinstance(self.dtype, torch.dtype):
-            raise ValueError(f"BlockLayout.dtype must be a torch.dtype, got {self.dtype!r}")
-
-    @classmethod
-    def from_kv_caches(cls, kv_caches: KVCaches) -> BlockLayout:
-        if not kv_caches:
-            raise ValueError("kv_caches is empty: need at least one layer")
-        k, _ = kv_caches[0]
-        if k.dim() != 4:
-            raise ValueError(
-                f"KV cache tensors must be [num_blocks, block_size, kv_heads, head_dim], "
-                f"got shape {tuple(k.shape)}"
-            )
-        _, block_size, num_kv_heads, head_dim = k.shape
-        return cls(len(kv_caches), block_size, num_kv_heads, head_dim, k.dtype)
-
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    @property
-    def block_bytes(self) -> int:
-        n = 1
-        for d in self.block_shape:
-            n *= d
-        return n * self.itemsize
-
-    def fingerprint(self) -> bytes:
-        """16 bytes that differ whenever the byte layout of a block differs."""
-        text = (
-            f"{self.num_layers}/{self.block_size}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}"
-        )
-        return hashlib.blake2b(text.encode(), digest_size=16).digest()
-
-    def typed(self, rows: torch.Tensor) -> torch.Tensor:
-        """A uint8 ``[n, block_bytes]`` tensor seen as ``[n, *block_shape]`` of dtype."""
-        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.block_bytes:
-            raise ValueError(
-                f"expected a uint8 tensor [n, {self.block_bytes}], "
-                f"got {rows.dtype} {tuple(rows.shape)}"
-            )
-        return rows.view(self.dtype).view(rows.shape[0], *self.block_shape)
-
-    def check_kv_caches(self, kv_caches: KVCaches) -> None:
-        if len(kv_caches) != self.num_layers:
-            raise ValueError(f"expected {self.num_layers} layers of KV cache, got {len(kv_caches)}")
-        want = (self.block_size, self.num_kv_heads, self.head_dim)
-        for i, (k, v) in enumerate(kv_caches):
-            for t in (k, v):
-                if tuple(t.shape[1:]) != want or t.dtype != self.dtype:
-                    raise ValueError(
-                        f"layer {i}: KV tensor {t.dtype} {tuple(t.shape)} does not match "
-                        f"[num_blocks, {', '.join(map(str, want))}] {self.dtype}"
-                    )
-
-
-def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) runs where both index lists step by one."""
-    out: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if out:
-            s0, d0, n = out[-1]
-            if s == s0 + n and d == d0 + n:
-                out[-1] = (s0, d0, n + 1)
-                continue
-        out.append((s, d, 1))
-    return out
-
-
-def _host_rows(t: torch.Tensor) -> np.ndarray | None:
-    """A contiguous CPU tensor's bytes as a ``[dim 0, rest]`` uint8 array (no copy)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        return None
-    return t.view(torch.uint8).numpy().reshape(t.shape[0], -1)
-
-
-def _host_kv(kv_caches: KVCaches) -> list[tuple[np.ndarray, np.ndarray]] | None:
-    out: list[tuple[np.ndarray, np.ndarray]] = []
-    for k, v in kv_caches:
-        kr, vr = _host_rows(k), _host_rows(v)
-        if kr is None or vr is None:
-            return None
-        out.append((kr, vr))
-    return out
-
-
-def _indices(values: Sequence[int], limit: int, what: str) -> np.ndarray:
-    idx = np.asarray(values, dtype=np.intp)
-    # numpy would wrap a negative index around silently.
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= limit):
-        raise ValueError(f"{what} out of range 0..{limit - 1}: {sorted(set(values))[:8]}")
-    return idx
-
-
-def _buffer_rows(block_ids: Sequence[int], rows: Sequence[int] | None, what: str) -> list[int]:
-    """The buffer row of each block: ``rows``, or ``0..n-1`` when None."""
-    out = list(range(len(block_ids))) if rows is None else list(rows)
-    if len(out) != len(block_ids):
-        raise ValueError(f"{len(block_ids)} block ids but {len(out)} {what}")
-    return out
-
-
-_HostViews = tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray, np.ndarray]
-
-
-def _host_views(
-    kv_caches: KVCaches,
-    block_ids: Sequence[int],
-    buf: torch.Tensor,
-    rows: Sequence[int],
-    what: str,
-) -> _HostViews | None:
-    """With the caches and ``buf`` all contiguous CPU memory: the caches' numpy rows,
-    the block and row indices, ``buf`` as ``[rows, layer, K/V, bytes]``; else None."""
-    if (host_buf := _host_rows(buf)) is None or (host_kv := _host_kv(kv_caches)) is None:
-        return None
-    ids = _indices(block_ids, kv_caches[0][0].shape[0], "block ids")
-    idx = _indices(rows, buf.shape[0], what)
-    return host_kv, ids, idx, host_buf.reshape(buf.shape[0], len(host_kv), 2, -1)
-
-
-# On CPU the copies go through numpy: one fancy-indexed assignment per layer
-# and K/V runs near memcpy speed, where torch's index_select/index_copy on
-# bf16 rows ran at a fifth of it (tools/bench_cache.py).
-
-
-def gather_blocks(
-    kv_caches: KVCaches,
-    block_ids: Sequence[int],
-    out: torch.Tensor,
-    out_rows: Sequence[int] | None = None,
-) -> None:
-    """Copy device blocks ``block_ids`` into rows of ``out`` (uint8 ``[n, block_bytes]``).
-
-    Row ``out_rows[i]`` (``i`` when None) receives block ``block_ids[i]``; pass a
-    pool's ``slots`` and slot ids to fill DRAM slots in one call. Returns when
-    the bytes are in ``out``.
-    """
-    layout = BlockLayout.from_kv_caches(kv_caches)
-    rows = _buffer_rows(block_ids, out_rows, "output rows")
-    if not block_ids:
-        return
-    dst = layout.typed(out)
-    host = _host_views(kv_caches, block_ids, out, rows, "output rows")
-    if host is not None:
-        host_kv, ids, idx, d = host
-        for layer, (k, v) in enumerate(host_kv):
-            d[idx, layer, 0] = k[ids]
-            d[idx, layer, 1] = v[ids]
-        return
-    device = kv_caches[0][0].device
-    ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
-    if device == out.device:
-        idx_t = torch.tensor(rows, dtype=torch.long, device=device)
-        for layer, (k, v) in enumerate(kv_caches):
-            dst[:, layer, 0].index_copy_(0, idx_t, k.index_select(0, ids_t))
-            dst[:, layer, 1].index_copy_(0, idx_t, v.index_select(0, ids_t))
-        return
-    # Across devices: gather on the device into one contiguous staging buffer,
-    # then one copy per run of destination rows (a DMA each when out is pinned).
-    staged = torch.empty((len(block_ids), layout.block_bytes), dtype=torch.uint8, device=device)
-    staged_t = layout.typed(staged)
-    for layer, (k, v) in enumerate(kv_caches):
-        staged_t[:, layer, 0] = k.index_select(0, ids_t)
-        staged_t[:, layer, 1] = v.index_select(0, ids_t)
-    for s, d0, n in _runs(range(len(rows)), rows):
-        out[d0 : d0 + n].copy_(staged[s : s + n], non_blocking=out.is_pinned())
-    _synchronize(device)
-
-
-def scatter_blocks(
-    kv_caches: KVCaches,
-    block_ids: Sequence[int],
-    src: torch.Tensor,
-    src_rows: Sequence[int] | None = None,
-) -> None:
-    """Copy rows of ``src`` (uint8 ``[n, block_bytes]``) into device blocks ``block_ids``.
-
-    Block ``block_ids[i]`` receives row ``src_rows[i]`` (``i`` when None).
-    Returns when the bytes are in the device blocks.
-    """
-    layout = BlockLayout.from_kv_caches(kv_caches)
-    rows = _buffer_rows(block_ids, src_rows, "source rows")
-    if not block_ids:
-        return
-    srct = layout.typed(src)
-    host = _host_views(kv_caches, block_ids, src, rows, "source rows")
-    if host is not None:
-        host_kv, ids, idx, s = host
-        for layer, (k, v) in enumerate(host_kv):
-            k[ids] = s[idx, layer, 0]
-            v[ids] = s[idx, layer, 1]
-        return
-    device = kv_caches[0][0].device
-    ids_t = torch.tensor(block_ids, dtype=torch.long, device=device)
-    if device == src.device:
-        idx_t = torch.tensor(rows, dtype=torch.long, device=device)
-        for layer, (k, v) in enumerate(kv_caches):
-            k.index_copy_(0, ids_t, srct[:, layer, 0].index_select(0, idx_t))
-            v.index_copy_(0, ids_t, srct[:, layer, 1].index_select(0, idx_t))
-        return
-    # Across devices: one copy per run of source rows into a device staging
-    # buffer, then a device-side scatter per layer.
-    staged = torch.empty((len(rows), layout.block_bytes), dtype=torch.uint8, device=device)
-    for s0, d, n in _runs(rows, range(len(rows))):
-        staged[d : d + n].copy_(src[s0 : s0 + n], non_blocking=src.is_pinned())
-    staged_t = layout.typed(staged)
-    for layer, (k, v) in enumerate(kv_caches):
-        k.index_copy_(0, ids_t, staged_t[:, layer, 0])
-        v.index_copy_(0, ids_t, staged_t[:, layer, 1])
-    _synchronize(device)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# The layout's names, for callers that import them from here.
+__all__ = [
+    "BlockLayout",
+    "Clock",
+    "DramPool",
+    "KVCaches",
+    "Lease",
+    "PinOf",
+    "SlotState",
+    "gather_blocks",
+    "physical_memory_bytes",
+    "pop_expired",
+    "scatter_blocks",
+]
 
 
 def physical_memory_bytes() -> int:
@@ -334,6 +115,7 @@ class DramPool:
     the transfer engine registers so peers on the same host read slots without
     a socket. By default the pool allocates its own buffer, pinned when CUDA
     is present (``pin_memory=None``), so copies to and from the GPU are DMA.
+    (Page-locked memory; the pins of blocks against eviction are ``pin_of``.)
     """
 
     def __init__(
@@ -347,7 +129,10 @@ class DramPool:
         lease_timeout_s: float = 30.0,
         on_stored: StoredListener | None = None,
         on_removed: RemovedListener | None = None,
+        pin_of: PinOf | None = None,
     ) -> None:
+        """``pin_of`` says which blocks are pinned against eviction; whoever
+        changes a pin calls ``requeue`` for its block."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         if lease_timeout_s <= 0:
@@ -359,6 +144,7 @@ class DramPool:
         self._clock = clock
         self.on_stored = on_stored
         self.on_removed = on_removed
+        self._pin_of: PinOf = pin_of if pin_of is not None else _unpinned
         self._registered = False
         self.buffer = self._allocate_buffer(pin_memory, backing)
         # [num_slots, block_bytes]: row i is slot i, at byte offset i * block_bytes.
@@ -371,8 +157,10 @@ class DramPool:
         self._free = list(range(num_slots - 1, -1, -1))
         self._cached: dict[BlockHash, int] = {}
         self._pending: dict[BlockHash, int] = {}
-        # Cached and unleased, least recently used first.
+        # Cached, unleased and unpinned, least recently used first.
         self._evictable: OrderedDict[BlockHash, None] = OrderedDict()
+        # Cached, unleased and soft-pinned: evicted only once _evictable is empty.
+        self._soft: OrderedDict[BlockHash, None] = OrderedDict()
         self._leases: dict[int, Lease] = {}
         self._next_lease_id = 1
         self.num_dead = 0
@@ -440,9 +228,12 @@ class DramPool:
         return self._slot_hash[slot]
 
     def cached_hashes(self) -> list[BlockHash]:
-        """Visible blocks; the evictable ones least recently used first, leased ones last."""
-        leased = [h for h in self._cached if h not in self._evictable]
-        return [*self._evictable, *leased]
+        """Visible blocks in eviction order: unpinned ones least recently used
+        first, then soft-pinned ones, then those no eviction takes (leased or
+        hard-pinned)."""
+        queued = self._evictable.keys() | self._soft.keys()
+        kept = [h for h in self._cached if h not in queued]
+        return [*self._evictable, *self._soft, *kept]
 
     @property
     def num_cached(self) -> int:
@@ -457,6 +248,16 @@ class DramPool:
         return len(self._free)
 
     @property
+    def num_used(self) -> int:
+        """Slots that hold or are filling a block (or are dead): not free."""
+        return self.num_slots - len(self._free)
+
+    @property
+    def num_evictable(self) -> int:
+        """Blocks an eviction may take now: unleased, unpinned or soft-pinned."""
+        return len(self._evictable) + len(self._soft)
+
+    @property
     def num_leases(self) -> int:
         return len(self._leases)
 
@@ -467,7 +268,7 @@ class DramPool:
     # -- filling slots -----------------------------------------------------
 
     def can_allocate(self) -> bool:
-        return bool(self._free) or bool(self._evictable) or self._any_expired()
+        return bool(self._free) or bool(self.num_evictable) or self._any_expired()
 
     def allocate(self, block_hash: BlockHash) -> int | None:
         """Reserve a slot for ``block_hash`` (PENDING); None when every slot is busy.
@@ -495,7 +296,7 @@ class DramPool:
         del self._pending[block_hash]
         self._state[slot] = SlotState.CACHED
         self._cached[block_hash] = slot
-        self._evictable[block_hash] = None
+        self._enqueue(block_hash)
         if self.on_stored is not None:
             self.on_stored(block_hash)
         return block_hash
@@ -512,8 +313,9 @@ class DramPool:
     def touch(self, hashes: Sequence[BlockHash]) -> None:
         """Mark blocks as just used (most recent last, so pass them in order)."""
         for h in hashes:
-            if h in self._evictable:
-                self._evictable.move_to_end(h)
+            for queue in (self._evictable, self._soft):
+                if h in queue:
+                    queue.move_to_end(h)
 
     # -- leases ------------------------------------------------------------
 
@@ -536,7 +338,7 @@ class DramPool:
             return None
         for h, slot in zip(leased, slot_ids, strict=True):
             if self._num_leases[slot] == 0:
-                del self._evictable[h]
+                self._dequeue(h)
             self._num_leases[slot] += 1
         lease = Lease(
             self._next_lease_id, owner, tuple(leased), tuple(slot_ids), self._clock() + ttl
@@ -601,7 +403,7 @@ class DramPool:
                 h = self._slot_hash[slot]
                 if h is None:
                     raise RuntimeError(f"cached slot {slot} has no hash")
-                self._evictable[h] = None
+                self._enqueue(h)
             elif state is SlotState.DEAD:
                 self.num_dead -= 1
                 self._free_slot(slot)
@@ -630,7 +432,7 @@ class DramPool:
         if block_hash is None or self._state[slot] is not SlotState.CACHED:
             raise RuntimeError(f"unindex of slot {slot} in state {self._state[slot].value}")
         del self._cached[block_hash]
-        self._evictable.pop(block_hash, None)
+        self._dequeue(block_hash)
         if self.on_removed is not None:
             self.on_removed(block_hash, slot, evicted)
         if self._num_leases[slot] > 0:
@@ -641,17 +443,72 @@ class DramPool:
 
     def _take_slot(self) -> int | None:
         if not self._free and not self._evictable and self._any_expired():
+            # A dead reader's lease frees an unpinned block before a soft
+            # pin is broken.
             self.reap_expired()
         if self._free:
             return self._free.pop()
-        if not self._evictable:
+        if self._evict_one() is None:
             return None
-        victim = next(iter(self._evictable))
-        slot = self._cached[victim]
-        self.num_evictions += 1
-        self._unindex(slot, evicted=True)
         # An unleased victim goes straight back to the free list.
         return self._free.pop()
+
+    def _evict_one(self) -> BlockHash | None:
+        """Evict the least recently used unpinned block, else soft-pinned one;
+        its hash, or None when every cached block is leased or hard-pinned."""
+        queue = self._evictable or self._soft
+        if not queue:
+            return None
+        victim = next(iter(queue))
+        self.num_evictions += 1
+        self._unindex(self._cached[victim], evicted=True)
+        return victim
+
+    def evict(self, num_blocks: int) -> list[BlockHash]:
+        """Evict up to ``num_blocks`` blocks in eviction order (unpinned least
+        recently used first, soft-pinned last; never leased or hard-pinned
+        ones); the hashes evicted. The listener sees each, as for ``allocate``."""
+        evicted: list[BlockHash] = []
+        while len(evicted) < num_blocks:
+            victim = self._evict_one()
+            if victim is None:
+                break
+            evicted.append(victim)
+        return evicted
+
+    # -- pins --------------------------------------------------------------
+
+    def requeue(self, block_hash: BlockHash) -> None:
+        """The pin of ``block_hash`` changed: move it to the eviction queue its
+        pin says. A block whose pin ended goes first in the unpinned queue (its
+        retention is over); a newly pinned one last in the soft one."""
+        slot = self._cached.get(block_hash)
+        if slot is None or self._num_leases[slot] > 0:
+            return
+        self._dequeue(block_hash)
+        queue = self._queue_for(block_hash)
+        if queue is None:
+            return
+        queue[block_hash] = None
+        if queue is self._evictable:
+            queue.move_to_end(block_hash, last=False)
+
+    def _queue_for(self, block_hash: BlockHash) -> OrderedDict[BlockHash, None] | None:
+        """The eviction queue of a cached, unleased block; None: no eviction takes it."""
+        kind = self._pin_of(block_hash)
+        if kind is None:
+            return self._evictable
+        return self._soft if kind is PinKind.SOFT else None
+
+    def _enqueue(self, block_hash: BlockHash) -> None:
+        """A cached block nobody leases joins its queue, most recently used."""
+        queue = self._queue_for(block_hash)
+        if queue is not None:
+            queue[block_hash] = None
+
+    def _dequeue(self, block_hash: BlockHash) -> None:
+        self._evictable.pop(block_hash, None)
+        self._soft.pop(block_hash, None)
 
     def _free_slot(self, slot: int) -> None:
         self._state[slot] = SlotState.FREE
@@ -679,13 +536,18 @@ class DramPool:
         for h, slot in self._cached.items():
             if self._slot_hash[slot] != h or self._state[slot] is not SlotState.CACHED:
                 problems.append(f"index entry {h.hex()} -> slot {slot} is stale")
-            if (self._num_leases[slot] == 0) != (h in self._evictable):
-                problems.append(f"slot {slot}: leases {self._num_leases[slot]} vs evictable")
+            want = self._queue_for(h) if self._num_leases[slot] == 0 else None
+            for queue, name in ((self._evictable, "unpinned"), (self._soft, "soft-pinned")):
+                if (h in queue) != (queue is want):
+                    problems.append(
+                        f"slot {slot}: leases {self._num_leases[slot]}, pin "
+                        f"{self._pin_of(h)}, vs the {name} eviction queue"
+                    )
         for h, slot in self._pending.items():
             if self._slot_hash[slot] != h or self._state[slot] is not SlotState.PENDING:
                 problems.append(f"pending entry {h.hex()} -> slot {slot} is stale")
-        if len(self._evictable) > len(self._cached):
-            problems.append("evictable queue holds blocks that are not cached")
+        if len(self._evictable) + len(self._soft) > len(self._cached):
+            problems.append("eviction queues hold blocks that are not cached")
         want = [0] * self.num_slots
         for lease in self._leases.values():
             for slot in lease.slot_ids:
@@ -697,3 +559,7 @@ class DramPool:
                 problems.append(f"free slot {slot} is leased")
         if problems:
             raise RuntimeError("DRAM pool integrity: " + "; ".join(problems))
+
+
+def _unpinned(block_hash: BlockHash) -> PinKind | None:
+    return None

@@ -4,7 +4,12 @@ Files in the tier's directory that belong to the log:
 
 - ``oplog.bin``: a header (format version, block size, layout tag) then
   fixed-size records, ``PUT(hash, slot, data_crc)`` and ``REMOVE(hash, slot)``,
-  each closed by a CRC over the record itself.
+  and the store's pins, ``PIN(hash, kind, deadline)`` (the pin as it stands
+  after the change: the last record of a hash wins) and ``UNPIN(hash)``, each
+  closed by a CRC over the record itself. The pin kinds came later in the
+  same format version: a log without them replays as before, and a reader
+  that predates them counts them as corrupt records and skips them (it loses
+  the pins, never a block).
 - ``oplog.bin.tmp``: the next log, only while a compaction writes it. It is
   never read: recovery deletes one it finds.
 
@@ -13,7 +18,8 @@ order. A record with a bad CRC is skipped (records have a fixed size, so the
 next one is still found) and a partial record at the tail (a torn append) is
 cut off. Skipping is safe: a lost PUT only loses a block, a lost REMOVE leaves
 an entry whose slot may hold other bytes, which the slot's data CRC catches on
-the first read. While running, the log is compacted whenever it exceeds
+the first read; a lost PIN or UNPIN loses or revives one pin. While
+running, the log is compacted whenever it exceeds
 ``compact_ratio`` times the size of its live records, so it never grows
 without bound.
 
@@ -25,7 +31,8 @@ the event loop's thread, synchronously (a record is 40 bytes into the page
 cache; there is no buffer). A compaction is the only time the file is
 replaced:
 
-1. on the loop, in one step, take the snapshot (one PUT per live block)
+1. on the loop, in one step, take the snapshot (one PUT per live block,
+   one PIN per pin)
    and from then on copy each record into a *tail* as well; records still
    go into the live ``oplog.bin``, which so stays complete;
 2. in the log thread, write the snapshot into ``oplog.bin.tmp``, fsync it;
@@ -50,11 +57,11 @@ import contextlib
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -80,14 +87,50 @@ REC_SIZE = _REC_BODY.size + _REC_CRC.size
 
 OP_PUT = 1
 OP_REMOVE = 2
+# A PIN record's slot field holds the pin's kind (cache.pins.PinKind) and its
+# data crc field the deadline, whole wall-clock seconds (0: until unpinned).
+OP_PIN = 3
+OP_UNPIN = 4
+_KINDS = (OP_PUT, OP_REMOVE, OP_PIN, OP_UNPIN)
+# Latest deadline a PIN record holds (u32 seconds since the epoch: 2106).
+MAX_PIN_DEADLINE = 0xFFFFFFFF
 
 # (kind, slot, hash, data crc) of one record, as replay reads it.
 Op = tuple[int, int, BlockHash, int]
+# (hash, pin kind, deadline in whole wall-clock seconds or 0) of one pin.
+PinEntry = tuple[BlockHash, int, int]
+
+
+class PinSource(Protocol):
+    """The pins a compaction writes: how many, and each as a ``PinEntry``."""
+
+    def __len__(self) -> int: ...
+
+    def entries(self) -> Iterable[PinEntry]: ...
+
+
+class _NoPins:
+    def __len__(self) -> int:
+        return 0
+
+    def entries(self) -> Iterable[PinEntry]:
+        return ()
 
 
 def encode_record(kind: int, slot: int, block_hash: BlockHash, crc: int) -> bytes:
     body = _REC_BODY.pack(_REC_MAGIC, kind, slot, block_hash, crc)
     return body + _REC_CRC.pack(zlib.crc32(body))
+
+
+def encode_pin(block_hash: BlockHash, kind: int, deadline_s: int) -> bytes:
+    """A PIN record: ``block_hash`` pinned as ``kind`` until ``deadline_s`` (0: forever)."""
+    if not 0 <= deadline_s <= MAX_PIN_DEADLINE:
+        raise ValueError(f"a pin deadline must be in 0..{MAX_PIN_DEADLINE} s, got {deadline_s}")
+    return encode_record(OP_PIN, kind, block_hash, deadline_s)
+
+
+def encode_unpin(block_hash: BlockHash) -> bytes:
+    return encode_record(OP_UNPIN, 0, block_hash, 0)
 
 
 def encode_header(block_bytes: int, slot_stride: int, num_slots: int, layout_tag: bytes) -> bytes:
@@ -135,7 +178,7 @@ def parse_log(raw: bytes, block_bytes: int, slot_stride: int, layout_tag: bytes)
             corrupt += 1
             continue
         magic, kind, slot, block_hash, dcrc = _REC_BODY.unpack_from(rec)
-        if magic != _REC_MAGIC or kind not in (OP_PUT, OP_REMOVE):
+        if magic != _REC_MAGIC or kind not in _KINDS:
             corrupt += 1
             continue
         ops.append((kind, slot, block_hash, dcrc))
@@ -150,6 +193,8 @@ def replay_ops(ops: list[Op], num_slots: int) -> tuple[dict[BlockHash, int], dic
     slot_crc: dict[int, int] = {}
     out_of_range = 0
     for kind, slot, block_hash, crc in ops:
+        if kind not in (OP_PUT, OP_REMOVE):
+            continue
         if kind == OP_PUT:
             if slot >= num_slots:
                 out_of_range += 1
@@ -169,6 +214,17 @@ def replay_ops(ops: list[Op], num_slots: int) -> tuple[dict[BlockHash, int], dic
     return index, slot_crc, out_of_range
 
 
+def replay_pins(ops: list[Op]) -> dict[BlockHash, tuple[int, int]]:
+    """The pins a log's records leave: hash -> (kind, deadline seconds or 0)."""
+    pins: dict[BlockHash, tuple[int, int]] = {}
+    for kind, slot, block_hash, crc in ops:
+        if kind == OP_PIN:
+            pins[block_hash] = (slot, crc)
+        elif kind == OP_UNPIN:
+            pins.pop(block_hash, None)
+    return pins
+
+
 def read_log(path: Path) -> bytes:
     """The bytes of the log in directory ``path``; empty when there is none."""
     log_path = path / LOG_NAME
@@ -186,8 +242,8 @@ class OpLog:
     that compacts it and runs fsyncs in the log thread, one job at a time.
 
     It reads the tier's slot index (a compaction's snapshot is one PUT per
-    live block, and its size says when to compact) and is handed an fsync of
-    the tier's slab.
+    live block, and its size says when to compact) and the pins (one PIN
+    each), and is handed an fsync of the tier's slab.
     """
 
     def __init__(
@@ -200,8 +256,10 @@ class OpLog:
         compact_ratio: float,
         compact_min_bytes: int,
         on_failure: Callable[[BaseException], None] | None = None,
+        pins: PinSource | None = None,
     ) -> None:
         self._slots, self._sync_slab = slots, sync_slab
+        self._pins: PinSource = pins if pins is not None else _NoPins()
         self.path, self.header = path, header
         self.compact_ratio, self.compact_min_bytes = compact_ratio, compact_min_bytes
         # Appends, syncs and compactions: one thread of their own, so records
@@ -316,14 +374,17 @@ class OpLog:
         os.fdatasync(self.fd)
 
     def _snapshot(self) -> bytes:
-        """The compacted log: header, then one PUT per live block, least recent first."""
+        """The compacted log: header, one PUT per live block (least recent
+        first), then one PIN per pin."""
         parts = [self.header]
         for slot, h, crc in self._slots.live_entries():
             parts.append(encode_record(OP_PUT, slot, h, crc))
+        for h, kind, deadline_s in self._pins.entries():
+            parts.append(encode_pin(h, kind, deadline_s))
         return b"".join(parts)
 
     def _needs_compaction(self) -> bool:
-        live = HEADER_SIZE + len(self._slots) * REC_SIZE
+        live = HEADER_SIZE + (len(self._slots) + len(self._pins)) * REC_SIZE
         return self.num_bytes > max(self.compact_min_bytes, self.compact_ratio * live)
 
     # -- compaction ----------------------------------------------------------

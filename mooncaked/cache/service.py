@@ -19,8 +19,8 @@ from typing import Any
 
 import structlog
 
-from mooncaked.cache.dram import BlockLayout
 from mooncaked.cache.hashing import BlockHash
+from mooncaked.cache.layout import BlockLayout
 from mooncaked.cache.peer import (
     BlockReader,
     HolderLocator,

@@ -3,8 +3,10 @@
 Each slot is FREE, WRITING (a put's bytes on their way), LIVE (indexed by its
 hash, with the data CRC its PUT record carries) or DEAD (removed while reads
 were in flight; freed when the last one ends). A live slot nobody reads is in
-the LRU queue; a slot being read is not, so it is never evicted or reused
-under its reader.
+an LRU queue chosen by its block's pin (``cache/pins.py``): unpinned blocks
+in the first, soft-pinned ones in a second asked only when the first is
+empty, hard-pinned ones in none; a slot being read is in none either, so it
+is never evicted or reused under its reader.
 
 No I/O and no log: the tier (``cache/ssd.py``) moves slots through these
 states and writes the record of each change itself.
@@ -14,8 +16,13 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from mooncaked.cache.hashing import BlockHash
+from mooncaked.cache.pins import PinKind
+
+# The pin of a hash (None: unpinned), as the store's pin table holds it.
+PinOf = Callable[[BlockHash], PinKind | None]
 
 
 class SlotState(enum.Enum):
@@ -34,14 +41,19 @@ class SlabIndex:
         "_index",
         "_lru",
         "_num_dead",
+        "_pin_of",
         "_readers",
         "_slot_crc",
         "_slot_hash",
+        "_soft",
         "_state",
         "_writing",
     )
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, pin_of: PinOf | None = None) -> None:
+        """``pin_of`` says which blocks are pinned against eviction; whoever
+        changes a pin calls ``requeue`` for its block."""
+        self._pin_of: PinOf = pin_of if pin_of is not None else _unpinned
         self._state = [SlotState.FREE] * num_slots
         self._slot_hash: list[BlockHash | None] = [None] * num_slots
         self._slot_crc = [0] * num_slots
@@ -49,8 +61,10 @@ class SlabIndex:
         self._free = list(range(num_slots - 1, -1, -1))
         self._index: dict[BlockHash, int] = {}
         self._writing: dict[BlockHash, int] = {}
-        # Live and not being read, least recently used first.
+        # Live, not being read and unpinned, least recently used first.
         self._lru: OrderedDict[BlockHash, None] = OrderedDict()
+        # Live, not being read and soft-pinned: victims once _lru is empty.
+        self._soft: OrderedDict[BlockHash, None] = OrderedDict()
         self._num_dead = 0
 
     # -- queries -----------------------------------------------------------
@@ -70,9 +84,12 @@ class SlabIndex:
         return list(self._index)
 
     def hashes(self) -> list[BlockHash]:
-        """Every stored block, least recently used first (ones being read last)."""
-        reading = [h for h in self._index if h not in self._lru]
-        return [*self._lru, *reading]
+        """Every stored block in eviction order: unpinned least recently used
+        first, then soft-pinned, then those no eviction takes (being read,
+        hard-pinned)."""
+        queued = self._lru.keys() | self._soft.keys()
+        kept = [h for h in self._index if h not in queued]
+        return [*self._lru, *self._soft, *kept]
 
     def live_entries(self) -> list[tuple[int, BlockHash, int]]:
         """(slot, hash, data crc) of every stored block, in ``hashes()`` order."""
@@ -99,7 +116,7 @@ class SlabIndex:
             self._slot_hash[slot] = block_hash
             self._slot_crc[slot] = slot_crc[slot]
             self._index[block_hash] = slot
-            self._lru[block_hash] = None
+            self._enqueue(block_hash)
         used = set(index.values())
         self._free = [s for s in range(len(self._state) - 1, -1, -1) if s not in used]
 
@@ -113,10 +130,41 @@ class SlabIndex:
         self._free.append(slot)
 
     def victim(self) -> int | None:
-        """The slot of the least recently used block nobody reads; None if none."""
-        if not self._lru:
+        """The slot of the least recently used unpinned block nobody reads, else
+        of such a soft-pinned one; None if every block is read or hard-pinned."""
+        queue = self._lru or self._soft
+        if not queue:
             return None
-        return self._index[next(iter(self._lru))]
+        return self._index[next(iter(queue))]
+
+    def requeue(self, block_hash: BlockHash) -> None:
+        """The pin of ``block_hash`` changed: move it to the queue its pin says
+        (first in the unpinned one when its pin ended)."""
+        slot = self._index.get(block_hash)
+        if slot is None or self._readers[slot] > 0:
+            return
+        self._dequeue(block_hash)
+        queue = self._queue_for(block_hash)
+        if queue is None:
+            return
+        queue[block_hash] = None
+        if queue is self._lru:
+            queue.move_to_end(block_hash, last=False)
+
+    def _queue_for(self, block_hash: BlockHash) -> OrderedDict[BlockHash, None] | None:
+        kind = self._pin_of(block_hash)
+        if kind is None:
+            return self._lru
+        return self._soft if kind is PinKind.SOFT else None
+
+    def _enqueue(self, block_hash: BlockHash) -> None:
+        queue = self._queue_for(block_hash)
+        if queue is not None:
+            queue[block_hash] = None
+
+    def _dequeue(self, block_hash: BlockHash) -> None:
+        self._lru.pop(block_hash, None)
+        self._soft.pop(block_hash, None)
 
     def begin_write(self, slot: int, block_hash: BlockHash) -> None:
         self._state[slot] = SlotState.WRITING
@@ -133,12 +181,12 @@ class SlabIndex:
         self._state[slot] = SlotState.LIVE
         self._slot_crc[slot] = crc
         self._index[block_hash] = slot
-        self._lru[block_hash] = None
+        self._enqueue(block_hash)
 
     def begin_read(self, slot: int, block_hash: BlockHash) -> int:
         """Take a live slot out of the LRU queue for a reader; its data CRC."""
         if self._readers[slot] == 0:
-            del self._lru[block_hash]
+            self._dequeue(block_hash)
         self._readers[slot] += 1
         return self._slot_crc[slot]
 
@@ -153,7 +201,7 @@ class SlabIndex:
             h = self._slot_hash[slot]
             if h is None:
                 raise RuntimeError(f"live SSD slot {slot} has no hash")
-            self._lru[h] = None  # most recently used
+            self._enqueue(h)  # most recently used
         elif state is SlotState.DEAD:
             self._num_dead -= 1
             self._free_slot(slot)
@@ -165,7 +213,7 @@ class SlabIndex:
         if block_hash is None or self._state[slot] is not SlotState.LIVE:
             raise RuntimeError(f"unindex of SSD slot {slot} in state {self._state[slot].value}")
         del self._index[block_hash]
-        self._lru.pop(block_hash, None)
+        self._dequeue(block_hash)
         if self._readers[slot] > 0:
             self._state[slot] = SlotState.DEAD
             self._num_dead += 1
@@ -190,10 +238,19 @@ class SlabIndex:
         for h, slot in self._index.items():
             if self._slot_hash[slot] != h or self._state[slot] is not SlotState.LIVE:
                 problems.append(f"index entry {h.hex()} -> slot {slot} is stale")
-            if (self._readers[slot] == 0) != (h in self._lru):
-                problems.append(f"slot {slot}: readers {self._readers[slot]} vs LRU membership")
+            want = self._queue_for(h) if self._readers[slot] == 0 else None
+            for queue, name in ((self._lru, "unpinned"), (self._soft, "soft-pinned")):
+                if (h in queue) != (queue is want):
+                    problems.append(
+                        f"slot {slot}: readers {self._readers[slot]}, pin {self._pin_of(h)}, "
+                        f"vs the {name} LRU queue"
+                    )
         for slot in self._free:
             if self._readers[slot]:
                 problems.append(f"free slot {slot} has readers")
         if problems:
             raise RuntimeError("SSD tier integrity: " + "; ".join(problems))
+
+
+def _unpinned(block_hash: BlockHash) -> PinKind | None:
+    return None

@@ -6,7 +6,8 @@ Files in the tier's directory:
   rounded up to 4 KiB, so each slot starts on a page).
 - ``oplog.bin`` (and, while a compaction runs, ``oplog.bin.tmp``): the
   operation log, ``PUT(hash, slot, data_crc)`` and ``REMOVE(hash, slot)``
-  records (``cache/oplog.py`` owns its format, replay and compaction).
+  records, and the store's ``PIN`` and ``UNPIN`` records (``cache/oplog.py``
+  owns its format, replay and compaction).
 
 ``data_crc`` is a CRC-32 over ``hash || block bytes``, so it binds the bytes to
 the hash: whatever happened to a slot (a torn write, a slot reused for another
@@ -15,7 +16,9 @@ drops the entry and is never served.
 
 Recovery (``open``): the log is replayed in file order, dropping corrupt and
 torn records; an entry whose slot holds other bytes fails its data CRC on the
-first read (or at once with ``verify_on_open``). The log is then compacted.
+first read (or at once with ``verify_on_open``). The pins the log holds go to
+``restore_pins`` (the store keeps those of blocks it still has). The log is
+then compacted.
 
 Why an acknowledged put survives SIGKILL at any instant
 -------------------------------------------------------
@@ -81,14 +84,18 @@ from mooncaked.cache.oplog import (
     TMP_LOG_NAME,
     OpLog,
     ParsedLog,
+    PinSource,
     encode_header,
+    encode_pin,
     encode_record,
+    encode_unpin,
     parse_log,
     pwrite_all,
     read_log,
     replay_ops,
+    replay_pins,
 )
-from mooncaked.cache.slab import SlabIndex
+from mooncaked.cache.slab import PinOf, SlabIndex
 
 log = structlog.get_logger(__name__)
 
@@ -111,6 +118,8 @@ _PAGE = 4096
 # (hash) when a block becomes readable; (hash, evicted) when it leaves the index.
 StoredListener = Callable[[BlockHash], None]
 RemovedListener = Callable[[BlockHash, bool], None]
+# The pins a log replays to: hash -> (pin kind, deadline seconds or 0).
+RestorePins = Callable[[dict[BlockHash, tuple[int, int]]], None]
 
 
 def data_crc(block_hash: BlockHash, data: Any) -> int:
@@ -132,6 +141,8 @@ class RecoveryReport:
     blocks: int = 0
     # Entries whose bytes failed their CRC in verify_on_open.
     bad_slots: int = 0
+    # Pins the log held (the store keeps those of blocks still here).
+    pins: int = 0
 
 
 def _pread_into(fd: int, out: memoryview, offset: int) -> int:
@@ -191,8 +202,14 @@ class SsdTier:
         on_stored: StoredListener | None = None,
         on_removed: RemovedListener | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        pin_of: PinOf | None = None,
+        pins: PinSource | None = None,
+        restore_pins: RestorePins | None = None,
     ) -> None:
-        """``on_failure`` hears of the log task dying (nothing is persisted any more)."""
+        """``on_failure`` hears of the log task dying (nothing is persisted any more).
+        ``pin_of`` says which blocks eviction must spare (or take last);
+        ``pins`` are what a compaction writes back; ``restore_pins`` is told
+        the pins the log held, at ``open``."""
         _check_params(block_bytes, num_slots, io_threads, compact_ratio, layout_tag)
         self.path = Path(path)
         self.block_bytes = block_bytes
@@ -205,7 +222,8 @@ class SsdTier:
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
         self._slab_fd = -1
-        self._slots = SlabIndex(num_slots)
+        self._slots = SlabIndex(num_slots, pin_of)
+        self._restore_pins = restore_pins
         self._log = OpLog(
             self._slots,
             self.path,
@@ -214,6 +232,7 @@ class SsdTier:
             compact_ratio=compact_ratio,
             compact_min_bytes=compact_min_bytes,
             on_failure=on_failure,
+            pins=pins,
         )
         # Bumped by clear(): a write that started before it must not publish.
         self._generation = 0
@@ -320,6 +339,11 @@ class SsdTier:
         if parsed.discarded:
             log.warning("ssd.log_discarded", path=str(self.path), reason=parsed.discarded)
         index, slot_crc, report.out_of_range = replay_ops(parsed.ops, self.num_slots)
+        # Pins first: the slab queues each block by its pin as it loads it.
+        pins = replay_pins(parsed.ops)
+        report.pins = len(pins)
+        if self._restore_pins is not None:
+            self._restore_pins({h: pin for h, pin in pins.items() if h in index})
         self._slots.load(index, slot_crc)
 
     def peek_index(self) -> dict[BlockHash, int]:
@@ -485,6 +509,24 @@ class SsdTier:
             raise
         self._end_io()
         return result
+
+    # -- pins ------------------------------------------------------------------
+
+    def log_pin(self, block_hash: BlockHash, kind: int, deadline_s: int) -> bool:
+        """Append a PIN record (the pin as it stands now); False if it failed
+        or the tier is not open."""
+        if self._slab_fd < 0 or self._closing:
+            return False
+        return self._log.append(encode_pin(block_hash, kind, deadline_s))
+
+    def log_unpin(self, block_hash: BlockHash) -> bool:
+        if self._slab_fd < 0 or self._closing:
+            return False
+        return self._log.append(encode_unpin(block_hash))
+
+    def requeue(self, block_hash: BlockHash) -> None:
+        """The pin of a block changed: its slot moves to the queue the pin says."""
+        self._slots.requeue(block_hash)
 
     def remove(self, block_hash: BlockHash) -> bool:
         slot = self._slots.slot_of(block_hash)

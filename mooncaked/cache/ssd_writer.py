@@ -12,6 +12,7 @@ DRAM slot about to be reused.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,12 @@ class SsdWriter(JobQueue[_SsdJob]):
     def clear(self) -> None:
         """Forget the queued writes: the writers skip them once unregistered."""
         self._jobs.clear()
+
+    def forget(self, hashes: Sequence[BlockHash]) -> None:
+        """Forget the queued writes of blocks just removed (a write already
+        under way still lands)."""
+        for h in hashes:
+            self._jobs.pop(h, None)
 
     def check_integrity(self) -> None:
         if len(self._jobs) > self._q.qsize():

@@ -48,3 +48,6 @@ class StoreStats:
     dram_leases: int = 0
     dram_expired_leases: int = 0
     event_listener_errors: int = 0
+    # Eviction by watermark: runs of the background task, blocks it evicted.
+    watermark_runs: int = 0
+    watermark_evictions: int = 0

@@ -37,12 +37,19 @@ Fills from outside (a peer's blocks read into local DRAM by the transfer
 engine): ``reserve`` takes PENDING slots, the bytes land in them, and
 ``commit_reserved`` publishes the ones that arrived (or ``abort_reserved``
 gives them all back).
+
+What the store keeps on purpose (``retention``, ``cache/retention.py``):
+soft and hard pins within ``max_pinned_ratio`` of the DRAM tier, logged to
+the SSD tier so that they survive a restart. Eviction respects them, and a
+background task (``cache/watermark.py``) keeps DRAM usage under
+``high_watermark``. ``remove`` drops blocks (and their pins) from both tiers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,21 +66,17 @@ from mooncaked.cache.buffers import (
     check_buffer,
     copy_out,
 )
-from mooncaked.cache.dram import (
-    BlockLayout,
-    Clock,
-    DramPool,
-    Lease,
-    gather_blocks,
-    physical_memory_bytes,
-    scatter_blocks,
-)
+from mooncaked.cache.dram import Clock, DramPool, Lease, physical_memory_bytes
 from mooncaked.cache.hashing import BlockHash
+from mooncaked.cache.layout import BlockLayout, gather_blocks, scatter_blocks
 from mooncaked.cache.offload import Offloader
+from mooncaked.cache.pins import PinTable
+from mooncaked.cache.retention import PinLog, PinResult, PinStats, Retention
 from mooncaked.cache.ssd import SsdTier
 from mooncaked.cache.ssd_writer import NO_DEADLINE, SsdWriter
 from mooncaked.cache.stats import StoreStats, TierStats
 from mooncaked.cache.tiers import Tier
+from mooncaked.cache.watermark import WatermarkEvictor
 from mooncaked.config import StoreConfig
 from mooncaked.tasks import TaskSet
 
@@ -142,23 +145,28 @@ class TieredStore:
         pin_memory: bool | None = None,
         dram_backing: Any = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """``on_failure`` hears of a background worker (offload, SSD writer) that
-        died: the store cannot offload or persist any more."""
+        died: the store cannot offload or persist any more. ``wall_clock``
+        times pins, which outlive the process."""
         self.layout = layout
         self.config = config
         self.block_bytes = layout.block_bytes
         self.on_block_event = on_block_event
         self._stats = StoreStats()
+        num_slots = self.dram_slots_for(config, layout)
+        pins = PinTable(math.floor(config.max_pinned_ratio * num_slots), config.max_pinned_ratio)
         self.dram = DramPool(
             layout,
-            self.dram_slots_for(config, layout),
+            num_slots,
             clock=clock,
             pin_memory=pin_memory,
             backing=dram_backing,
             lease_timeout_s=config.lease_timeout_s,
             on_stored=self._dram_stored,
             on_removed=self._dram_removed,
+            pin_of=pins.kind_of,
         )
         self.ssd: SsdTier | None = None
         if config.ssd_path:
@@ -173,8 +181,17 @@ class TieredStore:
                 on_stored=self._ssd_stored,
                 on_removed=self._ssd_removed,
                 on_failure=on_failure,
+                pin_of=pins.kind_of,
+                pins=PinLog(pins),
+                restore_pins=lambda replayed: self.retention.restore(replayed),
             )
         self._ssd_writer = SsdWriter(self.dram, self.ssd, self._stats, config)
+        self.retention = Retention(
+            pins, self.dram, self.ssd, self._ssd_writer, wall_clock=wall_clock
+        )
+        self.watermark = WatermarkEvictor(
+            self.dram, high=config.high_watermark, low=config.low_watermark
+        )
         self._offloader = Offloader(
             self.dram, self._ssd_writer, self._stats, config.offload_queue, self._run_copy
         )
@@ -202,11 +219,15 @@ class TieredStore:
             raise RuntimeError("TieredStore.start called twice")
         if self.ssd is not None:
             await self.ssd.open()
+            self.retention.replayed(self.ssd.report.pins)
+        self.retention.start()
         self._copy_executor = ThreadPoolExecutor(2, thread_name_prefix="store-copy")
         self._workers.append(self._spawn(self._offloader.serve(), "store-offload"))
         if self.ssd is not None:
             for i in range(max(1, self.config.ssd_io_threads // 2)):
                 self._workers.append(self._spawn(self._ssd_writer.serve(), f"store-ssd-writer-{i}"))
+        if self.watermark.enabled:
+            self._spawn(self.watermark.serve(), "store-watermark")
         self._started = True
         log.info(
             "store.started",
@@ -226,6 +247,8 @@ class TieredStore:
         if not self._started or self._closing:
             return
         self._closing = True
+        self.watermark.stop()
+        self.retention.close()
         try:
             await self._offloader.stop_one()
             if self._workers:
@@ -519,6 +542,11 @@ class TieredStore:
 
     def _dram_stored(self, block_hash: BlockHash) -> None:
         self._stats.dram.blocks_stored += 1
+        if block_hash in self.retention.pins and self._ssd_writer.wants(block_hash):
+            # A pinned block (pinned while on its way in) goes to the SSD too,
+            # write-through or not: its pin must find it after a restart.
+            self._ssd_writer.queue(block_hash, None)
+        self.watermark.notice()
         self._emit(block_hash, Tier.DRAM, True)
 
     def _dram_removed(self, block_hash: BlockHash, slot: int, evicted: bool) -> None:
@@ -558,6 +586,7 @@ class TieredStore:
         self._generation += 1
         self._offloader.clear()
         self._ssd_writer.clear()
+        self.retention.clear()
         removed = self.dram.clear()
         if self.ssd is not None:
             removed += await self.ssd.clear()
@@ -575,6 +604,8 @@ class TieredStore:
         out.dram.block_bytes = self.block_bytes
         out.dram_leases = self.dram.num_leases
         out.dram_expired_leases = self.dram.num_expired_leases
+        out.watermark_runs = self.watermark.stats.runs
+        out.watermark_evictions = self.watermark.stats.evictions
         if self.ssd is not None:
             out.ssd.used_blocks = self.ssd.num_blocks
             out.ssd.capacity_blocks = self.ssd.num_slots
@@ -582,6 +613,41 @@ class TieredStore:
             out.ssd_corrupt_dropped = self.ssd.num_corrupt
             out.ssd_io_errors = self.ssd.num_io_errors
         return out
+
+    # -- retention -----------------------------------------------------------
+
+    def pin(self, hashes: Sequence[BlockHash], *, ttl_s: float | None, hard: bool) -> PinResult:
+        """Pin the blocks of ``hashes`` this node holds (``Retention.pin``)."""
+        self._check_started()
+        return self.retention.pin(hashes, ttl_s=ttl_s, hard=hard)
+
+    def unpin(self, hashes: Sequence[BlockHash]) -> int:
+        return self.retention.unpin(hashes)
+
+    def pin_stats(self) -> PinStats:
+        return self.retention.stats(self.block_bytes)
+
+    def remove(self, hashes: Sequence[BlockHash]) -> int:
+        """Drop blocks (and their pins) from both tiers; how many blocks this
+        node held. A block leased to a reader stays readable until its lease
+        ends, as with ``clear``."""
+        self._check_started()
+        self.retention.unpin(hashes)
+        self._ssd_writer.forget(hashes)
+        removed = 0
+        for h in dict.fromkeys(hashes):
+            held = self.dram.remove(h)
+            if self.ssd is not None:
+                held = self.ssd.remove(h) or held
+            removed += held
+        return removed
+
+    def tiers_of(self, block_hash: BlockHash) -> tuple[Tier, ...]:
+        """The tiers that hold a block now (DRAM first)."""
+        tiers = [Tier.DRAM] if self.dram.contains(block_hash) else []
+        if self.ssd is not None and self.ssd.contains(block_hash):
+            tiers.append(Tier.SSD)
+        return tuple(tiers)
 
     def check_integrity(self) -> None:
         """Raise RuntimeError if a tier's bookkeeping disagrees with itself."""

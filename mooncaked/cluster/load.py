@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -205,8 +206,12 @@ class LoadMeter:
         clock: Callable[[], float],
         costs: CostMeter | None = None,
         pipeline: PipelineConfig | None = None,
+        dram_free: Callable[[], int] | None = None,
     ) -> None:
+        """``dram_free``: free slots of the node's DRAM tier (replicas go
+        where most are free)."""
         self._role = role
+        self._dram_free = dram_free
         self._api_addr = api_addr
         self._engine = engine
         self._draining = draining
@@ -222,6 +227,8 @@ class LoadMeter:
         now = self._clock()
         snapshot = engine.snapshot
         work = engine_work(snapshot, now)
+        if self._dram_free is not None:
+            work = dataclasses.replace(work, dram_free_blocks=self._dram_free())
         meter = self.costs
         if meter is not None:
             load, forecast = gossiped_load(

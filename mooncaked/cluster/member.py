@@ -145,6 +145,7 @@ async def joined(
         clock=time.monotonic,
         costs=costs,
         pipeline=config.pipeline,
+        dram_free=None if store is None else (lambda: store.dram.num_free),
     )
     member = ClusterMember(
         config.cluster,

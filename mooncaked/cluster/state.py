@@ -89,6 +89,8 @@ class NodeLoad:
     decode_context_tokens: int = 0
     # Requests decoding or about to (KV on its way): the batch an arrival joins.
     pending_decode: int = 0
+    # DRAM slots of the KV store that hold nothing: where replicas go first.
+    dram_free_blocks: int = 0
 
     def to_list(self) -> list[int | float]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]

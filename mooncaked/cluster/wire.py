@@ -320,10 +320,15 @@ def parse_addr(text: str) -> tuple[str, int]:
 
 # NodeLoad's fields in wire order, each bounded on decode like every number.
 _LOAD_FIELDS = dataclasses.fields(NodeLoad)
+# The fields every sender has sent since the load had a wire form; those
+# added later (dram_free_blocks) may be missing from an older node's list
+# and take their defaults, so a cluster can be upgraded node by node.
+_MIN_LOAD_FIELDS = 6
 
 
 def _load_from_list(values: list[Any]) -> NodeLoad:
-    obj = dict(zip((f.name for f in _LOAD_FIELDS), values, strict=True))
+    fields = _LOAD_FIELDS[: len(values)]
+    obj = dict(zip((f.name for f in fields), values, strict=True))
     return NodeLoad(
         **{
             f.name: (
@@ -331,7 +336,7 @@ def _load_from_list(values: list[Any]) -> NodeLoad:
                 if f.type in (int, "int")
                 else get_float(obj, f.name, maximum=f.metadata.get("max", float(MAX_COUNT)))
             )
-            for f in _LOAD_FIELDS
+            for f in fields
         }
     )
 
@@ -359,8 +364,10 @@ def state_to_json(st: NodeState) -> dict[str, Any]:
 
 def state_from_json(obj: Mapping[str, Any]) -> NodeState:
     load = obj.get("load")
-    if not isinstance(load, list) or len(load) != len(_LOAD_FIELDS):
-        raise WireError(f"field 'load' must be a list of {len(_LOAD_FIELDS)} numbers")
+    if not isinstance(load, list) or not _MIN_LOAD_FIELDS <= len(load) <= len(_LOAD_FIELDS):
+        raise WireError(
+            f"field 'load' must be a list of {_MIN_LOAD_FIELDS}..{len(_LOAD_FIELDS)} numbers"
+        )
     drain = obj.get("drain")
     if not isinstance(drain, bool):
         raise WireError("field 'drain' must be a boolean")

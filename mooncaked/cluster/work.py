@@ -31,6 +31,8 @@ class NodeWork:
     running_decode_batch: int = 0
     # Share of the node's KV capacity in use, 0..1.
     kv_usage: float = 0.0
+    # Free slots of its DRAM tier (the KV store).
+    dram_free_blocks: int = 0
 
 
 def queue_s(costs: NodeCosts, work: NodeWork) -> float:
@@ -60,6 +62,7 @@ def gossiped_load(
         predicted_queue_s=round(queue_s(costs, work), 3),
         decode_context_tokens=sum(w.context_tokens for w in work.decode),
         pending_decode=len(work.decode),
+        dram_free_blocks=work.dram_free_blocks,
     )
     if not forecast:
         return load, DecodeForecast()

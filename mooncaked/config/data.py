@@ -71,6 +71,19 @@ class StoreConfig:
     # name itself anything, so unverifiable names share one cap. 0: lease
     # to cluster members only.
     peer_max_leases_outside: int = 32
+    # Share of DRAM slots in use past which a background task evicts least
+    # recently used blocks (never leased or hard-pinned ones, soft-pinned
+    # last) down to low_watermark; 1.0: only allocation evicts.
+    high_watermark: float = 0.9
+    low_watermark: float = 0.8
+    # Most blocks pins may hold (soft and hard together, wherever the blocks
+    # are), as a share of the DRAM tier's slots; a pin beyond it is refused.
+    max_pinned_ratio: float = 0.5
+    # Staging memory that replicas pushed by peers are written into (granted
+    # to the writer, checked, then copied into DRAM); 0: take no replicas.
+    replica_inbox_bytes: int = 32 * 1024 * 1024
+    # How long a replica put may take per holder (reserve, write, commit).
+    replica_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
@@ -92,3 +105,20 @@ class StoreConfig:
         check(self.peer_max_leases > 0, "peer_max_leases", "must be > 0")
         check(self.peer_max_leases_per_reader > 0, "peer_max_leases_per_reader", "must be > 0")
         check(self.peer_max_leases_outside >= 0, "peer_max_leases_outside", "must be >= 0")
+        check(
+            0.0 < self.high_watermark <= 1.0,
+            "high_watermark",
+            f"must be in (0, 1], got {self.high_watermark}",
+        )
+        check(
+            0.0 < self.low_watermark < self.high_watermark,
+            "low_watermark",
+            f"must be in (0, high_watermark = {self.high_watermark}), got {self.low_watermark}",
+        )
+        check(
+            0.0 <= self.max_pinned_ratio <= 1.0,
+            "max_pinned_ratio",
+            f"must be in [0, 1], got {self.max_pinned_ratio}",
+        )
+        check(self.replica_inbox_bytes >= 0, "replica_inbox_bytes", "must be >= 0")
+        check(self.replica_timeout_s > 0, "replica_timeout_s", "must be > 0")

@@ -31,7 +31,7 @@ from mooncaked.engine.kv_receiver import KVReceiver
 from mooncaked.engine.kv_sender import KVSender
 from mooncaked.engine.pipeline import StagePipe
 from mooncaked.engine.runner import KVAllocator
-from mooncaked.engine.store_connector import TieredStoreConnector
+from mooncaked.engine.store_connector import RetainHook, TieredStoreConnector
 
 EngineFactory = Callable[[Config], EngineCore]
 
@@ -95,9 +95,11 @@ async def serving_engine(
     cache: KVCache | None,
     on_fatal: FatalHandler,
     on_step: StepObserver | None = None,
+    retain: RetainHook | None = None,
 ) -> AsyncIterator[Handoff]:
     """Runs ``engine`` while entered; leaving aborts what is still running
-    (those streams end now) and stops its step loop."""
+    (those streams end now) and stops its step loop. ``retain`` keeps the
+    prompts requests ask to be kept (pins, replicas)."""
     layout = engine.runner.kv_layout
     receiver = KVReceiver(
         node_id=node_id,
@@ -133,6 +135,7 @@ async def serving_engine(
                 prefetch=cache.fetcher.fetch,
                 prefetch_timeout_s=config.store.peer_fetch_timeout_s + _PREFETCH_GRACE_S,
                 prefetch_wanted=cache.fetcher.would_ask,
+                retain=retain,
             )
         )
     connectors.append(sender)

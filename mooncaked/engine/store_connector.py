@@ -11,6 +11,11 @@
 - **Offload.** Every block that becomes full and cached on the device is
   offloaded to the store after the step; the pool holds a reference on it
   until the store has copied it, so it cannot hand it out meanwhile.
+- **Retain.** A request whose handoff asks for its prompt's KV to be kept
+  (``Handoff.retain``) is handed to the ``retain`` hook once it finished and
+  the offloads of its prompt's full blocks have landed (the offloads of the
+  step that finished it are queued after it finished: the job waits for
+  them). The hook (the layers above: pins, replicas) runs it.
 
 ``lookup`` only looks; the store's per-tier hit and miss counters move once
 per admission (``request_admitted``), over the prompt's blocks past the
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import structlog
 
@@ -28,6 +34,7 @@ from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.store import DeviceBlocks, TieredStore
 from mooncaked.engine.connector import NO_HIT, ConnectorContext, KVConnector, KVHit, LoadResult
 from mooncaked.engine.plan import LoadJob
+from mooncaked.handoff import Retain
 from mooncaked.request import Request
 from mooncaked.tasks import TaskSet
 
@@ -40,6 +47,24 @@ Prefetch = Callable[[list[BlockHash]], Awaitable[int]]
 PrefetchWanted = Callable[[list[BlockHash]], bool]
 
 
+@dataclass(frozen=True, slots=True)
+class RetainJob:
+    """A finished request's prompt KV to keep, its offloads landed."""
+
+    request_id: str
+    # The prompt's full blocks.
+    hashes: tuple[BlockHash, ...]
+    retain: Retain
+    # The node that computed the prompt (None: this one, no handoff).
+    prefill_node: str | None
+    # The decode node this node sent the prompt's KV to (a prefill node), if any.
+    sent_to: str | None
+
+
+# Takes a job and returns at once (it runs the work on a task of its own).
+RetainHook = Callable[[RetainJob], None]
+
+
 class TieredStoreConnector(KVConnector):
     def __init__(
         self,
@@ -48,8 +73,10 @@ class TieredStoreConnector(KVConnector):
         prefetch: Prefetch | None = None,
         prefetch_timeout_s: float = 2.0,
         prefetch_wanted: PrefetchWanted | None = None,
+        retain: RetainHook | None = None,
     ) -> None:
         self.store = store
+        self._retain = retain
         self._prefetch = prefetch
         self._prefetch_timeout_s = prefetch_timeout_s
         self._prefetch_wanted = prefetch_wanted
@@ -58,7 +85,12 @@ class TieredStoreConnector(KVConnector):
         self._tasks = TaskSet("store-connector")
         # Blocks cached on the device since the last step: offloaded after it.
         self._to_offload: list[BlockHash] = []
+        # Offloads in flight, by block: a retain job waits for its prompt's.
+        self._offloading: dict[BlockHash, asyncio.Future[int]] = {}
+        # Retain jobs of requests that finished this step, before its offloads went.
+        self._retain_next: list[RetainJob] = []
         self.num_offloads_total = 0
+        self.num_retained = 0
 
     def bind(self, ctx: ConnectorContext) -> None:
         super().bind(ctx)
@@ -144,6 +176,50 @@ class TieredStoreConnector(KVConnector):
         task = self._prefetching.pop(req.request_id, None)
         if task is not None:
             task.cancel()
+        retain = req.handoff.retain
+        if retain is None or self._retain is None:
+            return
+        bs = self.ctx.block_size
+        sink = req.handoff.sink
+        job = RetainJob(
+            req.request_id,
+            tuple(req.block_hashes[: req.num_prompt_tokens // bs]),
+            retain,
+            req.prefill_node,
+            sink.node_id if sink is not None else None,
+        )
+        if not job.hashes:
+            return
+        # The step that finished it may have cached blocks whose offload
+        # after_step queues next: the job starts once they are queued.
+        self._retain_next.append(job)
+        if not self._to_offload:
+            self._start_retains()
+
+    def _start_retains(self) -> None:
+        jobs, self._retain_next = self._retain_next, []
+        for job in jobs:
+            futs = {self._offloading[h] for h in job.hashes if h in self._offloading}
+            if not futs:
+                self._hand_over(job)
+                continue
+            self._tasks.spawn(self._retain_after(futs, job), name=f"retain-{job.request_id}")
+
+    async def _retain_after(self, futs: set[asyncio.Future[int]], job: RetainJob) -> None:
+        # A failed offload stored nothing: what did land is still kept.
+        await asyncio.wait(futs)
+        self._hand_over(job)
+
+    def _hand_over(self, job: RetainJob) -> None:
+        hook = self._retain
+        if hook is None:
+            return
+        self.num_retained += 1
+        try:
+            hook(job)
+        except Exception:
+            # Keeping the KV is a favour: a failure costs the request nothing.
+            log.exception("retain hook failed", request_id=job.request_id)
 
     # -- offload ---------------------------------------------------------------
 
@@ -152,6 +228,11 @@ class TieredStoreConnector(KVConnector):
             self._to_offload.append(block_hash)
 
     def after_step(self, report: object) -> None:
+        self._offload_cached()
+        if self._retain_next:
+            self._start_retains()
+
+    def _offload_cached(self) -> None:
         if not self._to_offload:
             return
         hashes, self._to_offload = self._to_offload, []
@@ -174,9 +255,15 @@ class TieredStoreConnector(KVConnector):
             pool.release(key)
             return
         self.num_offloads_total += 1
-        fut.add_done_callback(lambda _f, key=key: self._offload_done(key))
+        offloaded = [h for h, _ in pairs]
+        for h in offloaded:
+            self._offloading[h] = fut
+        fut.add_done_callback(lambda f, key=key: self._offload_done(key, f, offloaded))
 
-    def _offload_done(self, key: int) -> None:
+    def _offload_done(self, key: int, fut: asyncio.Future[int], hashes: list[BlockHash]) -> None:
+        for h in hashes:
+            if self._offloading.get(h) is fut:
+                del self._offloading[h]
         self.ctx.pool.release(key)
         self.ctx.wakeup()  # freed blocks may admit a waiting request
 

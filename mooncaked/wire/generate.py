@@ -24,12 +24,12 @@ import aiohttp
 import orjson
 
 from mooncaked.cluster.watch import MemberLost, MemberWatch
-from mooncaked.handoff import MAX_KV_READY_IN_S, Handoff, PrefillSource, kv_ready_at
+from mooncaked.handoff import MAX_KV_READY_IN_S, Handoff, PrefillSource, Retain, kv_ready_at
 from mooncaked.request import RequestOutput, SamplingParams
 from mooncaked.rpc import Target, signed_headers
 from mooncaked.wire import fields
 from mooncaked.wire.errors import ErrorAnswer
-from mooncaked.wire.handoff import decode_target, encode_target
+from mooncaked.wire.handoff import decode_retain, decode_target, encode_retain, encode_target
 from mooncaked.wire.paths import GENERATE_PATH
 from mooncaked.wire.request import decode_output, decode_prompt, decode_sampling, encode_sampling
 
@@ -50,20 +50,23 @@ class GenerateBody:
     # When the entry expects the prompt's KV in, from now (0: unknown), for
     # the decode node's load forecast.
     kv_ready_in_s: float = 0.0
+    # Keep the prompt's KV once computed (the client asked); None: as usual.
+    retain: Retain | None = None
 
     def encode(self) -> bytes:
         source = self.source
-        return orjson.dumps(
-            {
-                "request_id": self.request_id,
-                "prompt_token_ids": self.prompt_token_ids,
-                "sampling": encode_sampling(self.sampling),
-                "prefill": [encode_target(t) for t in source.targets] if source else [],
-                "hop_s": source.hop_s if source else 0.0,
-                "output_offset": self.output_offset,
-                "kv_ready_in_s": round(self.kv_ready_in_s, 6),
-            }
-        )
+        doc: dict[str, Any] = {
+            "request_id": self.request_id,
+            "prompt_token_ids": self.prompt_token_ids,
+            "sampling": encode_sampling(self.sampling),
+            "prefill": [encode_target(t) for t in source.targets] if source else [],
+            "hop_s": source.hop_s if source else 0.0,
+            "output_offset": self.output_offset,
+            "kv_ready_in_s": round(self.kv_ready_in_s, 6),
+        }
+        if self.retain is not None:
+            doc["retain"] = encode_retain(self.retain)
+        return orjson.dumps(doc)
 
     @classmethod
     def decode(cls, data: dict[str, Any]) -> GenerateBody:
@@ -86,6 +89,7 @@ class GenerateBody:
                 MAX_KV_READY_IN_S,
                 unit="seconds",
             ),
+            retain=decode_retain(data.get("retain")),
         )
 
     def handoff(self, now: float) -> Handoff:
@@ -95,6 +99,7 @@ class GenerateBody:
             source=self.source,
             kv_ready_at=kv_ready_at(ready_in_s, now),
             output_offset=self.output_offset,
+            retain=self.retain,
         )
 
 

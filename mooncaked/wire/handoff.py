@@ -1,5 +1,5 @@
 """The wire forms of ``mooncaked.handoff``'s values: prefill targets with
-their offers, and KV grants.
+their offers, KV grants, and a request's ask that its prompt be retained.
 
 ``handoff.py`` keeps the values; these are their one encoder and decoder
 each (a pipelined group's stages too). An offer travels as ``PrefillOffer.to_list()``, the same four figures
@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from mooncaked.handoff import KVGrant, KVLayout, PrefillOffer, PrefillTarget, StageRef
+from mooncaked.handoff import (
+    MAX_REPLICAS,
+    MAX_RETAIN_S,
+    KVGrant,
+    KVLayout,
+    PrefillOffer,
+    PrefillTarget,
+    Retain,
+    StageRef,
+)
 from mooncaked.wire import fields
 
 # Most blocks one grant may name (a 1M-token prompt in 16-token blocks).
@@ -23,6 +32,23 @@ _OFFER = "[ttft_s, move_s, rest_s, slack]"
 _LAYOUT = "[num_layers, num_blocks, block_size, row_bytes]"
 # Bounds of each layout figure, in _LAYOUT's order.
 _LAYOUT_BOUNDS = ((1, 1 << 12), (1, 1 << 30), (1, 1 << 16), (1, 1 << 24))
+
+
+def encode_retain(retain: Retain) -> dict[str, Any]:
+    return {"retain_s": retain.retain_s, "replicas": retain.replicas}
+
+
+def decode_retain(raw: Any, name: str = "retain") -> Retain | None:
+    """``{"retain_s", "replicas"}`` or absent; ValueError naming the field."""
+    if raw is None:
+        return None
+    d = fields.obj(raw, name)
+    return Retain(
+        fields.number(
+            d.get("retain_s"), f"{name}.retain_s", 0.0, MAX_RETAIN_S, above=True, unit="seconds"
+        ),
+        fields.integer(d.get("replicas", 1), f"{name}.replicas", 1, MAX_REPLICAS),
+    )
 
 
 def decode_offer(raw: Any, name: str = "offer") -> PrefillOffer:

@@ -116,6 +116,31 @@ class TransferWriteGrants:
             self._transfer.revoke(handle)
 
 
+class TransferInboxGrants:
+    """A replica inbox's ``InboxGrants``: rows of its segment (one plane of
+    ``num_rows`` blocks) open to one writer."""
+
+    def __init__(self, transfer: TransferEngine, segment: str, block_bytes: int, num_rows: int):
+        self._transfer = transfer
+        self._segment = segment
+        self._block_bytes = block_bytes
+        self._num_rows = num_rows
+
+    def open(self, peer: str, rows: Sequence[int], ttl_s: float) -> WriteGrant:
+        return self._transfer.grant_write(
+            self._segment,
+            peer,
+            block_bytes=self._block_bytes,
+            blocks_per_plane=self._num_rows,
+            block_ids=rows,
+            ttl_s=ttl_s,
+        )
+
+    def close(self, handle: object) -> None:
+        if isinstance(handle, WriteGrant):
+            self._transfer.revoke(handle)
+
+
 class TransferKVSegment:
     """The device KV cache as the transfer segment ``KV_SEGMENT``: peers write
     into it only blocks granted to them (``Access.GRANTED``)."""
@@ -165,9 +190,7 @@ async def handoff_ports(
         make_pipe = functools.partial(
             stage_pipe, transfer, pipeline, writer=writer, grants=grants, notice=notice
         )
-    async with PrefillClient(
-        secret=secret, targets=targets, watch=watch
-    ) as client:
+    async with PrefillClient(secret=secret, targets=targets, watch=watch) as client:
         yield HandoffPorts(
             transfer_address=transfer.address,
             write_grants=grants,

@@ -13,6 +13,11 @@ PIPELINE_CHUNK_PATH = "/internal/pipeline/chunk"
 # Reader -> holder: lease the cached blocks of a prefix, give a lease back.
 LOOKUP_PATH = "/internal/cache/lookup"
 RELEASE_PATH = "/internal/cache/release"
+# Writer -> holder of a replica put: reserve inbox rows (granted to the
+# writer), commit what was written (checked), drop copies.
+REPLICA_RESERVE_PATH = "/internal/store/reserve"
+REPLICA_COMMIT_PATH = "/internal/store/commit"
+REPLICA_DROP_PATH = "/internal/store/drop"
 # Unsigned: what a call to a node known by URL only must be signed for.
 IDENTITY_PATH = "/internal/identity"
 
@@ -26,3 +31,6 @@ MAX_LOOKUP_HASHES = 65536
 # Largest body of each lease call: a lookup of MAX_LOOKUP_HASHES hex hashes, a release.
 MAX_LOOKUP_BYTES = MAX_LOOKUP_HASHES * 40 + 4096
 MAX_RELEASE_BYTES = 4096
+# Largest body of each replica call: MAX_LOOKUP_HASHES hex hashes, or as many
+# checksums (at most 10 digits each as JSON).
+MAX_REPLICA_BYTES = MAX_LOOKUP_HASHES * 40 + 4096

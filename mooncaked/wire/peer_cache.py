@@ -1,6 +1,8 @@
 """A node's KV cache wired to its peers: the tiered store with its DRAM pool in
 a transfer segment peers read, the lease client it fetches with, and what it
-answers peers' lease lookups from.
+answers peers' lease lookups from; its replica inbox (a segment of its own
+that writers write under a grant), what it answers replica calls from, and
+the replicator that puts its blocks on other nodes.
 
 The cluster view comes in as a getter: the cache starts before gossip does,
 and until then (or when gossip names nobody) the configured ``store.peers``
@@ -14,8 +16,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import structlog
+import torch
 
-from mooncaked.cache.dram import BlockLayout
+from mooncaked.cache.inbox import ReplicaInbox
+from mooncaked.cache.layout import BlockLayout
 from mooncaked.cache.peer import ReaderKind
 from mooncaked.cache.service import KVCache
 from mooncaked.cache.store import TieredStore
@@ -26,8 +30,10 @@ from mooncaked.engine.core import EngineCore
 from mooncaked.identity import NodeIdentity
 from mooncaked.rpc import Target
 from mooncaked.transfer import Access, TransferEngine
-from mooncaked.wire.kv_io import TransferBlockReader
+from mooncaked.wire.kv_io import TransferBlockReader, TransferInboxGrants
 from mooncaked.wire.lease import Holding, LeaseClient
+from mooncaked.wire.replicas import INBOX_SEGMENT, ReplicaClient, ReplicaDesk
+from mooncaked.wire.replicator import Replicator
 
 # The transfer segment the DRAM tier's slots live in; peers read it.
 DRAM_SEGMENT = "kv.dram"
@@ -40,6 +46,9 @@ class PeerCache:
     cache: KVCache
     # What lease lookups are answered from; None when the DRAM tier is off.
     holding: Holding | None
+    # What replica calls are answered from; None when the DRAM tier is off.
+    desk: ReplicaDesk | None
+    replicator: Replicator
 
 
 class _Peers:
@@ -62,6 +71,10 @@ class _Peers:
         view = self._view()
         member = view.get(reader) if view is not None else None
         return ReaderKind.MEMBER if member is not None and member.is_up else ReaderKind.OUTSIDER
+
+    def is_member(self, node_id: str) -> bool:
+        """An up member of the view (other than this node)."""
+        return self.classify_reader(node_id) is ReaderKind.MEMBER
 
     def target_at(self, url: str) -> Target | None:
         """What a call to the node at ``url`` is signed for, if the view knows it."""
@@ -123,6 +136,7 @@ async def peer_cache(
                 classify_reader=peers.classify_reader,
             )
         )
+        replicator, desk = await _replicas(stack, identity, engine, transfer, cache, view)
         holding = None
         if num_slots:
             holding = Holding(
@@ -139,4 +153,59 @@ async def peer_cache(
             peers=len(peer_urls),
             transfer=transfer.address,
         )
-        yield PeerCache(cache, holding)
+        yield PeerCache(cache, holding, desk, replicator)
+
+
+async def _replicas(
+    stack: contextlib.AsyncExitStack,
+    identity: NodeIdentity,
+    engine: EngineCore,
+    transfer: TransferEngine,
+    cache: KVCache,
+    view: ViewGetter,
+) -> tuple[Replicator, ReplicaDesk | None]:
+    """The replicator (its client entered on ``stack``) and, with a DRAM tier,
+    what replica calls are answered from; their ends pushed on ``stack``, so
+    they run before the cache closes."""
+    store = cache.store
+    fingerprint = store.layout.fingerprint()
+    replicator = Replicator(
+        store,
+        transfer,
+        await stack.enter_async_context(ReplicaClient(secret=identity.secret)),
+        node_id=lambda: identity.node_id,
+        model_id=lambda: engine.model_id,
+        view=view,
+        layout=fingerprint,
+        dram_segment=DRAM_SEGMENT,
+    )
+    # Retain jobs in flight read DRAM slots: they end before the store closes.
+    stack.push_async_callback(replicator.close)
+    if not store.dram.num_slots:
+        return replicator, None
+    desk = ReplicaDesk(
+        store, replica_inbox(cache.config, transfer, cache), fingerprint, transfer.address
+    )
+    if desk.inbox is not None:
+        stack.callback(desk.inbox.close)
+    return replicator, desk
+
+
+def replica_inbox(
+    config: StoreConfig, transfer: TransferEngine, cache: KVCache
+) -> ReplicaInbox | None:
+    """The rows replicas pushed by peers land in: a transfer segment peers
+    write only under a grant (``Access.GRANTED``), apart from the read-only
+    DRAM segment (``cache/inbox.py`` says why); None when sized 0."""
+    block_bytes = cache.store.block_bytes
+    if config.replica_inbox_bytes == 0:
+        return None
+    num_rows = max(1, config.replica_inbox_bytes // block_bytes)
+    segment = transfer.allocate(INBOX_SEGMENT, num_rows * block_bytes, Access.GRANTED)
+    rows = torch.frombuffer(segment.view.cast("B"), dtype=torch.uint8).view(num_rows, block_bytes)
+    return ReplicaInbox(
+        cache.store,
+        rows,
+        TransferInboxGrants(transfer, INBOX_SEGMENT, block_bytes, num_rows),
+        ttl_s=config.replica_timeout_s,
+    )

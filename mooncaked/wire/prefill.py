@@ -25,12 +25,19 @@ import orjson
 from mooncaked.cluster.watch import MemberLost, MemberWatch
 from mooncaked.engine.handoff import PrefillBusy, PrefillError, PrefillReply
 from mooncaked.engine.plan import SampledToken
-from mooncaked.handoff import Handoff, KVGrant, PrefillTarget, StageRef
+from mooncaked.handoff import Handoff, KVGrant, PrefillTarget, Retain, StageRef
 from mooncaked.request import Request, SamplingParams
 from mooncaked.rpc import Target, derive_key, signed_headers
 from mooncaked.wire import fields
 from mooncaked.wire.errors import ErrorAnswer
-from mooncaked.wire.handoff import decode_grant, decode_stages, encode_grant, encode_stage
+from mooncaked.wire.handoff import (
+    decode_grant,
+    decode_retain,
+    decode_stages,
+    encode_grant,
+    encode_retain,
+    encode_stage,
+)
 from mooncaked.wire.paths import PREFILL_PATH
 from mooncaked.wire.request import (
     decode_logprob,
@@ -59,6 +66,8 @@ class PrefillBody:
     # A pipelined group's stages, the node asked first (its head); empty:
     # one prefill node.
     stages: tuple[StageRef, ...] = ()
+    # Keep the prompt's KV once computed (the client asked); None: as usual.
+    retain: Retain | None = None
 
     def encode(self) -> bytes:
         doc: dict[str, Any] = {
@@ -72,6 +81,8 @@ class PrefillBody:
             doc["max_wait_s"] = round(self.max_wait_s, 6)
         if self.stages:
             doc["stages"] = [encode_stage(s) for s in self.stages]
+        if self.retain is not None:
+            doc["retain"] = encode_retain(self.retain)
         return orjson.dumps(doc)
 
     @classmethod
@@ -91,11 +102,12 @@ class PrefillBody:
                 else fields.number(max_wait, "max_wait_s", unit="seconds")
             ),
             stages=() if stages is None else decode_stages(stages),
+            retain=decode_retain(data.get("retain")),
         )
 
     def handoff(self) -> Handoff:
         """The prefill-side request's ``Handoff``."""
-        return Handoff(sink=self.grant, peer_fetch=self.peer_fetch)
+        return Handoff(sink=self.grant, peer_fetch=self.peer_fetch, retain=self.retain)
 
 
 def encode_prefill_reply(reply: PrefillReply) -> bytes:
@@ -181,6 +193,7 @@ class PrefillClient:
             target.fetch,
             max_wait_s,
             target.stages,
+            req.handoff.retain,
         ).encode()
         headers = {
             "Content-Type": "application/json",

@@ -17,6 +17,7 @@ import aiohttp
 
 from mooncakectl.cli import run
 from mooncakectl.registry import Env, ExitStatus
+from mooncaked.cache.hashing import block_hashes
 
 # 160 bytes and a BOS token: ten full blocks and one token, so the four
 # generated tokens do not fill an eleventh block.
@@ -135,3 +136,53 @@ async def test_cache_command_mistakes(node_factory: Callable[..., Awaitable[Any]
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     status, _, err = await cli(closed, "cache", "stats")
     assert status == ExitStatus.UNREACHABLE and "cannot reach mooncaked" in err
+
+
+async def test_cache_pin_unpin_replicas(node_factory: Callable[..., Awaitable[Any]]) -> None:
+    # 64 DRAM slots of 16-token blocks (float32 builtin:tiny: 32 KiB each);
+    # a pin budget of a quarter of them.
+    node = await node_factory(
+        model={"dtype": "float32"},
+        store={"dram_bytes": 64 * 32768, "max_pinned_ratio": 0.25},
+    )
+    url = node.url
+    await complete(url, PROMPT)
+    await node.store.flush()
+    hashes = block_hashes(
+        node.engine.tokenizer.encode(PROMPT, add_special_tokens=True), 16, node.engine.model_id
+    )
+    assert len(hashes) == 10
+
+    status, out, _ = await cli(url, "cache", "pin", PROMPT, "--ttl", "60")
+    assert status == ExitStatus.OK
+    assert out == "pinned 10 of 10 blocks (soft, for 60 s); pins now 10 soft, 0 hard of 16\n"
+    status, out, _ = await cli(
+        url, "cache", "pin", "--hashes", ",".join(h.hex() for h in hashes[:2]), "--hard", "--json"
+    )
+    doc = json.loads(out)
+    assert (doc["pinned"], doc["kind"], doc["pins"]["hard_blocks"]) == (2, "hard", 2)
+    assert node.store.retention.pins.kind_of(hashes[0]).label == "hard"
+
+    # Over the budget: the daemon's message names it, the exit status says HTTP error.
+    other = "".join(chr(ord("a") + i % 26) for i in range(160))
+    await complete(url, other)
+    await node.store.flush()
+    status, _, err = await cli(url, "cache", "pin", other, "--hard")
+    assert status == ExitStatus.HTTP_ERROR
+    assert "409" in err and "store.max_pinned_ratio = 0.25" in err
+
+    status, out, _ = await cli(url, "cache", "stats")
+    assert "pins:" in out and "2 hard of a budget of 16 blocks" in out
+
+    status, out, _ = await cli(url, "cache", "unpin", PROMPT)
+    assert (status, out) == (ExitStatus.OK, "unpinned 10 of 10 blocks\n")
+    assert len(node.store.retention.pins) == 0
+
+    # One node alone already holds every block once.
+    status, out, _ = await cli(url, "cache", "replicas", PROMPT, "--replicas", "1", "--json")
+    doc = json.loads(out)
+    assert (doc["holders_after"], doc["short"], doc["nodes"]) == ([1] * 10, 0, {})
+    status, _, err = await cli(url, "cache", "replicas", PROMPT)
+    assert status == ExitStatus.USAGE and "--replicas N" in err
+    status, _, err = await cli(url, "cache", "pin", PROMPT, "--hashes", hashes[0].hex())
+    assert status == ExitStatus.USAGE and "not both" in err

@@ -12,11 +12,13 @@ from mooncaked.api.protocol import (
     check_chars,
     check_model,
     completion_prompt,
+    parse_cache,
     parse_generation,
     parse_slo,
     parse_stream,
 )
 from mooncaked.cluster.slo import Slo
+from mooncaked.handoff import Retain
 from mooncaked.request import SamplingParams
 
 PROMPT = [1, 2, 3, 4]
@@ -111,6 +113,16 @@ def test_chat_takes_the_rest_of_the_context_by_default() -> None:
         ({"slo": {"ttft_ms": -1}}, "slo"),
         ({"slo": {"p99": 1}}, "slo"),
         ({"slo": 5}, "slo"),
+        ({"cache": 600}, "cache"),
+        ({"cache": {"retain_s": 60, "ttl": 1}}, "cache"),
+        ({"cache": {"replicas": 2}}, "cache.retain_s"),
+        ({"cache": {"retain_s": 0}}, "cache.retain_s"),
+        ({"cache": {"retain_s": "600"}}, "cache.retain_s"),
+        ({"cache": {"retain_s": 1e9}}, "cache.retain_s"),
+        ({"cache": {"retain_s": True}}, "cache.retain_s"),
+        ({"cache": {"retain_s": 60, "replicas": 0}}, "cache.replicas"),
+        ({"cache": {"retain_s": 60, "replicas": 2.0}}, "cache.replicas"),
+        ({"cache": {"retain_s": 60, "replicas": 17}}, "cache.replicas"),
     ],
 )
 def test_a_bad_completion_field_is_a_400_naming_it(body: dict[str, Any], param: str) -> None:
@@ -207,3 +219,17 @@ def test_a_text_that_cannot_fit_is_refused_before_tokenizing() -> None:
 def test_slo_in_milliseconds_becomes_seconds() -> None:
     assert parse_slo({}) is None
     assert parse_slo({"slo": {"ttft_ms": 250}}) == Slo(0.25, 0.0)
+
+
+def test_cache_asks_for_the_prompt_to_be_retained() -> None:
+    assert parse_cache({}) is None
+    assert parse_cache({"cache": {"retain_s": 600}}) == Retain(600.0, 1)
+    assert parse_cache({"cache": {"retain_s": 0.5, "replicas": 3}}) == Retain(0.5, 3)
+    parsed = parse_generation(
+        {"cache": {"retain_s": 60, "replicas": 2}},
+        PROMPT,
+        (False, False),
+        chat=True,
+        max_model_len=64,
+    )
+    assert parsed.retain == Retain(60.0, 2)

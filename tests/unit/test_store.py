@@ -63,6 +63,9 @@ async def make_store(tmp_path: Path) -> AsyncIterator[Callable[..., object]]:
         kw.setdefault("dram_bytes", 8 * BB)
         kw.setdefault("ssd_bytes", 64 * 8192)
         kw.setdefault("ssd_io_threads", 2)
+        # Eviction on allocation only: these tests fill the pool on purpose
+        # (tests/unit/test_watermark.py has the background eviction's).
+        kw.setdefault("high_watermark", 1.0)
         cfg = StoreConfig(ssd_path=str(tmp_path / "ssd") if ssd else "", **kw)
         store = TieredStore(LAYOUT, cfg, pin_memory=False, on_block_event=on_block_event)
         await store.start()

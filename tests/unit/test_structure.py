@@ -33,6 +33,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("api",),
     ("daemon",),
     ("__main__",),
+    # A client of a node's HTTP API, for other programs: nothing of the
+    # daemon imports it.
+    ("client",),
 )
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

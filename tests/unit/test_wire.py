@@ -22,6 +22,7 @@ from mooncaked.handoff import (
     PrefillOffer,
     PrefillSource,
     PrefillTarget,
+    Retain,
 )
 from mooncaked.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from mooncaked.rpc import Target
@@ -91,8 +92,10 @@ def doc(message: Any) -> dict[str, Any]:
     [
         GENERATE,
         GenerateBody("r1", [1], SamplingParams()),
+        GenerateBody("r1", [1], SamplingParams(), retain=Retain(600.0, 2)),
         PREFILL,
         PrefillBody("r1", [1], SamplingParams(), GRANT),
+        PrefillBody("r1", [1], SamplingParams(), GRANT, retain=Retain(30.0, 1)),
         LOOKUP,
         LOOKUP_ANSWER,
         LookupAnswer("holder", 0, (), 0.0, 4096, SEGMENT, "127.0.0.1:9001"),
