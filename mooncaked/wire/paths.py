@@ -26,3 +26,9 @@ MAX_LOOKUP_HASHES = 65536
 # Largest body of each lease call: a lookup of MAX_LOOKUP_HASHES hex hashes, a release.
 MAX_LOOKUP_BYTES = MAX_LOOKUP_HASHES * 40 + 4096
 MAX_RELEASE_BYTES = 4096
+
+# Fetcher -> an object's origin: what the fetcher holds, what it should read
+# next and from whom (objects/swarm.py).
+OBJECTS_SWARM_PATH = "/internal/objects/swarm"
+# Largest body of a swarm call: bitmaps and lists over at most 2^20 shards.
+MAX_SWARM_BYTES = 4 << 20
