@@ -158,14 +158,14 @@ class Fetch:
         finally:
             self._reading.clear()
             p.elapsed_s = time.monotonic() - p.started
-            self._wake()
+            self.wake()
         if failure is not None:
             p.state, p.error = "failed", str(failure)
-            self._wake()
+            self.wake()
             raise failure
         await self._report_done()
         p.state = "done"
-        self._wake()
+        self.wake()
 
     async def _loop(self, reads: asyncio.TaskGroup) -> None:
         loop = asyncio.get_running_loop()
@@ -326,7 +326,7 @@ class Fetch:
                 reason=outcome.reason,
             )
         p.elapsed_s = time.monotonic() - p.started
-        self._wake()
+        self.wake()
 
     async def _report_done(self) -> None:
         """Tells the origin this node holds it all (it may then hand it out)."""
@@ -338,6 +338,7 @@ class Fetch:
         except SwarmError as exc:
             log.info("object origin not told of the finished copy", error=str(exc))
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Wakes whoever waits on ``changed`` (and gives them a new one to wait on)."""
         changed, self.changed = self.changed, asyncio.Event()
         changed.set()

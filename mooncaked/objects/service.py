@@ -361,6 +361,8 @@ class ObjectStore:
                 job.result.set_result(replica)
         finally:
             self._jobs.pop(job.manifest.ref, None)
+            # Whoever watches the progress learns that the result is in.
+            fetch.wake()
             self._changed()
 
     def _on_held(self, ref: tuple[str, int]) -> None:
@@ -497,6 +499,10 @@ class ObjectStore:
         return SwarmAnswer(
             entry.manifest, coordinator=False, redirect=self._origin_url(entry.manifest) or ""
         )
+
+    def newest(self, name: str) -> Entry | None:
+        """The newest version of ``name`` this node knows of, with its copies."""
+        return self.catalog.newest(name, self._own())
 
     def _entry(self, name: str, version: int) -> Entry | None:
         if version == 0:
