@@ -342,3 +342,38 @@ def _files(raw: Any) -> tuple[tuple[ObjectFile, ...], int]:
         files.append(ObjectFile(path, item[1], offset))
         offset += item[1]
     return tuple(files), offset
+
+
+class StreamChecker:
+    """Checks an object's bytes as they stream past (a download), shard by
+    shard; ValueError at the first shard that fails its check."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._index = 0
+        self._filled = 0
+        self._hash = new_hasher(manifest.algorithm)
+
+    def update(self, data: bytes) -> None:
+        m = self.manifest
+        view = memoryview(data)
+        while view:
+            if self._index >= m.num_shards:
+                raise ValueError(f"the node sent more than the {m.size} bytes of {m.name!r}")
+            take = min(len(view), m.shard_length(self._index) - self._filled)
+            self._hash.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == m.shard_length(self._index):
+                if self._hash.digest() != m.checksums[self._index]:
+                    raise ValueError(f"shard {self._index} of {m.name!r} failed its check")
+                self._index += 1
+                self._filled = 0
+                self._hash = new_hasher(m.algorithm)
+
+    def finish(self) -> None:
+        if self._index != self.manifest.num_shards:
+            raise ValueError(
+                f"the node sent {self._index} of the {self.manifest.num_shards} shards "
+                f"of {self.manifest.name!r}"
+            )
