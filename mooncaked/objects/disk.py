@@ -164,14 +164,12 @@ def stamps_of(paths: Sequence[Path]) -> tuple[tuple[int, int], ...]:
 
 
 class ObjectsDir:
-    """``<data_dir>/objects``: copies and registrations."""
+    """``<data_dir>/objects``: copies and registrations. Made when first needed:
+    a node that never shares an object writes nothing there."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.copies_root = root / "copies"
-
-    def ensure(self) -> None:
-        self.copies_root.mkdir(parents=True, exist_ok=True)
 
     # -- copies ---------------------------------------------------------------
 

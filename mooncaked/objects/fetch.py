@@ -89,8 +89,9 @@ class Progress:
             "corrupt": self.corrupt,
             "failed_reads": self.failed_reads,
             "state": self.state,
-            "error": self.error,
             "elapsed_s": round(self.elapsed_s, 3),
+            # Only once it failed: a stream event with an "error" is a failure.
+            **({"error": self.error} if self.error else {}),
         }
 
 

@@ -89,7 +89,6 @@ class Job:
             "corrupt": 0,
             "failed_reads": 0,
             "state": "done",
-            "error": "",
             "elapsed_s": 0.0,
         }
 
@@ -139,7 +138,6 @@ class ObjectStore:
 
     async def start(self) -> None:
         await self._http.__aenter__()
-        await asyncio.to_thread(self.disk.ensure)
         for manifest in await asyncio.to_thread(self.disk.copies):
             await self._open_copy(manifest)
         for reg in await asyncio.to_thread(self.disk.registrations):

@@ -64,7 +64,6 @@ def test_the_journal_keeps_checked_shards_and_cuts_a_torn_tail(tmp_path: Path) -
 def test_registrations_and_copies_in_the_data_dir(tmp_path: Path) -> None:
     m, src = make(tmp_path, os.urandom(3 * 4096 + 5))
     disk = ObjectsDir(tmp_path / "objects")
-    disk.ensure()
     reg = Registration(m, str(src), stamps_of([src]))
     disk.save_registrations([reg])
     assert disk.registrations() == [reg]
