@@ -38,9 +38,6 @@ class Entry:
     manifest: Manifest
     copies: dict[str, Copy] = field(default_factory=dict)
 
-    def holders_of(self, shard: int) -> list[str]:
-        return sorted(c.node_id for c in self.copies.values() if shard in c.have)
-
 
 class Catalog:
     def __init__(self, view: ViewGetter, node_id: Callable[[], str]) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 import structlog
 
 from mooncaked.cluster.state import ClusterView
-from mooncaked.config import Config, check_object_name
+from mooncaked.config import Config, ConfigError, check_object_name
 from mooncaked.objects.catalog import Catalog, Entry
 from mooncaked.objects.disk import ObjectsDir, Registration, stamps_of
 from mooncaked.objects.fetch import Fetch, FetchFailed
@@ -143,7 +143,13 @@ class ObjectStore:
         for reg in await asyncio.to_thread(self.disk.registrations):
             await self._reopen(reg)
         if self.config.share_model:
-            await self.put(self.config.share_model, self._model_path)
+            try:
+                await self.put(self.config.share_model, self._model_path)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"'objects.share_model' = {self.config.share_model!r}: cannot share "
+                    f"'model.path' {self._model_path!r}: {exc}"
+                ) from None
         log.info(
             "objects started",
             registered=sorted(self._origins),
