@@ -56,8 +56,11 @@ ViewGetter = Callable[[], ClusterView | None]
 Publish = Callable[[list[dict[str, Any]]], None]
 # Gossip hears of new shards at most this often (each change is a state bump).
 _PUBLISH_DELAY_S = 0.1
-_LOCATE_TIMEOUT_S = 10.0
+# How long a get waits to learn of an object gossip does not know yet.
+_LOCATE_TIMEOUT_S = 2.0
 _MAX_LOCATE_BACKOFF_S = 2.0
+# A question to one of ``objects.peers`` not answered by then goes to the next.
+_PEER_CALL_TIMEOUT_S = 10.0
 
 
 class ObjectNotFound(LookupError):
@@ -424,7 +427,7 @@ class ObjectStore:
         call = SwarmCall(name, 0, self._node_id(), self._transfer.address, "", False)
         for url in self.config.peers:
             try:
-                answer = await self._client.call(url, call, _LOCATE_TIMEOUT_S)
+                answer = await self._client.call(url, call, _PEER_CALL_TIMEOUT_S)
             except SwarmError as exc:
                 if exc.status != 404:
                     log.info("object peer did not answer", peer=url, error=str(exc))
