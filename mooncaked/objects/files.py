@@ -132,8 +132,12 @@ class ObjectFiles:
                 p.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
                 try:
-                    if os.fstat(fd).st_size != f.size:
+                    if os.fstat(fd).st_size > f.size:
                         os.ftruncate(fd, f.size)
+                    if f.size:
+                        # Every block allocated now: a full disk is an error
+                        # here, not a SIGBUS when a shard lands in the mapping.
+                        os.posix_fallocate(fd, 0, f.size)
                 finally:
                     os.close(fd)
                 buffers.append(_map(p, f.size, writable=True))
