@@ -241,6 +241,9 @@ class Fetch:
         wait_s = min(left, _MAX_WAIT_S) if idle else 0.0
         call = self._call(slots, wait_s)
         answer = await self._client.call(url, call, wait_s + _CALL_TIMEOUT_S)
+        if not answer.coordinator:
+            # It unregistered this version (or another node answers there now).
+            raise SwarmError(f"{url} no longer coordinates {self.progress.name!r}")
         return [g for g in answer.assign if g.shard not in self.replica.have]
 
     def _ask_gossip(self, slots: int) -> list[Grant]:

@@ -39,7 +39,7 @@ from mooncaked.cluster.state import ClusterView
 from mooncaked.config import Config, ConfigError, check_object_name
 from mooncaked.objects.catalog import Catalog, Entry
 from mooncaked.objects.disk import ObjectsDir, Registration, stamps_of
-from mooncaked.objects.fetch import Fetch, FetchFailed
+from mooncaked.objects.fetch import Fetch, FetchFailed, Progress
 from mooncaked.objects.files import ObjectFiles, build_manifest, scan
 from mooncaked.objects.manifest import Manifest, ShardSet
 from mooncaked.objects.messages import ObjectAd, SwarmAnswer, SwarmCall
@@ -58,6 +58,7 @@ Publish = Callable[[list[dict[str, Any]]], None]
 _PUBLISH_DELAY_S = 0.1
 # How long a get waits to learn of an object gossip does not know yet.
 _LOCATE_TIMEOUT_S = 2.0
+_MIN_LOCATE_BACKOFF_S = 0.05
 _MAX_LOCATE_BACKOFF_S = 2.0
 # A question to one of ``objects.peers`` not answered by then goes to the next.
 _PEER_CALL_TIMEOUT_S = 10.0
@@ -81,19 +82,9 @@ class Job:
         if self.fetch is not None:
             return self.fetch.progress.to_dict()
         m = self.manifest
-        return {
-            "name": m.name,
-            "version": m.version,
-            "size": m.size,
-            "num_shards": m.num_shards,
-            "shards_done": m.num_shards,
-            "bytes_done": m.size,
-            "bytes_from": {},
-            "corrupt": 0,
-            "failed_reads": 0,
-            "state": "done",
-            "elapsed_s": 0.0,
-        }
+        held = Progress(m.name, m.version, m.size, m.num_shards, m.num_shards, m.size)
+        held.state = "done"
+        return held.to_dict()
 
 
 class ObjectStore:
@@ -399,27 +390,27 @@ class ObjectStore:
         """The newest manifest of ``name`` and its origin's API URL (if known)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        backoff = 0.05
+        backoff = _MIN_LOCATE_BACKOFF_S
         while True:
             entry = self.catalog.newest(name, self._own())
-            url = None if entry is None else self._origin_url(entry.manifest)
-            if entry is not None and (url is not None or not self.config.peers):
-                return entry.manifest, url
+            if entry is not None:
+                url = self._origin_url(entry.manifest)
+                mine = entry.manifest.origin == self._node_id()
+                if url is not None or mine or not self.config.peers:
+                    return entry.manifest, url
             # Gossip knows no origin to call (it may not run yet): ask the peers.
             found = await self._ask_peers(name)
             if found is not None and (entry is None or found[0].version >= entry.manifest.version):
                 return found
             if entry is not None:
                 return entry.manifest, None
-            held = [r for (n, _), r in self._copies.items() if n == name and r.complete]
-            if held:
-                return max(held, key=lambda r: r.manifest.version).manifest, None
             if loop.time() + backoff > deadline:
                 raise ObjectNotFound(
                     f"no node knows an object named {name!r} (asked gossip and "
                     f"{len(self.config.peers)} configured peers)"
                 )
-            log.info("object not found yet; asking again", object=name, in_s=backoff)
+            if backoff == _MIN_LOCATE_BACKOFF_S:
+                log.info("object not known yet; asking again until someone knows it", object=name)
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, _MAX_LOCATE_BACKOFF_S)
 
