@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mooncakectl.commands import print_fields, print_json
+from mooncakectl.commands import print_fields, print_json, print_table
 from mooncakectl.registry import Env, ExitStatus, command
 
 TIER_COLUMNS = ("tier", "blocks", "hit ratio", "read", "written", "evictions")
@@ -166,30 +166,6 @@ def store_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _print_table(
-    env: Env, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]
-) -> None:
-    if env.stdout_isatty:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=title)
-        for i, col in enumerate(columns):
-            table.add_column(col, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        Console(file=env.stdout, force_terminal=True).print(table)
-        return
-    widths = [max(len(col), *(len(r[i]) for r in rows)) for i, col in enumerate(columns)]
-    env.stdout.write(
-        "  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip() + "\n"
-    )
-    for row in rows:
-        env.stdout.write(
-            "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() + "\n"
-        )
-
-
 def lookup_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
     tokens = doc["hit_tokens"]
     total = int(doc["num_prompt_tokens"])
@@ -275,7 +251,7 @@ def cache(args: argparse.Namespace, env: Env) -> int:
         if args.json:
             print_json(env, doc)
             return ExitStatus.OK
-        _print_table(env, "KV cache tiers", TIER_COLUMNS, tier_rows(doc))
+        print_table(env, "KV cache tiers", TIER_COLUMNS, tier_rows(doc))
         env.stdout.write("\n")
         print_fields(env, "peers and transfers", summary_rows(doc))
         return ExitStatus.OK

@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "mooncakectl.commands",
     "mooncakectl.cluster_cmds",
     "mooncakectl.cache_cmds",
+    "mooncakectl.objects_cmds",
     "mooncakectl.local.commands",
     "mooncakectl.bench.command",
     "mooncakectl.simulate.command",

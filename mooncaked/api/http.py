@@ -26,6 +26,7 @@ from mooncaked.api.internal import InternalAPI
 from mooncaked.api.limits import BODY_TIMEOUT_S
 from mooncaked.api.metrics import CLUSTER_METRICS, ENGINE_METRICS, SnapshotMetrics
 from mooncaked.api.middleware import api_middleware
+from mooncaked.api.objects import ObjectsAPI
 from mooncaked.api.openai import OpenAIAPI
 from mooncaked.api.pipeline import PipelineAPI
 from mooncaked.api.recent import RecentRequests
@@ -103,6 +104,8 @@ class NodeApi:
             desk=lambda: s.desk,
             is_member=s.is_up_member,
         )
+        # Named objects: /admin/objects... and the swarm calls to an origin.
+        self.objects = ObjectsAPI(lambda: s.objects, self.internal.verifier)
         # The status page at /ui and the finished requests it lists.
         self.recent_requests = RecentRequests(lambda: s.node_id)
         self.openai.finished_listeners.append(self.recent_requests.add)
@@ -142,6 +145,7 @@ class NodeApi:
         self.admin.add_status_section("handoff", self.handoff.status_section)
         self.admin.add_status_section("conductor", self.conductor.status_section)
         self.admin.add_status_section("pipeline", self.pipeline.status_section)
+        self.admin.add_status_section("objects", self.objects.status_section)
         for source in (
             SnapshotMetrics(s.engine_stats, ENGINE_METRICS),
             self.cache.metrics_source(),
@@ -170,6 +174,7 @@ class NodeApi:
             *self.disagg.routes(),
             *self.pipeline.routes(),
             *self.conductor.routes(),
+            *self.objects.routes(),
         ]
 
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from mooncaked.engine.core import EngineCore, EngineStats
     from mooncaked.engine.kv_receiver import KVReceiver
     from mooncaked.engine.kv_sender import KVSender
+    from mooncaked.objects.service import ObjectStore
     from mooncaked.wire.lease import Holding
     from mooncaked.wire.replicas import ReplicaDesk
     from mooncaked.wire.replicator import Replicator
@@ -156,6 +157,8 @@ class Services:
     # The engine's cost model (cluster/costs.py, fitted by cluster/fit.py).
     costs: CostMeter | None = None
     member: ClusterMember | None = None
+    # Named objects shared peer to peer (registered, fetched, coordinated).
+    objects: ObjectStore | None = None
 
     @classmethod
     def build(

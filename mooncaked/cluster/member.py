@@ -61,12 +61,20 @@ class ClusterMember:
         self._pool = pool
         self._store = store
         self._segments = list(segments)
+        # More entries of the segment list, by who publishes them ("objects").
+        self._parts: dict[str, list[Mapping[str, Any]]] = {}
         self.batcher: BlockEventBatcher | None = None
         self.num_seeds_answered = 0
 
     @property
     def view(self) -> ClusterView:
         return self.service.view
+
+    def set_segments(self, part: str, entries: Sequence[Mapping[str, Any]]) -> None:
+        """Replaces ``part``'s entries of the segment list gossip spreads, after
+        those given at start (where peers read this node's DRAM slots)."""
+        self._parts[part] = list(entries)
+        self.service.set_segments([*self._segments, *(e for p in self._parts.values() for e in p)])
 
     def snapshot(self) -> ClusterSnapshot | None:
         batcher = self.batcher

@@ -24,7 +24,7 @@ from mooncaked.config.cluster import (
     PipelineConfig,
     SloConfig,
 )
-from mooncaked.config.data import StoreConfig, TransferConfig
+from mooncaked.config.data import CHECKSUMS, ObjectsConfig, StoreConfig, TransferConfig
 from mooncaked.config.engine import BUILTIN_PREFIX, KVConfig, ModelConfig, SchedulerConfig
 from mooncaked.config.errors import ConfigError, ConfigValueError
 from mooncaked.config.loader import (
@@ -33,6 +33,13 @@ from mooncaked.config.loader import (
     config_from_dict,
     load_config,
     with_overrides,
+)
+from mooncaked.config.names import (
+    MAX_OBJECT_NAME,
+    OBJECT_PREFIX,
+    check_object_name,
+    object_name_error,
+    object_of_path,
 )
 from mooncaked.config.node import (
     ORIGIN_DEFAULT_PORTS,
@@ -46,6 +53,9 @@ from mooncaked.config.node import (
 
 __all__ = [
     "BUILTIN_PREFIX",
+    "CHECKSUMS",
+    "MAX_OBJECT_NAME",
+    "OBJECT_PREFIX",
     "ORIGIN_DEFAULT_PORTS",
     "ClusterConfig",
     "ConductorConfig",
@@ -57,6 +67,7 @@ __all__ = [
     "LogConfig",
     "ModelConfig",
     "NodeConfig",
+    "ObjectsConfig",
     "PipelineConfig",
     "Role",
     "SchedulerConfig",
@@ -65,8 +76,11 @@ __all__ = [
     "StoreConfig",
     "TransferConfig",
     "apply_flags",
+    "check_object_name",
     "config_from_dict",
     "load_config",
+    "object_name_error",
+    "object_of_path",
     "parse_cpu_list",
     "split_origin",
     "with_overrides",

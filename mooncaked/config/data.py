@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from mooncaked.config.errors import check
+from mooncaked.config.names import object_name_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,3 +124,65 @@ class StoreConfig:
         )
         check(self.replica_inbox_bytes >= 0, "replica_inbox_bytes", "must be >= 0")
         check(self.replica_timeout_s > 0, "replica_timeout_s", "must be > 0")
+
+
+# Checksums a manifest may name for its shards (objects/manifest.py).
+CHECKSUMS = ("sha256", "blake2b")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectsConfig:
+    """Named objects shared peer to peer (weights, checkpoints): ``objects/``."""
+
+    # An object is cut into shards of this many bytes (the last one shorter),
+    # each checked against its own checksum as it lands. Fewer, bigger shards
+    # cost less bookkeeping; more, smaller ones spread sooner among peers.
+    shard_bytes: int = 64 * 1024 * 1024
+    # The shard checksum of objects this node registers ("sha256" is fastest
+    # where the CPU has SHA instructions, "blake2b" elsewhere).
+    checksum: Literal["sha256", "blake2b"] = "sha256"
+    # Shards of one object this node fetches at once.
+    max_fetches: int = 4
+    # Shard reads one holder serves at once, as an object's origin hands them
+    # out (it spreads the rest to other holders or has readers wait).
+    max_uploads: int = 8
+    # A fetch of a whole object not done by then fails.
+    fetch_timeout_s: float = 3600.0
+    # One shard read from one holder not done by then fails and the shard is
+    # fetched again, from another holder if there is one.
+    shard_timeout_s: float = 120.0
+    # How long a fetcher with nothing to read waits for a peer that is
+    # fetching the shard it needs from the origin, before the origin serves
+    # that shard a second time.
+    patience_s: float = 2.0
+    # Serve every shard this node fetched to peers as soon as it is verified.
+    # false: peers read only from the nodes that registered an object (the
+    # baseline of tools/bench_objects.py).
+    serve_fetched: bool = True
+    # HTTP base URLs ("http://host:port") of nodes asked about an object when
+    # gossip names nobody: how a node whose model.path is an object finds it
+    # at start-up, before it joins the cluster.
+    peers: tuple[str, ...] = ()
+    # Register model.path as an object of this name when the node starts, so
+    # that other nodes can load their model from this one ("": none).
+    share_model: str = ""
+    # Read and check every shard of the local copies on start, rather than
+    # trust the journal of shards checked as they landed.
+    verify_on_start: bool = False
+
+    def __post_init__(self) -> None:
+        check(
+            4096 <= self.shard_bytes <= 1 << 34,
+            "shard_bytes",
+            f"must be in 4096..{1 << 34}, got {self.shard_bytes}",
+        )
+        check(self.max_fetches > 0, "max_fetches", "must be > 0")
+        check(self.max_uploads > 0, "max_uploads", "must be > 0")
+        check(self.fetch_timeout_s > 0, "fetch_timeout_s", "must be > 0")
+        check(self.shard_timeout_s > 0, "shard_timeout_s", "must be > 0")
+        check(self.patience_s >= 0, "patience_s", "must be >= 0")
+        bad = [u for u in self.peers if not u.startswith(("http://", "https://"))]
+        check(not bad, "peers", f"must be http(s)://host:port URLs, got {bad}")
+        if self.share_model:
+            reason = object_name_error(self.share_model)
+            check(reason is None, "share_model", f"{reason}")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mooncaked.config.errors import check
+from mooncaked.config.names import object_name_error, object_of_path
 
 # model.path of the seeded test models (engine/loader.py builds them).
 BUILTIN_PREFIX = "builtin:"
@@ -13,7 +14,9 @@ BUILTIN_PREFIX = "builtin:"
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    # "builtin:tiny" (no download), a local Hugging Face model directory or a .gguf file.
+    # "builtin:tiny" (no download), a local Hugging Face model directory or a
+    # .gguf file, or "object:NAME": the object NAME fetched from peers at
+    # start-up (objects.peers says whom to ask), then loaded as either.
     path: str = "builtin:tiny"
     # Name clients pass as "model"; empty: derived from the path.
     served_name: str = ""
@@ -61,8 +64,17 @@ class ModelConfig:
     def is_builtin(self) -> bool:
         return self.path.startswith(BUILTIN_PREFIX)
 
+    @property
+    def object_name(self) -> str | None:
+        """The object ``path`` names (``object:NAME``), or None for a local path."""
+        return object_of_path(self.path)
+
     def __post_init__(self) -> None:
         check(bool(self.path), "path", "must not be empty")
+        name = self.object_name
+        if name is not None:
+            reason = object_name_error(name)
+            check(reason is None, "path", f"names an object as 'object:NAME', but {reason}")
         check(self.max_model_len >= 0, "max_model_len", "must be >= 0")
         check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0")
         check(self.packed_layout_rows >= 0, "packed_layout_rows", "must be >= 0")

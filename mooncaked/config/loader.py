@@ -23,7 +23,7 @@ from mooncaked.config.cluster import (
     PipelineConfig,
     SloConfig,
 )
-from mooncaked.config.data import StoreConfig, TransferConfig
+from mooncaked.config.data import ObjectsConfig, StoreConfig, TransferConfig
 from mooncaked.config.engine import KVConfig, ModelConfig, SchedulerConfig
 from mooncaked.config.errors import ConfigError, ConfigValueError
 from mooncaked.config.node import LogConfig, NodeConfig, ServerConfig
@@ -39,6 +39,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    objects: ObjectsConfig = field(default_factory=ObjectsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -53,6 +54,24 @@ class Config:
                 f"{self.source}: 'pipeline.group' = {self.pipeline.group!r} makes this node a "
                 f"stage of a pipelined prefill group, which needs node.role = 'prefill' "
                 f"(got {self.node.role!r})"
+            )
+        if self.model.object_name is not None:
+            if not self.objects.peers:
+                raise ConfigError(
+                    f"{self.source}: 'model.path' = {self.model.path!r} is fetched from peers "
+                    "at start-up, before the node joins the cluster: set 'objects.peers' to the "
+                    "URLs of nodes that have it (or know who does)"
+                )
+            if self.objects.share_model:
+                raise ConfigError(
+                    f"{self.source}: 'objects.share_model' = {self.objects.share_model!r} shares "
+                    f"a model file, but 'model.path' = {self.model.path!r} is an object already "
+                    "(and is served to peers as it is)"
+                )
+        if self.objects.share_model and self.model.is_builtin:
+            raise ConfigError(
+                f"{self.source}: 'objects.share_model' = {self.objects.share_model!r}, but "
+                f"'model.path' = {self.model.path!r} has no file to share"
             )
         # The node's files live under its state directory: a relative SSD tier
         # path is taken from there, not from wherever the daemon was started.

@@ -389,6 +389,13 @@ class TransferEngine:
                 used[seg.name] = seg
             if op.local_offset < 0 or op.length < 0 or op.local_offset + op.length > seg.length:
                 raise SegmentError(f"op {i}: {seg.check_range(op.local_offset, op.length)}")
+            if op.kind is read and seg.read_only:
+                # A READ lands in the local segment: in read-only memory (a
+                # file mapped read-only) that write would fault the process.
+                raise SegmentError(
+                    f"op {i}: local segment {seg.name!r} is read-only memory; "
+                    "nothing can be read into it"
+                )
             if op.remote_offset < 0:
                 raise ValueError(f"op {i}: negative remote offset {op.remote_offset}")
         return list(used.values())

@@ -6,7 +6,8 @@ the segment it names before a byte moves. A segment wraps
 
 - host memory: a bytearray, a writable memoryview/mmap/numpy array, a
   contiguous CPU torch tensor;
-- shared memory: a :class:`SharedBuffer` (memfd) or a
+- shared memory: a :class:`SharedBuffer` (memfd, or a file mapped shared,
+  read-only if it was mapped so) or a
   ``multiprocessing.shared_memory.SharedMemory``; peers on the same host map
   these and copy without a socket;
 - device memory: a contiguous CUDA tensor, reached through a pinned host
@@ -74,6 +75,11 @@ class SharedBuffer:
     the memory is freed by the kernel when the last process lets go. The file
     is the daemon user's only (mode 0600), so no other user can open it
     through /proc either.
+
+    A regular file's fd maps the same way (``SharedBuffer(fd, size,
+    owns_fd=False)``): the page cache is the shared memory. Mapped with
+    ``writable=False`` it can be registered all the same; it is then served to
+    peers and never written, by them or by this process.
     """
 
     __slots__ = ("_fd", "_map", "address", "nbytes", "view", "writable")
@@ -234,6 +240,12 @@ class Segment:
     @property
     def is_host(self) -> bool:
         return self.view is not None
+
+    @property
+    def read_only(self) -> bool:
+        """Memory this process may not write (a read-only ``SharedBuffer``, such
+        as a file mapped read-only): peers read it, nothing lands in it."""
+        return self.view is not None and self.view.readonly
 
     @property
     def is_shared(self) -> bool:

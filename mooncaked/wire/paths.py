@@ -34,3 +34,9 @@ MAX_RELEASE_BYTES = 4096
 # Largest body of each replica call: MAX_LOOKUP_HASHES hex hashes, or as many
 # checksums (at most 10 digits each as JSON).
 MAX_REPLICA_BYTES = MAX_LOOKUP_HASHES * 40 + 4096
+
+# Fetcher -> an object's origin: what the fetcher holds, what it should read
+# next and from whom (objects/swarm.py).
+OBJECTS_SWARM_PATH = "/internal/objects/swarm"
+# Largest body of a swarm call: bitmaps and lists over at most 2^20 shards.
+MAX_SWARM_BYTES = 4 << 20

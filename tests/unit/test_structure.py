@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("transfer",),
     ("cluster",),
     ("wire",),
+    ("objects",),
     ("router",),
     ("api",),
     ("daemon",),

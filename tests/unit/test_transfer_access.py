@@ -13,12 +13,13 @@ import mmap
 import os
 import stat
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from mooncaked.config import TransferConfig
-from mooncaked.transfer import Access, SegmentError, TransferEngine, TransferOp
+from mooncaked.transfer import Access, SegmentError, SharedBuffer, TransferEngine, TransferOp
 from mooncaked.transfer import protocol as p
 from mooncaked.transfer.access import GrantTable, WriteGrant, parse_access
 from mooncaked.transfer.rdma import mr_access_flags
@@ -279,3 +280,37 @@ async def test_shared_memory_is_the_daemon_users_only_and_read_only_to_peers(
         mapping = link.shm.mapping(link.link.cached("dram"))  # type: ignore[union-attr,arg-type]
         assert mapping is not None and not mapping.buffer.writable
         assert mapping.buffer.view.readonly
+
+
+async def test_a_file_mapped_read_only_is_served_and_nothing_lands_in_it(
+    victim: TransferEngine, tmp_path: Path
+) -> None:
+    # An object's origin registers its file this way: peers read it (over shm
+    # and tcp), and neither they nor this process can write it.
+    path = tmp_path / "weights.bin"
+    path.write_bytes(bytes(range(256)) * 16)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = SharedBuffer(fd, 4096, owns_fd=False, writable=False)
+    finally:
+        os.close(fd)
+    seg = victim.register("file", buffer)
+    assert seg.read_only and seg.is_shared
+    victim.allocate("scratch", 4096)
+    with pytest.raises(SegmentError, match="read-only memory"):
+        await victim.submit([TransferOp.read("file", 0, "victim", "scratch", 0, 4096)])
+    status, _ = await asyncio.to_thread(
+        raw_write, victim.address, SECRET, "evil", "file", 0, b"\0" * 4096
+    )
+    assert status == p.Status.FORBIDDEN
+    for config in (TCP, TransferConfig()):
+        async with TransferEngine(config, "peer", SECRET) as peer:
+            peer.allocate("buf", 4096)
+            peer.add_peer("victim", victim.address)
+            batch = await peer.submit([TransferOp.read("buf", 0, "victim", "file", 0, 4096)])
+            assert await batch.wait(), batch.failures()
+            assert batch.transport(0) == ("tcp" if config is TCP else "shm")
+            assert bytes(peer.segment("buf").view) == path.read_bytes()  # type: ignore[union-attr,arg-type]
+    assert path.read_bytes() == bytes(range(256)) * 16
+    victim.unregister("file")
+    buffer.close()
