@@ -171,6 +171,10 @@ async def test_a_block_whose_bytes_do_not_match_is_refused_and_never_visible(
     )
     assert holders(view, [bad]) == [{a.node_id}]
     assert b.cluster is not None
-    assert holders(b.cluster.view, [bad]) == [{a.node_id}]
+    b_view = b.cluster.view
+    # B's view learns A's blocks by gossip too: once it shows A holding the
+    # block, it must show no one else.
+    await wait_until(lambda: holders(b_view, [bad]) != [set()], "A's copy in B's view")
+    assert holders(b_view, [bad]) == [{a.node_id}]
     b.store.check_integrity()
     desk.inbox.check_integrity()
