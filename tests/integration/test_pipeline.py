@@ -174,7 +174,7 @@ async def test_a_stage_pulls_its_layers_prefix_from_another_group_s_same_stage(
     cluster = await cluster_factory(
         ["decode", stage("a", 0, 2), stage("a", 1, 2), stage("b", 0, 2), stage("b", 1, 2)]
     )
-    d, a0, a1, b0, _b1 = cluster.nodes
+    d, a0, a1, b0, b1 = cluster.nodes
 
     def target(head: int) -> PrefillTarget:
         refs = tuple(
@@ -199,18 +199,16 @@ async def test_a_stage_pulls_its_layers_prefix_from_another_group_s_same_stage(
 
     got, cached, node = await generate(first, 1)
     assert (got, cached, node) == (want[0], 0, a0.node_id)
-    # b's head sees a's stages hold their layers' blocks of the prefix.
+    # Each of b's stages looks its own layers up in its own view.
     hashes = block_hashes(first, 16, a0.engine.model_id)[:80]  # type: ignore[union-attr]
-    for holder, lo, hi in ((a0, 0, 2), (a1, 2, 4)):
+    for holder, asker, lo, hi in ((a0, b0, 0, 2), (a1, b1, 2, 4)):
 
-        def held(holder: Any = holder, lo: int = lo, hi: int = hi) -> bool:
-            view = b0.cluster.view if b0.cluster is not None else None
-            return (
-                view is not None
-                and view.held_run(holder.node_id, layer_hashes(hashes, lo, hi)) >= 80
-            )
+        def held(holder: Any = holder, asker: Any = asker, lo: int = lo, hi: int = hi) -> bool:
+            view = asker.cluster.view if asker.cluster is not None else None
+            run = layer_hashes(hashes, lo, hi)
+            return view is not None and view.held_run(holder.node_id, run) >= 80
 
-        await wait_until(held, f"{holder.node_id}'s blocks in b's view")
+        await wait_until(held, f"{holder.node_id}'s blocks in {asker.node_id}'s view")
     got, cached, node = await generate(second, 3)
     assert got == want[1] and node == b0.node_id
     assert cached >= 1280, cached
