@@ -620,7 +620,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dir", default="", help="where SSD files go (default: a temp dir)")
     p.add_argument("--skip-mooncake", action="store_true", help="skip the Mooncake Store anchor")
     p.add_argument(
-        "--sections", default="1,2,3,4", help="which sections to run, e.g. 4 or 1,2 (default all)"
+        "--sections", default="1,2,3,4,5", help="which sections to run, e.g. 5 or 1,2 (default all)"
     )
     p.add_argument("--ttft-model", default="builtin:tiny", help="model of section 4")
     p.add_argument(
@@ -630,7 +630,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.sections = {int(x) for x in args.sections.split(",") if x.strip()}
     except ValueError:
-        p.error(f"--sections must be numbers 1-4 separated by commas, got {args.sections!r}")
+        p.error(f"--sections must be numbers 1-5 separated by commas, got {args.sections!r}")
     args.ttft_tokens = args.ttft_tokens or (1024 if args.quick else 2048)
     args.repeats = args.repeats or (3 if args.quick else 5)
     args.dram_blocks = args.dram_blocks or (16 if args.quick else 128)
@@ -667,6 +667,10 @@ async def main_async(args: argparse.Namespace) -> int:
         if 4 in args.sections:
             print("\n## 4. TTFT of a prompt with a 90% prefix hit, per tier", flush=True)
             await bench_ttft(args, workdir)
+        if 5 in args.sections:
+            from bench_peer_read import peer_read_section
+
+            await peer_read_section(args.repeats * 4)
     finally:
         if not args.dir:
             shutil.rmtree(workdir, ignore_errors=True)
