@@ -1,9 +1,12 @@
-"""The store client: a node's KV store (and, later, its objects) from any program.
+"""The store client: a node's KV store and its named objects from any program.
 
 ``StoreClient`` blocks; ``AsyncStoreClient`` runs on the caller's event
 loop. Each kind of thing the store holds is a namespace of operations on the
 client (``client.kv``): a new kind is a module of ``Call`` builders and one
-attribute here, and shares the transport and the errors.
+attribute here, and shares the transport and the errors. Named objects
+(``client.objects``: put, get, list, remove) are files moved by the node
+itself and downloaded with each shard checked; their client
+(``objects.client.ObjectsClient``) blocks, so the blocking client carries it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Any
 
 from mooncaked.client.http import AsyncTransport, Call, SyncTransport
 from mooncaked.client.kv import AsyncKVBlocks, KVBlocks
+from mooncaked.objects.client import ObjectsClient
 
 
 def _stats_call() -> Call[dict[str, Any]]:
@@ -23,12 +27,14 @@ class StoreClient:
 
     >>> client = StoreClient("http://127.0.0.1:8000")
     >>> client.kv.put(prompt="You are a helpful assistant...", replicas=2)
+    >>> client.objects.put("llama-8b", "/models/llama-8b.gguf")
     """
 
     def __init__(self, url: str, *, token: str = "", timeout_s: float = 60.0) -> None:
         """``token``: the node's admin token (``server.admin_token``) if it has one."""
         self._transport = SyncTransport(url, token=token, timeout_s=timeout_s)
         self.kv = KVBlocks(self._transport.run)
+        self.objects = ObjectsClient(url, token=token, timeout=timeout_s)
 
     @property
     def url(self) -> str:

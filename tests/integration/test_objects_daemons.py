@@ -25,6 +25,7 @@ import pytest
 
 from mooncakectl.cli import run
 from mooncakectl.registry import Env
+from mooncaked.client import StoreClient
 from mooncaked.objects.client import ObjectsClient, ObjectsError
 from tests.conftest import TEST_TOML, DaemonProcess, spawn_daemon
 from tests.hf_fixtures import make_hf_model
@@ -157,7 +158,8 @@ def test_put_ls_get_rm_through_the_cli_and_the_client(cluster: Cluster, tmp_path
     assert status == 0
     assert "weights" in out and "a 7/7" in out and "b 7/7" in out and "origin" in out
 
-    client = ObjectsClient(b.url)
+    # The store client carries the objects client: one client for both.
+    client = StoreClient(b.url).objects
     seen: list[int] = []
     where = client.get("weights", on_progress=lambda p: seen.append(p["shards_done"]))
     assert seen[-1] == 7 and digest(where) == want
