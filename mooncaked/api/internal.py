@@ -31,13 +31,8 @@ from aiohttp import web
 from mooncaked.api.refusals import REFUSALS, NodeMismatch, NotServing, refusal
 from mooncaked.api.signed import Rejected, read_signed_json
 from mooncaked.rpc import Target, Verifier
-from mooncaked.wire.lease import (
-    Holding,
-    LookupBody,
-    ReleaseAnswer,
-    ReleaseBody,
-    encode_identity,
-)
+from mooncaked.wire.calls import encode_identity
+from mooncaked.wire.lease import Holding, LookupBody, ReleaseAnswer, ReleaseBody
 from mooncaked.wire.paths import (
     IDENTITY_PATH,
     LOOKUP_PATH,

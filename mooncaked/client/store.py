@@ -34,7 +34,7 @@ class StoreClient:
         """``token``: the node's admin token (``server.admin_token``) if it has one."""
         self._transport = SyncTransport(url, token=token, timeout_s=timeout_s)
         self.kv = KVBlocks(self._transport.run)
-        self.objects = ObjectsClient(url, token=token, timeout=timeout_s)
+        self.objects = ObjectsClient(self._transport.url, token=token, timeout=timeout_s)
 
     @property
     def url(self) -> str:

@@ -20,16 +20,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 
 from mooncaked.cache.hashing import BlockHash, parse_hex_hashes
 from mooncaked.cache.peer import Grant, LeaseDesk, Offer, PeerError
-from mooncaked.rpc import Target, derive_key, signed_headers
+from mooncaked.rpc import Target, derive_key
 from mooncaked.transfer import SegmentDescriptor, SegmentError
 from mooncaked.wire import fields
-from mooncaked.wire.errors import ErrorAnswer
-from mooncaked.wire.paths import IDENTITY_PATH, LOOKUP_PATH, MAX_LOOKUP_HASHES, RELEASE_PATH
+from mooncaked.wire.calls import CallFailed, SignedCalls
+from mooncaked.wire.paths import LOOKUP_PATH, MAX_LOOKUP_HASHES, RELEASE_PATH
 
 # Most bytes one block of a layout may have (a layer's K and V of 16 tokens
 # in a wide model are far below it).
@@ -188,30 +187,9 @@ class ReleaseAnswer:
         return cls(fields.flag(data.get("released"), "released"))
 
 
-def encode_identity(me: Target) -> bytes:
-    return orjson.dumps({"node_id": me.node_id, "generation": me.generation})
-
-
-def decode_identity(data: dict[str, Any]) -> Target:
-    """ValueError naming the field that is wrong."""
-    return Target(
-        fields.text(data.get("node_id"), "node_id"),
-        fields.integer(data.get("generation"), "generation", 1),
-    )
-
-
-class _Refused(PeerError):
-    """The peer refused the call's signature (401)."""
-
-
 class LeaseClient:
-    """The reader's side of the lease calls (a ``PeerClient``).
-
-    Each call is signed for its peer's node id and generation: from
-    ``targets(peer_url)`` (the cluster view) when it knows the peer, else as
-    the peer's ``/internal/identity`` says, remembered until the peer refuses
-    a call (401: restarted, or another node at that address now).
-    """
+    """The reader's side of the lease calls (a ``PeerClient``), each signed for
+    its peer as ``wire.calls.SignedCalls`` signs it."""
 
     def __init__(
         self,
@@ -222,27 +200,16 @@ class LeaseClient:
         layout: bytes,
         targets: Callable[[str], Target | None] = lambda peer: None,
     ) -> None:
-        self._key = derive_key(secret)
         self._node_id = node_id
         self._block_bytes = block_bytes
         self._layout = layout
-        self._targets = targets
-        # Peer URL -> what it said it is; bounded by the peers asked (the
-        # view's members and the configured peers).
-        self._identities: dict[str, Target] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._calls = SignedCalls(derive_key(secret), targets=targets)
 
     async def start(self) -> None:
-        # A bounded number of calls in flight per peer; idle connections are
-        # closed soon, so none outlives a peer's restart for long.
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit_per_host=16, keepalive_timeout=15.0)
-        )
+        await self._calls.start()
 
     async def close(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        await self._calls.close()
 
     async def __aenter__(self) -> LeaseClient:
         await self.start()
@@ -269,53 +236,8 @@ class LeaseClient:
         except ValueError as exc:
             raise PeerError(f"{offer.peer}: malformed release answer ({exc})") from None
 
-    async def _target(self, session: aiohttp.ClientSession, peer: str, timeout_s: float) -> Target:
-        """What a call to ``peer`` is signed for; raises PeerError when unknown."""
-        base = peer.rstrip("/")
-        known = self._targets(base) or self._identities.get(base)
-        if known is not None:
-            return known
-        data = await self._exchange(session.get, base + IDENTITY_PATH, {}, timeout_s)
-        try:
-            target = decode_identity(data)
-        except ValueError as exc:
-            raise PeerError(f"{base}: malformed identity answer ({exc})") from None
-        self._identities[base] = target
-        return target
-
     async def _call(self, peer: str, path: str, raw: bytes, timeout_s: float) -> dict[str, Any]:
-        session = self._session
-        if session is None:
-            raise PeerError("the lease client is not started")
-        target = await self._target(session, peer, timeout_s)
-        headers = {
-            "Content-Type": "application/json",
-            **signed_headers(self._key, "POST", path, raw, target=target),
-        }
         try:
-            return await self._exchange(
-                session.post, peer.rstrip("/") + path, {"data": raw, "headers": headers}, timeout_s
-            )
-        except _Refused:
-            # Restarted, or another node answers there now: ask it again next time.
-            self._identities.pop(peer.rstrip("/"), None)
-            raise
-
-    async def _exchange(
-        self, send: Callable[..., Any], url: str, kwargs: dict[str, Any], timeout_s: float
-    ) -> dict[str, Any]:
-        try:
-            async with send(url, timeout=aiohttp.ClientTimeout(total=timeout_s), **kwargs) as resp:
-                payload = await resp.read()
-                if resp.status != 200:
-                    cls = _Refused if resp.status == 401 else PeerError
-                    err = ErrorAnswer.decode(payload)
-                    raise cls(f"{url} answered {resp.status}: {err.message}")
-        except (aiohttp.ClientError, OSError) as exc:
-            raise PeerError(f"{url}: {exc!r}") from exc
-        except TimeoutError:
-            raise PeerError(f"{url}: no answer within {timeout_s:.3g} s") from None
-        try:
-            return fields.loads(payload, f"{url}'s answer")
-        except ValueError as exc:
+            return await self._calls.post(peer, path, raw, timeout_s)
+        except CallFailed as exc:
             raise PeerError(str(exc)) from None

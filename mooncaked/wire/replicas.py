@@ -23,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 import structlog
 
@@ -31,9 +30,9 @@ from mooncaked.cache.hashing import BlockHash, parse_hex_hashes
 from mooncaked.cache.inbox import Outcome, ReplicaInbox
 from mooncaked.cache.pins import MAX_TTL_S, PinBudgetExceeded
 from mooncaked.cache.store import TieredStore
-from mooncaked.rpc import Target, derive_key, signed_headers
+from mooncaked.rpc import Target, derive_key
 from mooncaked.wire import fields
-from mooncaked.wire.errors import ErrorAnswer
+from mooncaked.wire.calls import CallFailed, SignedCalls
 from mooncaked.wire.paths import (
     MAX_LOOKUP_HASHES,
     REPLICA_COMMIT_PATH,
@@ -309,19 +308,14 @@ class ReplicaClient:
     """The writer's side of the replica calls, each signed for its holder."""
 
     def __init__(self, *, secret: bytes) -> None:
-        self._key = derive_key(secret)
-        self._session: aiohttp.ClientSession | None = None
+        self._calls = SignedCalls(derive_key(secret))
 
     async def __aenter__(self) -> ReplicaClient:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit_per_host=16, keepalive_timeout=15.0)
-        )
+        await self._calls.start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        await self._calls.close()
 
     async def reserve(
         self, url: str, target: Target, body: ReserveBody, timeout_s: float
@@ -356,29 +350,7 @@ class ReplicaClient:
     async def _call(
         self, url: str, target: Target, path: str, raw: bytes, timeout_s: float
     ) -> dict[str, Any]:
-        session = self._session
-        if session is None:
-            raise ReplicaError("the replica client is not started")
-        headers = {
-            "Content-Type": "application/json",
-            **signed_headers(self._key, "POST", path, raw, target=target),
-        }
         try:
-            async with session.post(
-                url.rstrip("/") + path,
-                data=raw,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as resp:
-                payload = await resp.read()
-                if resp.status != 200:
-                    err = ErrorAnswer.decode(payload)
-                    raise ReplicaError(f"{target.node_id} answered {resp.status}: {err.message}")
-        except (aiohttp.ClientError, OSError) as exc:
-            raise ReplicaError(f"{target.node_id}: {exc!r}") from exc
-        except TimeoutError:
-            raise ReplicaError(f"{target.node_id}: no answer within {timeout_s:.3g} s") from None
-        try:
-            return fields.loads(payload, f"{target.node_id}'s answer")
-        except ValueError as exc:
-            raise ReplicaError(str(exc)) from None
+            return await self._calls.post(url, path, raw, timeout_s, target=target)
+        except CallFailed as exc:
+            raise ReplicaError(f"{target.node_id}: {exc}") from None

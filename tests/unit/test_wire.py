@@ -27,6 +27,7 @@ from mooncaked.handoff import (
 from mooncaked.request import FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from mooncaked.rpc import Target
 from mooncaked.transfer import Access, SegmentDescriptor
+from mooncaked.wire.calls import decode_identity, encode_identity
 from mooncaked.wire.errors import ErrorAnswer
 from mooncaked.wire.generate import GenerateBody
 from mooncaked.wire.handoff import decode_grant, decode_offer, decode_target, encode_grant
@@ -35,8 +36,6 @@ from mooncaked.wire.lease import (
     LookupBody,
     ReleaseAnswer,
     ReleaseBody,
-    decode_identity,
-    encode_identity,
 )
 from mooncaked.wire.prefill import PrefillBody, decode_prefill_reply, encode_prefill_reply
 from mooncaked.wire.request import (
