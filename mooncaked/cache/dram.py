@@ -45,7 +45,7 @@ import torch
 
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.cache.layout import BlockLayout, KVCaches, gather_blocks, scatter_blocks
-from mooncaked.cache.pins import PinKind
+from mooncaked.cache.pins import PinOf, PinQueues
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +56,6 @@ StoredListener = Callable[[BlockHash], None]
 # still intact during the call (it is reused only after the call returns).
 RemovedListener = Callable[[BlockHash, int, bool], None]
 # The pin of a hash (None: unpinned), as the store's pin table holds it.
-PinOf = Callable[[BlockHash], PinKind | None]
 
 # The layout's names, for callers that import them from here.
 __all__ = [
@@ -144,7 +143,9 @@ class DramPool:
         self._clock = clock
         self.on_stored = on_stored
         self.on_removed = on_removed
-        self._pin_of: PinOf = pin_of if pin_of is not None else _unpinned
+        # Cached, unleased blocks by eviction order (unpinned, soft-pinned).
+        self._queues = PinQueues(pin_of)
+        self._pin_of = self._queues.pin_of
         self._registered = False
         self.buffer = self._allocate_buffer(pin_memory, backing)
         # [num_slots, block_bytes]: row i is slot i, at byte offset i * block_bytes.
@@ -157,10 +158,8 @@ class DramPool:
         self._free = list(range(num_slots - 1, -1, -1))
         self._cached: dict[BlockHash, int] = {}
         self._pending: dict[BlockHash, int] = {}
-        # Cached, unleased and unpinned, least recently used first.
-        self._evictable: OrderedDict[BlockHash, None] = OrderedDict()
-        # Cached, unleased and soft-pinned: evicted only once _evictable is empty.
-        self._soft: OrderedDict[BlockHash, None] = OrderedDict()
+        self._evictable = self._queues.unpinned
+        self._soft = self._queues.soft
         self._leases: dict[int, Lease] = {}
         self._next_lease_id = 1
         self.num_dead = 0
@@ -480,35 +479,19 @@ class DramPool:
 
     def requeue(self, block_hash: BlockHash) -> None:
         """The pin of ``block_hash`` changed: move it to the eviction queue its
-        pin says. A block whose pin ended goes first in the unpinned queue (its
-        retention is over); a newly pinned one last in the soft one."""
+        pin says (a leased block joins one when its last lease ends)."""
         slot = self._cached.get(block_hash)
-        if slot is None or self._num_leases[slot] > 0:
-            return
-        self._dequeue(block_hash)
-        queue = self._queue_for(block_hash)
-        if queue is None:
-            return
-        queue[block_hash] = None
-        if queue is self._evictable:
-            queue.move_to_end(block_hash, last=False)
+        if slot is not None and self._num_leases[slot] == 0:
+            self._queues.requeue(block_hash)
 
     def _queue_for(self, block_hash: BlockHash) -> OrderedDict[BlockHash, None] | None:
-        """The eviction queue of a cached, unleased block; None: no eviction takes it."""
-        kind = self._pin_of(block_hash)
-        if kind is None:
-            return self._evictable
-        return self._soft if kind is PinKind.SOFT else None
+        return self._queues.queue_for(block_hash)
 
     def _enqueue(self, block_hash: BlockHash) -> None:
-        """A cached block nobody leases joins its queue, most recently used."""
-        queue = self._queue_for(block_hash)
-        if queue is not None:
-            queue[block_hash] = None
+        self._queues.enqueue(block_hash)
 
     def _dequeue(self, block_hash: BlockHash) -> None:
-        self._evictable.pop(block_hash, None)
-        self._soft.pop(block_hash, None)
+        self._queues.dequeue(block_hash)
 
     def _free_slot(self, slot: int) -> None:
         self._state[slot] = SlotState.FREE
@@ -559,7 +542,3 @@ class DramPool:
                 problems.append(f"free slot {slot} is leased")
         if problems:
             raise RuntimeError("DRAM pool integrity: " + "; ".join(problems))
-
-
-def _unpinned(block_hash: BlockHash) -> PinKind | None:
-    return None

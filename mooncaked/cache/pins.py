@@ -28,7 +28,8 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from mooncaked.cache.hashing import BlockHash
@@ -186,3 +187,67 @@ class PinTable:
         self._pins[block_hash] = pin
         if math.isfinite(pin.deadline):
             heapq.heappush(self._heap, (pin.deadline, block_hash))
+
+
+# Which pin holds a block, if any (what a tier's eviction order asks).
+PinOf = Callable[[BlockHash], "PinKind | None"]
+
+
+def unpinned(block_hash: BlockHash) -> PinKind | None:
+    """The ``PinOf`` of a tier nothing pins."""
+    return None
+
+
+class PinQueues:
+    """A tier's eviction order under pins: blocks it may evict now, unpinned
+    ones least recently used first (``unpinned``), then soft-pinned ones
+    (``soft``), evicted only once no unpinned one is left; hard-pinned blocks
+    are in neither, never evicted. The tier decides which of its blocks may
+    be evicted at all (none that a reader holds) and keeps them queued here."""
+
+    __slots__ = ("_pin_of", "soft", "unpinned")
+
+    def __init__(self, pin_of: PinOf | None = None) -> None:
+        self._pin_of: PinOf = pin_of if pin_of is not None else unpinned
+        self.unpinned: OrderedDict[BlockHash, None] = OrderedDict()
+        self.soft: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def pin_of(self, block_hash: BlockHash) -> PinKind | None:
+        return self._pin_of(block_hash)
+
+    def queue_for(self, block_hash: BlockHash) -> OrderedDict[BlockHash, None] | None:
+        """The queue its pin puts a block in; None: no eviction takes it."""
+        kind = self._pin_of(block_hash)
+        if kind is None:
+            return self.unpinned
+        return self.soft if kind is PinKind.SOFT else None
+
+    def enqueue(self, block_hash: BlockHash) -> None:
+        """A block the tier may evict joins its queue, most recently used."""
+        queue = self.queue_for(block_hash)
+        if queue is not None:
+            queue[block_hash] = None
+
+    def dequeue(self, block_hash: BlockHash) -> None:
+        self.unpinned.pop(block_hash, None)
+        self.soft.pop(block_hash, None)
+
+    def requeue(self, block_hash: BlockHash) -> None:
+        """Its pin changed: into the queue its pin says. A block whose pin
+        ended goes first among the unpinned (its retention is over); a newly
+        soft-pinned one last among the soft-pinned."""
+        self.dequeue(block_hash)
+        queue = self.queue_for(block_hash)
+        if queue is None:
+            return
+        queue[block_hash] = None
+        if queue is self.unpinned:
+            queue.move_to_end(block_hash, last=False)
+
+    def oldest(self) -> BlockHash | None:
+        """The next to evict: the least recently used unpinned, else soft-pinned."""
+        queue = self.unpinned or self.soft
+        return next(iter(queue)) if queue else None
+
+    def __len__(self) -> int:
+        return len(self.unpinned) + len(self.soft)

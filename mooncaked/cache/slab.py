@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 
 from mooncaked.cache.hashing import BlockHash
-from mooncaked.cache.pins import PinKind
+from mooncaked.cache.pins import PinOf, PinQueues
 
 # The pin of a hash (None: unpinned), as the store's pin table holds it.
-PinOf = Callable[[BlockHash], PinKind | None]
 
 
 class SlotState(enum.Enum):
@@ -42,6 +40,7 @@ class SlabIndex:
         "_lru",
         "_num_dead",
         "_pin_of",
+        "_queues",
         "_readers",
         "_slot_crc",
         "_slot_hash",
@@ -53,7 +52,9 @@ class SlabIndex:
     def __init__(self, num_slots: int, pin_of: PinOf | None = None) -> None:
         """``pin_of`` says which blocks are pinned against eviction; whoever
         changes a pin calls ``requeue`` for its block."""
-        self._pin_of: PinOf = pin_of if pin_of is not None else _unpinned
+        # Live blocks not being read, by eviction order (unpinned, soft-pinned).
+        self._queues = PinQueues(pin_of)
+        self._pin_of = self._queues.pin_of
         self._state = [SlotState.FREE] * num_slots
         self._slot_hash: list[BlockHash | None] = [None] * num_slots
         self._slot_crc = [0] * num_slots
@@ -61,10 +62,8 @@ class SlabIndex:
         self._free = list(range(num_slots - 1, -1, -1))
         self._index: dict[BlockHash, int] = {}
         self._writing: dict[BlockHash, int] = {}
-        # Live, not being read and unpinned, least recently used first.
-        self._lru: OrderedDict[BlockHash, None] = OrderedDict()
-        # Live, not being read and soft-pinned: victims once _lru is empty.
-        self._soft: OrderedDict[BlockHash, None] = OrderedDict()
+        self._lru = self._queues.unpinned
+        self._soft = self._queues.soft
         self._num_dead = 0
 
     # -- queries -----------------------------------------------------------
@@ -138,33 +137,19 @@ class SlabIndex:
         return self._index[next(iter(queue))]
 
     def requeue(self, block_hash: BlockHash) -> None:
-        """The pin of ``block_hash`` changed: move it to the queue its pin says
-        (first in the unpinned one when its pin ended)."""
+        """The pin of ``block_hash`` changed: move it to the queue its pin says."""
         slot = self._index.get(block_hash)
-        if slot is None or self._readers[slot] > 0:
-            return
-        self._dequeue(block_hash)
-        queue = self._queue_for(block_hash)
-        if queue is None:
-            return
-        queue[block_hash] = None
-        if queue is self._lru:
-            queue.move_to_end(block_hash, last=False)
+        if slot is not None and self._readers[slot] == 0:
+            self._queues.requeue(block_hash)
 
     def _queue_for(self, block_hash: BlockHash) -> OrderedDict[BlockHash, None] | None:
-        kind = self._pin_of(block_hash)
-        if kind is None:
-            return self._lru
-        return self._soft if kind is PinKind.SOFT else None
+        return self._queues.queue_for(block_hash)
 
     def _enqueue(self, block_hash: BlockHash) -> None:
-        queue = self._queue_for(block_hash)
-        if queue is not None:
-            queue[block_hash] = None
+        self._queues.enqueue(block_hash)
 
     def _dequeue(self, block_hash: BlockHash) -> None:
-        self._lru.pop(block_hash, None)
-        self._soft.pop(block_hash, None)
+        self._queues.dequeue(block_hash)
 
     def begin_write(self, slot: int, block_hash: BlockHash) -> None:
         self._state[slot] = SlotState.WRITING
@@ -250,7 +235,3 @@ class SlabIndex:
                 problems.append(f"free slot {slot} has readers")
         if problems:
             raise RuntimeError("SSD tier integrity: " + "; ".join(problems))
-
-
-def _unpinned(block_hash: BlockHash) -> PinKind | None:
-    return None
