@@ -118,6 +118,18 @@ class CandidateNode:
     stage: StageInfo | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """A prompt on a pipelined group of given stage models: the head's chunks,
+    each chunk's hop between stages, the pipeline's time with every stage
+    idle, and each stage's compute alone."""
+
+    chunks: list[int]
+    hops: list[float]
+    idle_s: float
+    alone_s: tuple[float, ...]
+
+
 class Prefixes:
     """What placement needs of a request's prefix across the cluster, worked
     out once per request rather than once per candidate: who else holds the
@@ -153,6 +165,7 @@ class Prefixes:
         self._hashes = request.hashes[: self.usable]
         # Per layer range: the keys a stage holding those layers caches under.
         self._layer_hashes: dict[tuple[int, int], list[bytes]] = {}
+        self._pipelines: dict[tuple[object, ...], PipelinePlan] = {}
 
     def stage_blocks(self, node_id: str, lo: int, hi: int) -> int:
         """Leading blocks of the prompt a stage holding layers [lo, hi) caches
@@ -174,6 +187,31 @@ class Prefixes:
     def copies(self, num_blocks: int) -> int:
         """Nodes holding a run of at least ``num_blocks`` of the prefix."""
         return len(self._held) - bisect.bisect_left(self._held, num_blocks)
+
+    def pipeline(
+        self,
+        steps: tuple[StepCost, ...],
+        new: int,
+        cached: int,
+        first: int,
+        act_bytes: int,
+        params: ConductorParams,
+    ) -> PipelinePlan:
+        """A pipelined group's chunks and idle times for this prompt, worked out
+        once per distinct set of stage models (groups of one build share it)."""
+        key = (steps, new, cached, first, act_bytes)
+        plan = self._pipelines.get(key)
+        if plan is None:
+            chunks = equal_time_chunks(steps[0], new, cached, first, align=params.block_size)
+            bps = params.default_link_bps
+            hops = [params.fetch_rtt_s + k * act_bytes / bps for k in chunks]
+            plan = self._pipelines[key] = PipelinePlan(
+                chunks,
+                hops,
+                pipeline_prefill_s(list(steps), chunks, cached, hop_s=hops),
+                tuple(pipeline_prefill_s([st], chunks, cached) for st in steps),
+            )
+        return plan
 
     def prefill_s(self, costs: NodeCosts, new: int, cached: int, decode_seqs: int) -> float:
         step = costs.step
@@ -306,16 +344,18 @@ def group_score(
             n.cand.node_id, cached_blocks, 0, None, max(queues), 0.0, compute,
             max(queues) + compute, False, False, new, "pipelined", ids,
         )  # fmt: skip
-    steps = [_stage_step(m, known) for m in members]
+    steps = tuple(_stage_step(m, known) for m in members)
     head = members[0]
     first = head.stage.chunk_tokens if head.stage is not None else 0
-    chunks = equal_time_chunks(steps[0], new, cached, first, align=bs)
     act = head.stage.act_bytes_per_token if head.stage is not None else 0
-    bps = params.default_link_bps
-    hops = [params.fetch_rtt_s + k * act / bps for k in chunks]
-    ttft = pipeline_prefill_s(steps, chunks, cached, queue_s=queues, hop_s=hops)
-    idle = pipeline_prefill_s(steps, chunks, cached, hop_s=hops)
-    alone = tuple(pipeline_prefill_s([st], chunks, cached) for st in steps)
+    plan = prefixes.pipeline(steps, new, cached, first, act, params)
+    chunks, hops, idle, alone = plan.chunks, plan.hops, plan.idle_s, plan.alone_s
+    # Only the queues differ between groups of alike stages: the rest is the plan's.
+    ttft = (
+        pipeline_prefill_s(list(steps), chunks, cached, queue_s=queues, hop_s=hops)
+        if any(q > 0.0 for q in queues)
+        else idle
+    )
     return PrefillScore(
         n.cand.node_id,
         cached_blocks,
