@@ -32,6 +32,24 @@ from mooncaked.cache.hashing import BlockHash
 BlockEventListener = Callable[[BlockHash, bool], None]
 
 
+@dataclass(frozen=True, slots=True)
+class CachedRun:
+    """Consecutive full blocks of one sequence, just published to the prefix index.
+
+    ``parent_hash`` is the hash of the block before the first (None when the
+    run starts the sequence); ``token_ids`` are the blocks' tokens, the same
+    number for each block. Routers outside the node rebuild their own keys
+    from them (KV events), which the hashes alone would not let them do.
+    """
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+
+
+RunListener = Callable[[CachedRun], None]
+
+
 @dataclass(slots=True)
 class KVBlock:
     block_id: int
@@ -51,6 +69,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached_blocks: dict[BlockHash, int] = {}
         self.listeners: list[BlockEventListener] = []
+        # Told of each run ``cache_blocks`` publishes (after ``listeners`` heard
+        # of its blocks one by one).
+        self.run_listeners: list[RunListener] = []
         self.num_evictions = 0
         # Holds by key: the blocks each keeps a reference on.
         self._holds: dict[int, tuple[int, ...]] = {}
@@ -144,6 +165,34 @@ class BlockPool:
         for listener in self.listeners:
             listener(block_hash, True)
         return True
+
+    def cache_blocks(
+        self,
+        block_ids: Sequence[int],
+        hashes: Sequence[BlockHash],
+        *,
+        parent: BlockHash | None,
+        token_ids: Sequence[int] | None,
+    ) -> None:
+        """``cache_block`` each block of a sequence's next full blocks, then tell
+        the run listeners: afterwards every hash of the run is in the prefix
+        index (held by its block, or by a twin computed concurrently).
+
+        ``parent``: the hash of the block before the first. ``token_ids``: the
+        blocks' tokens; None for blocks that are not the whole model's KV (a
+        pipeline stage's layers), which are cached but never told as a run.
+        """
+        if len(block_ids) != len(hashes):
+            raise ValueError(f"{len(block_ids)} block ids for {len(hashes)} hashes")
+        if token_ids is not None and hashes and len(token_ids) % len(hashes):
+            raise ValueError(f"{len(token_ids)} token ids do not split into {len(hashes)} blocks")
+        for block_id, block_hash in zip(block_ids, hashes, strict=True):
+            self.cache_block(block_id, block_hash)
+        if not (self.enable_prefix_caching and hashes and token_ids is not None):
+            return
+        run = CachedRun(tuple(hashes), parent, tuple(token_ids))
+        for listener in self.run_listeners:
+            listener(run)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block not in use; returns how many were dropped."""

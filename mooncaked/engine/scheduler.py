@@ -431,8 +431,16 @@ class Scheduler:
         if num_full <= num_published:
             return
         hashes = self._hashes(req, num_full)
-        for i in range(num_published, num_full):
-            self.pool.cache_block(req.block_ids[i], hashes[i])
+        size = self.block_size
+        # A stage's blocks hold its own layers only: cached for its group,
+        # never told outside as whole blocks.
+        whole = req.handoff.stage is None
+        self.pool.cache_blocks(
+            req.block_ids[num_published:num_full],
+            hashes[num_published:num_full],
+            parent=hashes[num_published - 1] if num_published else None,
+            token_ids=req.token_slice(num_published * size, num_full * size) if whole else None,
+        )
         self._num_published[req.request_id] = num_full
 
     def load(self) -> tuple[int, int]:

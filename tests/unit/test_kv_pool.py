@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from mooncaked.cache.hashing import block_hashes, hash_block, root_hash
-from mooncaked.engine.kv_pool import BlockPool
+from mooncaked.engine.kv_pool import BlockPool, CachedRun
 
 
 def h(i: int) -> bytes:
@@ -97,6 +97,58 @@ def test_reset_prefix_cache_drops_only_free_cached_blocks_and_reports_events() -
     assert pool.cached_blocks == {h(1): ids[0]}
     assert events == [(h(1), True), (h(2), True), (h(2), False)]
     pool.check_integrity([[ids[0]]])
+
+
+def test_cache_blocks_tells_one_run_after_each_block() -> None:
+    pool = BlockPool(4)
+    events: list[object] = []
+    pool.listeners.append(lambda bh, stored: events.append((bh, stored)))
+    pool.run_listeners.append(events.append)
+    ids = pool.allocate(3)
+    assert ids is not None
+    pool.cache_blocks(ids[:2], [h(1), h(2)], parent=None, token_ids=[1, 2, 3, 4])
+    # A twin of h(2) computed concurrently stays private; the run still names
+    # h(2), which the index holds.
+    pool.cache_blocks(ids[2:], [h(2)], parent=h(1), token_ids=[3, 4])
+    assert events == [
+        (h(1), True),
+        (h(2), True),
+        CachedRun((h(1), h(2)), None, (1, 2, 3, 4)),
+        CachedRun((h(2),), h(1), (3, 4)),
+    ]
+    assert pool.cached_blocks == {h(1): ids[0], h(2): ids[1]}
+    pool.check_integrity([ids])
+
+
+def test_a_run_without_tokens_is_cached_but_not_told() -> None:
+    pool = BlockPool(2)
+    runs: list[CachedRun] = []
+    pool.run_listeners.append(runs.append)
+    ids = pool.allocate(1)
+    assert ids is not None
+    pool.cache_blocks(ids, [h(1)], parent=None, token_ids=None)
+    assert pool.cached_blocks == {h(1): ids[0]}
+    assert runs == []
+
+
+def test_cache_blocks_refuses_mismatched_runs() -> None:
+    pool = BlockPool(2)
+    ids = pool.allocate(2)
+    assert ids is not None
+    with pytest.raises(ValueError, match="2 block ids for 1 hashes"):
+        pool.cache_blocks(ids, [h(1)], parent=None, token_ids=[1])
+    with pytest.raises(ValueError, match="3 token ids do not split into 2 blocks"):
+        pool.cache_blocks(ids, [h(1), h(2)], parent=None, token_ids=[1, 2, 3])
+
+
+def test_disabled_prefix_caching_tells_no_run() -> None:
+    pool = BlockPool(2, enable_prefix_caching=False)
+    runs: list[CachedRun] = []
+    pool.run_listeners.append(runs.append)
+    ids = pool.allocate(1)
+    assert ids is not None
+    pool.cache_blocks(ids, [h(1)], parent=None, token_ids=[1, 2])
+    assert runs == []
 
 
 def test_disabled_prefix_caching_never_hits() -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from mooncaked.cache.hashing import block_hashes
 from mooncaked.config import SchedulerConfig
 from mooncaked.engine.connector import KVConnector, KVHit, LoadResult
-from mooncaked.engine.kv_pool import BlockPool
+from mooncaked.engine.kv_pool import BlockPool, CachedRun
 from mooncaked.engine.output import token_stop_reason
 from mooncaked.engine.plan import SampledToken, StepPlan
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
@@ -295,3 +296,27 @@ def test_work_says_when_each_handoff_is_expected_to_start_decoding() -> None:
     # When each placement expected its KV in (0: no forecast); the load
     # meter counts it from its own clock (tests/unit/test_cluster_local.py).
     assert decode == [(8, 0, 4, 10.5), (8, 0, 4, 9.0), (8, 0, 4, 0.0)]
+
+
+def test_full_blocks_are_told_as_runs_with_their_tokens_and_parent() -> None:
+    s = make(budget=6)
+    runs: list[CachedRun] = []
+    s.pool.run_listeners.append(runs.append)
+    a = req("a", 10, max_tokens=3)
+    s.add_request(a)
+    step(s)  # tokens 0..5: block 0 fills
+    step(s)  # tokens 6..9: block 1 fills, a token (7) is sampled
+    step(s)  # the sampled token
+    step(s)  # the second: block 2 fills
+    hashes = block_hashes(a.all_token_ids, BS, "test")
+    assert runs == [
+        CachedRun((hashes[0],), None, (0, 1, 2, 3)),
+        CachedRun((hashes[1],), hashes[0], (4, 5, 6, 7)),
+        CachedRun((hashes[2],), hashes[1], (8, 9, 7, 7)),
+    ]
+    # A prefix hit is not told again: only the blocks computed past it.
+    s.add_request(req("b", 9, max_tokens=1))
+    step(s)
+    b_hashes = block_hashes(list(range(9)), BS, "test")
+    assert b_hashes[:2] == hashes[:2]
+    assert runs[3:] == []
