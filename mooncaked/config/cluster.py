@@ -7,6 +7,33 @@ from typing import Literal
 
 from mooncaked.config.errors import check
 
+_KV_EVENTS_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _check_kv_events_endpoint(endpoint: str) -> None:
+    """ConfigValueError naming ``kv_events_endpoint`` unless it is empty or a
+    ZMQ endpoint a PUB socket can bind or connect: tcp://HOST:PORT, ipc://PATH
+    or inproc://NAME."""
+    if not endpoint:
+        return
+    key = "kv_events_endpoint"
+    scheme = next((s for s in _KV_EVENTS_SCHEMES if endpoint.startswith(s)), None)
+    check(
+        scheme is not None,
+        key,
+        f"{endpoint!r} is not a ZMQ endpoint: tcp://HOST:PORT (tcp://*:5557 binds every "
+        "interface), ipc://PATH or inproc://NAME",
+    )
+    rest = endpoint[len(scheme or "") :]
+    check(bool(rest), key, f"{endpoint!r} names no address after {scheme!r}")
+    if scheme == "tcp://":
+        host, sep, port = rest.rpartition(":")
+        check(
+            bool(sep and host) and port.isdigit() and 0 < int(port) <= 65535,
+            key,
+            f"{endpoint!r} is not tcp://HOST:PORT with a port in 1..65535",
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class ClusterConfig:
@@ -52,6 +79,18 @@ class ClusterConfig:
     # Tests only: serve POST /admin/test/blocks (fake block events) and
     # /admin/test/drop_peers (a staged partition). Never in production.
     test_hooks: bool = False
+    # KV events out, in vLLM's format, for routers outside the cluster
+    # (llm-d, Dynamo, Mooncake's conductor): a ZMQ PUB socket's endpoint;
+    # empty: none. Bound when its host is a wildcard ("*", "::") or it is
+    # ipc:// or inproc://, connected otherwise (to a subscriber that binds),
+    # as vLLM's own publisher does. Needs the "events" extra.
+    kv_events_endpoint: str = ""
+    # The first frame of every message; subscribers filter on its prefix.
+    kv_events_topic: str = ""
+    # "map": each event a msgpack map tagged by its "type" key (vLLM since
+    # its switch to named fields); "array": each event a positional array
+    # behind its tag (earlier vLLM releases), for consumers that read only that.
+    kv_events_format: Literal["map", "array"] = "map"
 
     def __post_init__(self) -> None:
         check(0 <= self.gossip_port <= 65535, "gossip_port", "must be in 0..65535")
@@ -86,6 +125,8 @@ class ClusterConfig:
             "max_clock_skew_s",
             "must be > 0 and at most 86400 (a day); set NTP up rather than raise it",
         )
+        _check_kv_events_endpoint(self.kv_events_endpoint)
+        check(len(self.kv_events_topic) <= 256, "kv_events_topic", "must be at most 256 characters")
         for seed in self.seeds:
             host, sep, port = seed.rpartition(":")
             check(

@@ -92,6 +92,23 @@ def test_values_are_read_and_ints_accepted_for_floats(tmp_path: Path) -> None:
         ('[cluster]\nseeds = ["nohostport"]\n', ["'cluster.seeds'", "host:port"]),
         ("[cluster]\nmax_clock_skew_s = 0\n", ["'cluster.max_clock_skew_s'", "> 0"]),
         ("[cluster]\nmax_clock_skew_s = inf\n", ["'cluster.max_clock_skew_s'", "86400"]),
+        (
+            '[cluster]\nkv_events_endpoint = "localhost:5557"\n',
+            ["'cluster.kv_events_endpoint'", "'localhost:5557'", "tcp://HOST:PORT"],
+        ),
+        (
+            '[cluster]\nkv_events_endpoint = "tcp://*"\n',
+            ["'cluster.kv_events_endpoint'", "'tcp://*'", "1..65535"],
+        ),
+        (
+            '[cluster]\nkv_events_endpoint = "tcp://*:0"\n',
+            ["'cluster.kv_events_endpoint'", "1..65535"],
+        ),
+        (
+            '[cluster]\nkv_events_endpoint = "ipc://"\n',
+            ["'cluster.kv_events_endpoint'", "no address"],
+        ),
+        ('[cluster]\nkv_events_format = "json"\n', ["'cluster.kv_events_format'", "json", "map"]),
         ('[node]\ncluster_secret = "short"\n', ["'node.cluster_secret'", "8 characters"]),
         ('[node]\ncpus = "0-x"\n', ["'node.cpus'", "'0-x'", "not a CPU"]),
         ('[node]\ncpus = "3-1"\n', ["'node.cpus'", "'3-1'"]),
