@@ -26,6 +26,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("request",),
     ("cache",),
     ("engine",),
+    # KV events out, read off the engine's block pool.
+    ("kv_events",),
     ("transfer",),
     ("cluster",),
     ("wire",),
