@@ -22,10 +22,12 @@ Drain order (the exits, newest first):
 4. KV cache: stop leasing, wait for peer fetches in flight, end the leases
    granted to peers, finish queued offloads and SSD writes (the engine may
    have queued some on its way out), close the SSD tier.
-5. objects: cancel the fetches running, withdraw every object copy's
+5. KV events: stop listening to the device pool, tell subscribers the node
+   holds no block, send what is queued, close the socket.
+6. objects: cancel the fetches running, withdraw every object copy's
    segments (peers reading one fail over to another holder).
-6. transfer: close the transfer engine, withdrawing the DRAM segment.
-7. HTTP: stop listening, then give handlers a short grace to write their
+7. transfer: close the transfer engine, withdrawing the DRAM segment.
+8. HTTP: stop listening, then give handlers a short grace to write their
    last bytes before their connections are closed.
 
 A subsystem whose background loop dies (the engine's step loop, a store
@@ -67,6 +69,7 @@ from mooncaked.config import Config
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.serving import EngineFactory, load_engine, serving_engine
 from mooncaked.identity import NodeIdentity, new_generation
+from mooncaked.kv_events.service import publishing
 from mooncaked.notify import Notifier
 from mooncaked.objects.service import ObjectStore, object_store
 from mooncaked.process import EXIT_FAILED, EXIT_FORCED, EXIT_OK
@@ -159,6 +162,8 @@ class Node:
             objects = await stack.enter_async_context(self._objects(transfer))
             # Built, not started: the KV cache is laid out after its blocks.
             engine = await stack.enter_async_context(self._model(transfer, objects))
+            # Before the step loop runs: every block the engine caches is told.
+            await stack.enter_async_context(self._kv_events(engine))
             await stack.enter_async_context(self._kv_cache(engine, transfer))
             # The step loop starts, its KV connector the cache and the handoff.
             await stack.enter_async_context(self._engine_serving(engine, transfer))
@@ -266,6 +271,18 @@ class Node:
         finally:
             # A built engine is closed even if it never starts (its executor).
             await engine.close()
+
+    @contextlib.asynccontextmanager
+    async def _kv_events(self, engine: EngineCore) -> AsyncIterator[None]:
+        s = self.services
+        async with publishing(
+            self._config.cluster, engine.pool, block_size=engine.block_size
+        ) as events:
+            s.kv_events = events
+            try:
+                yield
+            finally:
+                s.kv_events = None
 
     @contextlib.asynccontextmanager
     async def _kv_cache(self, engine: EngineCore, transfer: TransferEngine) -> AsyncIterator[None]:

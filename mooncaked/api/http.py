@@ -24,7 +24,12 @@ from mooncaked.api.disagg import DisaggAPI
 from mooncaked.api.handoff_status import HandoffStatus, StepHistograms
 from mooncaked.api.internal import InternalAPI
 from mooncaked.api.limits import BODY_TIMEOUT_S
-from mooncaked.api.metrics import CLUSTER_METRICS, ENGINE_METRICS, SnapshotMetrics
+from mooncaked.api.metrics import (
+    CLUSTER_METRICS,
+    ENGINE_METRICS,
+    KV_EVENTS_METRICS,
+    SnapshotMetrics,
+)
 from mooncaked.api.middleware import api_middleware
 from mooncaked.api.objects import ObjectsAPI
 from mooncaked.api.openai import OpenAIAPI
@@ -146,6 +151,7 @@ class NodeApi:
         self.admin.add_status_section("conductor", self.conductor.status_section)
         self.admin.add_status_section("pipeline", self.pipeline.status_section)
         self.admin.add_status_section("objects", self.objects.status_section)
+        self.admin.add_status_section("kv_events", s.kv_events_status)
         for source in (
             SnapshotMetrics(s.engine_stats, ENGINE_METRICS),
             self.cache.metrics_source(),
@@ -154,6 +160,7 @@ class NodeApi:
             ConductorCollector(s),
             self.handoff_steps,
             self.pipeline.metrics_source(),
+            SnapshotMetrics(s.kv_events_stats, KV_EVENTS_METRICS),
         ):
             s.metrics.register(source)
 

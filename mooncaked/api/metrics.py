@@ -454,6 +454,37 @@ CLUSTER_METRICS: tuple[Spec, ...] = (
 )
 
 
+# Read off ``mooncaked.kv_events.service.KVEventsStats``.
+KV_EVENTS_METRICS: tuple[Spec, ...] = (
+    _counter(
+        "mooncaked_kv_events_sent",
+        "KV events (vLLM's BlockStored, BlockRemoved, AllBlocksCleared) sent on the ZMQ socket.",
+        "events_sent",
+    ),
+    _counter(
+        "mooncaked_kv_events_batches_sent",
+        "KV event batches sent on the ZMQ socket.",
+        "batches_sent",
+    ),
+    _counter(
+        "mooncaked_kv_events_dropped",
+        "KV events dropped on the publisher's full queue (their batch's number is skipped).",
+        "events_dropped",
+    ),
+    _counter(
+        "mooncaked_kv_events_send_errors",
+        "KV event batches the ZMQ socket refused.",
+        "send_errors",
+    ),
+    _gauge("mooncaked_kv_events_queued", "KV event batches waiting to be sent.", "queued"),
+    _gauge(
+        "mooncaked_kv_events_announced_blocks",
+        "Device blocks KV events say this node holds.",
+        "announced_blocks",
+    ),
+)
+
+
 class ApiMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

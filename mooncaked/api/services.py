@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from mooncaked.engine.core import EngineCore, EngineStats
     from mooncaked.engine.kv_receiver import KVReceiver
     from mooncaked.engine.kv_sender import KVSender
+    from mooncaked.kv_events.service import KVEvents, KVEventsStats
     from mooncaked.objects.service import ObjectStore
     from mooncaked.wire.lease import Holding
     from mooncaked.wire.replicas import ReplicaDesk
@@ -159,6 +160,8 @@ class Services:
     member: ClusterMember | None = None
     # Named objects shared peer to peer (registered, fetched, coordinated).
     objects: ObjectStore | None = None
+    # KV events out in vLLM's format (None: cluster.kv_events_endpoint is empty).
+    kv_events: KVEvents | None = None
 
     @classmethod
     def build(
@@ -225,6 +228,12 @@ class Services:
     def cluster_status(self) -> dict[str, Any] | None:
         snap = self.cluster_snapshot()
         return None if snap is None else snap.status()
+
+    def kv_events_stats(self) -> KVEventsStats | None:
+        return self.kv_events.stats() if self.kv_events is not None else None
+
+    def kv_events_status(self) -> dict[str, Any] | None:
+        return self.kv_events.status_section() if self.kv_events is not None else None
 
     def engine_stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
