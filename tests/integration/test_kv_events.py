@@ -10,7 +10,9 @@ prompts that overflow a small pool evict blocks, which ``BlockRemoved`` names.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,6 +25,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from mooncaked.cache.hashing import block_hashes
+from mooncaked.config import ConfigError
 from mooncaked.daemon import Node
 from mooncaked.kv_events.wire import external_hash
 from tests.conftest import wait_until
@@ -206,3 +209,11 @@ async def test_prompts_that_overflow_the_pool_remove_the_oldest_blocks(
     assert set(removed["block_hashes"]) <= oldest_hashes
     held = {external_hash(h) for h in engine.pool.cached_blocks}
     assert not set(removed["block_hashes"]) & held
+
+
+async def test_an_endpoint_that_cannot_be_bound_stops_start_up(
+    node_factory: StartNode, tmp_path: Path
+) -> None:
+    endpoint = f"ipc://{tmp_path}/missing-dir/kv.sock"
+    with pytest.raises(ConfigError, match=re.escape("'cluster.kv_events_endpoint'")):
+        await node_factory(cluster={"kv_events_endpoint": endpoint})
