@@ -102,6 +102,23 @@ class KVEventSource:
     subscriber that saw every batch believes this node holds.
     """
 
+    __slots__ = (
+        "_attached",
+        "_batches_dropped",
+        "_batches_offered",
+        "_block_size",
+        "_events_dropped",
+        "_events_offered",
+        "_handle",
+        "_loop",
+        "_offer",
+        "_pending",
+        "_pool",
+        "_seq",
+        "_wall_clock",
+        "announced",
+    )
+
     def __init__(
         self,
         pool: BlockPool,

@@ -57,6 +57,21 @@ class PublisherStats:
 class ZmqPublisher:
     """Sends ``EventBatch``es on one PUB socket from one owned thread."""
 
+    __slots__ = (
+        "_batches_sent",
+        "_bytes_sent",
+        "_events_sent",
+        "_failure",
+        "_queue",
+        "_send_errors",
+        "_socket",
+        "_thread",
+        "bound_endpoint",
+        "endpoint",
+        "fmt",
+        "topic",
+    )
+
     def __init__(
         self,
         endpoint: str,

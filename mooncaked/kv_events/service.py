@@ -54,6 +54,8 @@ class KVEventsStats:
 class KVEvents:
     """A node's KV events while they run: the source and its publisher."""
 
+    __slots__ = ("publisher", "source")
+
     def __init__(self, source: KVEventSource, publisher: ZmqPublisher) -> None:
         self.source = source
         self.publisher = publisher
@@ -108,19 +110,22 @@ async def publishing(
         )
     except OSError as exc:
         raise ConfigError(f"'{_KEY}' = {endpoint!r}: {exc}") from None
-    source = KVEventSource(pool, publisher.offer, asyncio.get_running_loop(), block_size=block_size)
-    source.attach()
-    events = KVEvents(source, publisher)
-    log.info(
-        "kv events publishing",
-        endpoint=publisher.bound_endpoint,
-        binds=module.binds(endpoint),
-        topic=config.kv_events_topic,
-        format=config.kv_events_format,
-    )
     try:
-        yield events
+        source = KVEventSource(
+            pool, publisher.offer, asyncio.get_running_loop(), block_size=block_size
+        )
+        source.attach()
+        log.info(
+            "kv events publishing",
+            endpoint=publisher.bound_endpoint,
+            binds=module.binds(endpoint),
+            topic=config.kv_events_topic,
+            format=config.kv_events_format,
+        )
+        try:
+            yield KVEvents(source, publisher)
+        finally:
+            source.close()
+            log.info("kv events stopped", **asdict(source.stats()))
     finally:
-        source.close()
         await asyncio.to_thread(publisher.close)
-        log.info("kv events stopped", **asdict(source.stats()))

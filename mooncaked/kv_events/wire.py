@@ -103,7 +103,7 @@ def _event(event: KVEvent, fmt: EventFormat) -> Any:
         return _removed(event, fmt)
     if isinstance(event, AllBlocksCleared):
         return ["AllBlocksCleared"] if fmt == "array" else {"type": "AllBlocksCleared"}
-    raise TypeError(f"not a KV event: {event!r}")
+    raise ValueError(f"not a KV event: {event!r}")
 
 
 def encode_batch(batch: EventBatch, fmt: EventFormat = "map") -> bytes:
