@@ -38,8 +38,8 @@ from mooncaked.engine.kv_pool import BlockPool, CachedRun
 
 log = structlog.get_logger(__name__)
 
-# vLLM's name for the engine's own prefix cache, whatever the device: its block
-# pool labels every event it emits so, and routers weigh it as the fastest hit.
+# vLLM's name for the engine's own prefix cache (its block pool's events carry
+# it; offloaded tiers are named otherwise), which routers weigh as the best hit.
 MEDIUM_GPU = "GPU"
 
 
