@@ -1,8 +1,11 @@
 """``mooncaked``: run one node.
 
     mooncaked [--config FILE] [--host H] [--port N] [--model PATH] [--role R] [--log-format F]
+              [--gossip-host H] [--transfer-host H]
 
-Flags override the file. Exit status: 0 after a clean drain, 1 when start-up
+Flags override the file: a value that differs per host (the address peers
+reach it at, where one file serves many nodes, as a Kubernetes ConfigMap
+does) can come from the command line. Exit status: 0 after a clean drain, 1 when start-up
 fails or a subsystem dies while serving (systemd restarts it), 2 for a bad
 command line or configuration, 3 when a second signal cut the drain short.
 """
@@ -44,6 +47,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--role", help="node.role: both, prefill or decode")
     p.add_argument(
+        "--gossip-host",
+        dest="gossip_host",
+        help="cluster.gossip_host: address gossip listens on and peers reach it at",
+    )
+    p.add_argument(
+        "--transfer-host",
+        dest="transfer_host",
+        help="transfer.host: address the transfer engine listens on and peers reach it at",
+    )
+    p.add_argument(
         "--api-key",
         dest="api_key",
         help="an API key /v1 requires (added to server.api_keys; also $MOONCAKED_API_KEY)",
@@ -62,6 +75,8 @@ def build_config(args: argparse.Namespace) -> Config:
             "port": ("server", "port"),
             "model": ("model", "path"),
             "role": ("node", "role"),
+            "gossip_host": ("cluster", "gossip_host"),
+            "transfer_host": ("transfer", "host"),
             "log_format": ("log", "format"),
         },
     )

@@ -190,6 +190,18 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert build_config(_parser().parse_args(["--config", str(path)])) == load_config(path)
 
 
+def test_peer_addresses_come_from_flags(tmp_path: Path) -> None:
+    # One file for many nodes: each node's own addresses on its command line.
+    path = write(tmp_path, "[cluster]\ngossip_port = 7946\n[transfer]\nport = 7947\n")
+    args = ["--config", str(path), "--gossip-host", "10.1.2.3", "--transfer-host", "10.1.2.3"]
+    cfg = build_config(_parser().parse_args(args))
+    assert (cfg.cluster.gossip_host, cfg.cluster.gossip_port) == ("10.1.2.3", 7946)
+    assert (cfg.transfer.host, cfg.transfer.port) == ("10.1.2.3", 7947)
+    assert cfg.server.host == "127.0.0.1"
+    file_only = build_config(_parser().parse_args(["--config", str(path)]))
+    assert file_only.cluster.gossip_host == file_only.transfer.host == "127.0.0.1"
+
+
 def test_bad_flag_names_key_file_and_command_line(tmp_path: Path) -> None:
     path = write(tmp_path, "")
     with pytest.raises(ConfigError) as exc:
