@@ -6,11 +6,10 @@ the scrape annotations, the image. No cluster and no network are needed."""
 
 from __future__ import annotations
 
-import functools
 import re
 import socket
 import tomllib
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
@@ -26,9 +25,18 @@ from mooncaked.secrets import (
     generate_secret,
     resolve_cluster_secret,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy" / "kubernetes"
+from tests.kube_manifests import (
+    DEPLOY,
+    POOLS,
+    daemon,
+    documents,
+    find,
+    manifest_files,
+    of_kind,
+    pod_command,
+    pod_spec,
+    port_number,
+)
 
 # The oldest Kubernetes the manifests are for (preStop's sleep action is on
 # by default from 1.30) and the newest whose schemas the validator bundles.
@@ -38,89 +46,12 @@ POD_IP = "10.244.3.17"
 # After the drain the daemon closes its engine, the KV cache's SSD writes and
 # its HTTP server; the systemd unit allows 15 s for that (TimeoutStopSec).
 CLOSE_MARGIN_S = 15.0
-POOLS = ("mooncaked-prefill", "mooncaked-decode")
-
-
-# ---------------------------------------------------------------- reading
-
-
-def manifest_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.glob("*.yaml") if p.name != "kustomization.yaml")
-
-
-@functools.cache
-def documents() -> tuple[tuple[str, dict[str, Any]], ...]:
-    """(file name, object) for every object of every manifest."""
-    out = []
-    for path in manifest_files():
-        for doc in yaml.safe_load_all(path.read_text()):
-            if doc is not None:
-                out.append((path.name, doc))
-    return tuple(out)
-
-
-def find(kind: str, name: str) -> dict[str, Any]:
-    for _, doc in documents():
-        if doc["kind"] == kind and doc["metadata"]["name"] == name:
-            return doc
-    raise AssertionError(f"no {kind} named {name!r} in {DEPLOY}")
-
-
-def of_kind(kind: str) -> list[dict[str, Any]]:
-    return [doc for _, doc in documents() if doc["kind"] == kind]
-
-
-def pod_spec(sts: dict[str, Any]) -> dict[str, Any]:
-    return sts["spec"]["template"]["spec"]
-
-
-def daemon(sts: dict[str, Any]) -> dict[str, Any]:
-    (container,) = [c for c in pod_spec(sts)["containers"] if c["name"] == "mooncaked"]
-    return container
-
-
-def port_number(container: dict[str, Any], port: int | str, protocol: str = "TCP") -> int:
-    """A probe's or Service's port: a number, or the name of a container port."""
-    if isinstance(port, int):
-        return port
-    (match,) = [
-        p for p in container["ports"] if p["name"] == port and p.get("protocol", "TCP") == protocol
-    ]
-    return match["containerPort"]
-
-
-def expand(arg: str, values: dict[str, str]) -> str:
-    """``$(VAR)`` replaced as the kubelet replaces it in a container's args."""
-    return re.sub(r"\$\((\w+)\)", lambda m: values[m[1]], arg)
-
-
-def mounted_file(sts: dict[str, Any], path: str) -> tuple[str, str]:
-    """(ConfigMap name, key) of the file at ``path`` in the daemon's container."""
-    target = PurePosixPath(path)
-    volumes = {v["name"]: v for v in pod_spec(sts)["volumes"]}
-    for mount in daemon(sts)["volumeMounts"]:
-        if target.parent == PurePosixPath(mount["mountPath"]):
-            config_map = volumes[mount["name"]]["configMap"]
-            return config_map["name"], target.name
-    raise AssertionError(f"{path} is on no volume of {sts['metadata']['name']}")
 
 
 def pod_config(sts: dict[str, Any], tmp_path: Path) -> Config:
-    """The config the pod's mooncaked runs with: its args with $(POD_IP) as
-    the kubelet expands it, the ConfigMap's file where it is mounted, read by
-    the daemon's own command line (strict: an unknown key is refused)."""
-    container = daemon(sts)
-    env = {e["name"]: e for e in container["env"]}
-    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
-    # The image's entrypoint is mooncaked; the pod gives only its arguments.
-    assert "command" not in container
-    args = [expand(a, {"POD_IP": POD_IP}) for a in container["args"]]
-    at = args.index("--config") + 1
-    name, key = mounted_file(sts, args[at])
-    local = tmp_path / sts["metadata"]["name"] / key
-    local.parent.mkdir(parents=True)
-    local.write_text(find("ConfigMap", name)["data"][key])
-    args[at] = str(local)
+    """The config the pod's mooncaked runs with, read by the daemon's own
+    command line (strict: an unknown key is refused)."""
+    args = pod_command(sts, POD_IP, tmp_path / sts["metadata"]["name"])
     return build_config(_parser().parse_args(args))
 
 
