@@ -3,7 +3,8 @@
 - ``POST /internal/store/reserve``: inbox rows for the blocks this node
   lacks, granted to the writer (409 when its block layout differs or this
   node takes no replicas; 403 for a writer that is not an up member of this
-  node's cluster view: a put takes DRAM).
+  node's cluster view while ``store.replica_max_rows_outside`` is 0: a put
+  takes DRAM; past 0, such writers together hold at most that many rows).
 - ``POST /internal/store/commit``: the written rows checked against the
   writer's checksums; only blocks that match enter DRAM (soft-pinned when
   the put keeps a request's prompt).
@@ -76,12 +77,11 @@ class ReplicaAPI:
             data = await read_signed_json(request, self.verifier, max_bytes=MAX_REPLICA_BYTES)
             call = ReserveBody.decode(data)
             desk = self._ready()
-            if call.source == self._node_id() or not self._is_member(call.source):
-                raise WriterRefused(
-                    f"this node takes no replicas from {call.source!r}: it is not an up "
-                    "member of this node's cluster view"
-                )
-            answer = desk.reserve(self._node_id(), call)
+            if call.source == self._node_id():
+                raise WriterRefused(f"this node takes no replicas from itself ({call.source!r})")
+            # Writers outside the view (another engine's KV connector) share
+            # one cap, store.replica_max_rows_outside (0: refused).
+            answer = desk.reserve(self._node_id(), call, outside=not self._is_member(call.source))
         except Rejected as bad:
             return bad.response
         except REFUSALS as exc:

@@ -82,6 +82,9 @@ class InboxReservation:
     rows: tuple[int, ...]
     # Monotonic: past it the rows go back (the grant ended then too).
     deadline: float
+    # The writer is outside the cluster view: its rows count against the
+    # outsiders' shared cap.
+    outside: bool = False
 
 
 @dataclass(slots=True)
@@ -90,6 +93,9 @@ class InboxStats:
     blocks_reserved: int = 0
     # Reserves that found every row taken.
     refused_full: int = 0
+    # Reserves by writers outside the cluster view that found the rows those
+    # writers may hold together (max_rows_outside) taken.
+    refused_outside: int = 0
     # Blocks a reserve skipped because this node holds them.
     held: int = 0
     stored: int = 0
@@ -112,10 +118,12 @@ class ReplicaInbox:
         grants: InboxGrants,
         *,
         ttl_s: float,
+        max_rows_outside: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``rows``: uint8 ``[num_rows, block_bytes]``, the memory of the
-        transfer segment the grants open."""
+        transfer segment the grants open. ``max_rows_outside``: the rows that
+        writers outside the cluster view may hold together (0: none)."""
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != store.block_bytes:
             raise ValueError(
                 f"inbox rows must be uint8 [n, {store.block_bytes}], "
@@ -123,7 +131,10 @@ class ReplicaInbox:
             )
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        if max_rows_outside < 0:
+            raise ValueError(f"max_rows_outside must be >= 0, got {max_rows_outside}")
         self._store = store
+        self.max_rows_outside = max_rows_outside
         self.rows = rows
         self.block_bytes = store.block_bytes
         self._grants = grants
@@ -146,11 +157,13 @@ class ReplicaInbox:
     # -- reserve -----------------------------------------------------------
 
     def reserve(
-        self, source: str, hashes: Sequence[BlockHash]
+        self, source: str, hashes: Sequence[BlockHash], *, outside: bool = False
     ) -> tuple[InboxReservation | None, list[int]]:
         """Rows for the blocks of ``hashes`` this node lacks, as many as are
         free, granted to ``source``; and the indices of the blocks it holds
-        already. None when it lacks some and no row is free (a shortage)."""
+        already. None when it lacks some and no row is free (a shortage).
+        A writer ``outside`` the cluster view gets at most what the outsiders'
+        cap leaves."""
         self._reap()
         held = [i for i, h in enumerate(hashes) if self._held(h)]
         self._stats.held += len(held)
@@ -161,6 +174,11 @@ class ReplicaInbox:
         if n == 0:
             self._stats.refused_full += 1
             return None, held
+        if outside:
+            n = min(n, self.max_rows_outside - self.rows_outside())
+            if n <= 0:
+                self._stats.refused_outside += 1
+                return None, held
         rows = tuple(self._free.pop() for _ in range(n))
         try:
             handle = self._grants.open(source, rows, self._ttl_s)
@@ -168,13 +186,17 @@ class ReplicaInbox:
             self._free.extend(reversed(rows))
             raise
         res = InboxReservation(
-            self._next_id, source, tuple(want[:n]), rows, self._clock() + self._ttl_s
+            self._next_id, source, tuple(want[:n]), rows, self._clock() + self._ttl_s, outside
         )
         self._next_id += 1
         self._live[res.reservation_id] = (res, handle)
         self._stats.reservations += 1
         self._stats.blocks_reserved += n
         return res, held
+
+    def rows_outside(self) -> int:
+        """Rows that writers outside the cluster view hold now."""
+        return sum(len(res.rows) for res, _ in self._live.values() if res.outside)
 
     def _held(self, block_hash: BlockHash) -> bool:
         store = self._store

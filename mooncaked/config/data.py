@@ -86,6 +86,12 @@ class StoreConfig:
     replica_inbox_bytes: int = 32 * 1024 * 1024
     # How long a replica put may take per holder (reserve, write, commit).
     replica_timeout_s: float = 10.0
+    # Inbox rows that writers outside the cluster view (the KV connector of
+    # another engine: mooncaked/integrations/) may hold together. Any holder
+    # of the secret can name itself anything, so they share one cap, as
+    # outside readers share peer_max_leases_outside. 0: take replicas from
+    # cluster members only.
+    replica_max_rows_outside: int = 0
 
     def __post_init__(self) -> None:
         check(self.dram_bytes >= 0, "dram_bytes", "must be >= 0")
@@ -124,6 +130,7 @@ class StoreConfig:
         )
         check(self.replica_inbox_bytes >= 0, "replica_inbox_bytes", "must be >= 0")
         check(self.replica_timeout_s > 0, "replica_timeout_s", "must be > 0")
+        check(self.replica_max_rows_outside >= 0, "replica_max_rows_outside", "must be >= 0")
 
 
 # Checksums a manifest may name for its shards (objects/manifest.py).

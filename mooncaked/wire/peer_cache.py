@@ -208,4 +208,5 @@ def replica_inbox(
         rows,
         TransferInboxGrants(transfer, INBOX_SEGMENT, block_bytes, num_rows),
         ttl_s=config.replica_timeout_s,
+        max_rows_outside=config.replica_max_rows_outside,
     )

@@ -251,17 +251,24 @@ class ReplicaDesk:
     layout: bytes
     transfer_address: str
 
-    def reserve(self, node_id: str, body: ReserveBody) -> ReserveAnswer:
-        """ValueError when the writer's layout differs or this node takes no replicas."""
+    def reserve(self, node_id: str, body: ReserveBody, *, outside: bool = False) -> ReserveAnswer:
+        """ValueError when the writer's layout differs or this node takes no
+        replicas; WriterRefused for a writer ``outside`` the cluster view when
+        this node takes none from outside."""
+        inbox = self.inbox
+        if outside and (inbox is None or inbox.max_rows_outside == 0):
+            raise WriterRefused(
+                f"this node takes no replicas from {body.source!r}: it is not an up member "
+                "of this node's cluster view, and store.replica_max_rows_outside is 0"
+            )
         if (body.block_bytes, body.layout) != (self.store.block_bytes, self.layout):
             raise ValueError(
                 f"block layout differs: this node stores {self.store.block_bytes}-byte blocks "
                 f"of layout {self.layout.hex()}"
             )
-        inbox = self.inbox
         if inbox is None:
             raise ValueError("this node takes no replicas (store.replica_inbox_bytes = 0)")
-        res, held = inbox.reserve(body.source, body.hashes)
+        res, held = inbox.reserve(body.source, body.hashes, outside=outside)
         reserved: tuple[int, ...] = ()
         offsets: tuple[int, ...] = ()
         if res is not None:

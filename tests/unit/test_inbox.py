@@ -55,11 +55,22 @@ async def store() -> AsyncIterator[TieredStore]:
 
 
 def make_inbox(
-    store: TieredStore, num_rows: int = 3, clock: ManualClock | None = None
+    store: TieredStore,
+    num_rows: int = 3,
+    clock: ManualClock | None = None,
+    max_rows_outside: int = 0,
 ) -> tuple[ReplicaInbox, Grants]:
     grants = Grants()
     rows = torch.zeros((num_rows, BB), dtype=torch.uint8)
-    return ReplicaInbox(store, rows, grants, ttl_s=10.0, clock=clock or ManualClock()), grants
+    inbox = ReplicaInbox(
+        store,
+        rows,
+        grants,
+        ttl_s=10.0,
+        max_rows_outside=max_rows_outside,
+        clock=clock or ManualClock(),
+    )
+    return inbox, grants
 
 
 def write(inbox: ReplicaInbox, rows: Sequence[int], blocks: Sequence[int]) -> None:
@@ -125,6 +136,31 @@ async def test_reservations_belong_to_their_writer_and_end_on_time(store: Tiered
     assert list(grants.open_rows.values()) == [("w", again.rows)]
     assert inbox.abort(again.reservation_id, "w")
     assert grants.open_rows == {} and inbox.stats().rows_free == 3
+    inbox.check_integrity()
+
+
+async def test_writers_outside_the_view_share_one_cap_members_do_not(
+    store: TieredStore,
+) -> None:
+    inbox, grants = make_inbox(store, num_rows=3, max_rows_outside=2)
+    a, _ = inbox.reserve("vllm-a", [h(0)], outside=True)
+    b, _ = inbox.reserve("vllm-b", [h(1), h(2)], outside=True)
+    # vllm-b gets what the cap leaves after vllm-a's row: one.
+    assert a is not None and a.rows == (0,)
+    assert b is not None and b.hashes == (h(1),) and b.rows == (1,)
+    assert inbox.rows_outside() == 2
+    assert inbox.reserve("vllm-c", [h(3)], outside=True) == (None, [])
+    assert inbox.stats().refused_outside == 1
+    # A member is not held to it: it takes the last free row.
+    member, _ = inbox.reserve("node-b", [h(3)])
+    assert member is not None and member.rows == (2,)
+    # A commit gives the rows back to the outsiders' share.
+    write(inbox, a.rows, [0])
+    assert await inbox.commit(a.reservation_id, "vllm-a", [data_crc(h(0), block(0).numpy())]) == [
+        Outcome.STORED
+    ]
+    assert inbox.rows_outside() == 1
+    assert sorted(p for p, _ in grants.open_rows.values()) == ["node-b", "vllm-b"]
     inbox.check_integrity()
 
 
