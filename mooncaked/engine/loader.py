@@ -483,6 +483,19 @@ class _Weights:
         self._model.fuse_projections()
 
 
+def hf_model_id(d: Path) -> str:
+    """The model id of a Hugging Face directory, before its precision tag: its
+    name, config, weight files (names and sizes) and tokenizer. Another
+    engine's KV connector that loads the same directory computes the same id
+    (``integrations/``), so their blocks hash alike."""
+    h = hashlib.sha256()
+    h.update((d / "config.json").read_bytes())
+    for f in _weight_files(d):
+        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
+    h.update(hashlib.sha256((d / "tokenizer.json").read_bytes()).digest())
+    return f"hf:{d.name}@{h.hexdigest()[:24]}"
+
+
 def _load_hf_dir(
     config: ModelConfig, device: torch.device, dtype: torch.dtype, stage: _StageOf
 ) -> LoadedModel:
@@ -528,17 +541,11 @@ def _load_hf_dir(
         missing=f"{d}: weights missing from the safetensors files",
     )
 
-    h = hashlib.sha256()
-    h.update(cfg_path.read_bytes())
-    for f in files:
-        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
-    tok_json = d / "tokenizer.json"
-    h.update(hashlib.sha256(tok_json.read_bytes()).digest())
     return LoadedModel(
         model=model,
         arch=arch,
         tokenizer=tokenizer,
-        model_id=f"hf:{d.name}@{h.hexdigest()[:24]}",
+        model_id=hf_model_id(d),
         served_name=config.served_name or d.name,
         device=device,
         dtype=dtype,
