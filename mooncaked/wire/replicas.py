@@ -311,8 +311,14 @@ class ReplicaDesk:
         return DropAnswer(store.remove([h for h in body.hashes if h not in kept]), len(keep))
 
 
+def _who(url: str, target: Target | None) -> str:
+    return target.node_id if target is not None else url
+
+
 class ReplicaClient:
-    """The writer's side of the replica calls, each signed for its holder."""
+    """The writer's side of the replica calls, each signed for its holder
+    (``target``; None: as the holder itself says, for a writer outside the
+    cluster view)."""
 
     def __init__(self, *, secret: bytes) -> None:
         self._calls = SignedCalls(derive_key(secret))
@@ -325,25 +331,25 @@ class ReplicaClient:
         await self._calls.close()
 
     async def reserve(
-        self, url: str, target: Target, body: ReserveBody, timeout_s: float
+        self, url: str, target: Target | None, body: ReserveBody, timeout_s: float
     ) -> ReserveAnswer:
         data = await self._call(url, target, REPLICA_RESERVE_PATH, body.encode(), timeout_s)
         try:
             return ReserveAnswer.decode(data, len(body.hashes))
         except ValueError as exc:
-            raise ReplicaError(f"{target.node_id}: malformed reserve answer ({exc})") from None
+            raise ReplicaError(f"{_who(url, target)}: malformed reserve answer ({exc})") from None
 
     async def commit(
-        self, url: str, target: Target, body: CommitBody, timeout_s: float
+        self, url: str, target: Target | None, body: CommitBody, timeout_s: float
     ) -> CommitAnswer:
         data = await self._call(url, target, REPLICA_COMMIT_PATH, body.encode(), timeout_s)
         try:
             answer = CommitAnswer.decode(data)
         except ValueError as exc:
-            raise ReplicaError(f"{target.node_id}: malformed commit answer ({exc})") from None
+            raise ReplicaError(f"{_who(url, target)}: malformed commit answer ({exc})") from None
         if len(answer.outcomes) != len(body.crcs):
             raise ReplicaError(
-                f"{target.node_id}: {len(answer.outcomes)} outcomes for {len(body.crcs)} blocks"
+                f"{_who(url, target)}: {len(answer.outcomes)} outcomes for {len(body.crcs)} blocks"
             )
         return answer
 
@@ -352,12 +358,12 @@ class ReplicaClient:
         try:
             return DropAnswer.decode(data)
         except ValueError as exc:
-            raise ReplicaError(f"{target.node_id}: malformed drop answer ({exc})") from None
+            raise ReplicaError(f"{_who(url, target)}: malformed drop answer ({exc})") from None
 
     async def _call(
-        self, url: str, target: Target, path: str, raw: bytes, timeout_s: float
+        self, url: str, target: Target | None, path: str, raw: bytes, timeout_s: float
     ) -> dict[str, Any]:
         try:
             return await self._calls.post(url, path, raw, timeout_s, target=target)
         except CallFailed as exc:
-            raise ReplicaError(f"{target.node_id}: {exc}") from None
+            raise ReplicaError(f"{_who(url, target)}: {exc}") from None

@@ -39,6 +39,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # A client of a node's HTTP API, for other programs: nothing of the
     # daemon imports it.
     ("client",),
+    # Adapters that let other engines use a node (a vLLM KV connector): the
+    # daemon never imports them.
+    ("integrations",),
 )
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 
