@@ -267,6 +267,13 @@ class MooncakedConnector(KVConnectorBase_V1):
         finally:
             self._give(self._free_load, rows)
             self.loads.landed(spec.req_id, n)
+        log.info(
+            "vllm_connector.loaded",
+            req=spec.req_id,
+            blocks=n,
+            asked=spec.count,
+            bytes=n * self.layout.block_bytes,
+        )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Loads are asynchronous: a loading request is not in the step.
