@@ -1,0 +1,76 @@
+"""The KV connector against vLLM's real CPU build: vLLM instances sharing one
+mooncaked node, and vLLM serving on when the node dies. Each test starts
+vLLM servers (minutes): marked ``vllm``, run by tools/vllm_connector_check.sh,
+skipped unless MOONCAKED_VLLM_PYTHON names vLLM's interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = os.environ.get("MOONCAKED_VLLM_PYTHON", "")
+MODEL_DIR = Path(
+    os.environ.get(
+        "MOONCAKED_VLLM_MODEL_DIR", "~/.cache/mooncaked-bench/hf-SmolLM2-135M-Instruct.Q4_1"
+    )
+).expanduser()
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not VLLM_PYTHON or not Path(VLLM_PYTHON).exists(),
+        reason="MOONCAKED_VLLM_PYTHON does not name vLLM's interpreter "
+        "(tools/vllm_connector_check.sh sets it)",
+    ),
+    pytest.mark.skipif(
+        not (MODEL_DIR / "config.json").is_file(),
+        reason=f"no Hugging Face directory at {MODEL_DIR} (tools/vllm_anchor.sh makes it)",
+    ),
+]
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_vllm_connector", ROOT / "tools/bench_vllm_connector.py"
+)
+assert _spec is not None and _spec.loader is not None
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_vllm_connector"] = bench
+_spec.loader.exec_module(bench)
+
+START_S = 600.0
+
+
+def test_a_prompt_computed_by_one_instance_is_loaded_by_another(tmp_path: Path) -> None:
+    prompt = bench.prompt_ids(512, seed=3)
+    with bench.node(sys.executable, MODEL_DIR, tmp_path, START_S) as (node_url, _):
+        with bench.vllm(VLLM_PYTHON, MODEL_DIR, tmp_path / "alone.log", None, START_S) as url:
+            alone = bench.complete(url, prompt, 8)
+        with bench.vllm(VLLM_PYTHON, MODEL_DIR, tmp_path / "a.log", node_url, START_S) as url:
+            bench.complete(url, prompt, 8)
+        with bench.vllm(VLLM_PYTHON, MODEL_DIR, tmp_path / "b.log", node_url, START_S) as url:
+            shared = bench.complete(url, prompt, 8)
+    assert bench.loaded_bytes(tmp_path / "a.log") == 0
+    # B loaded every full block but the one holding the last prompt token:
+    # 31 blocks of 16 tokens, 30 layers x K,V x 16 x 3 heads x 64 x 4 bytes.
+    assert bench.loaded_bytes(tmp_path / "b.log") == 31 * 30 * 2 * 16 * 3 * 64 * 4
+    assert shared.text == alone.text
+
+
+def test_vllm_serves_on_when_its_node_is_killed(tmp_path: Path) -> None:
+    prompt = bench.prompt_ids(256, seed=4)
+    with bench.node(sys.executable, MODEL_DIR, tmp_path, START_S) as (node_url, node_proc):
+        with bench.vllm(VLLM_PYTHON, MODEL_DIR, tmp_path / "a.log", node_url, START_S) as url:
+            before = bench.complete(url, prompt, 8)
+            os.killpg(node_proc.pid, signal.SIGKILL)
+            node_proc.wait()
+            # A new prompt (nothing to load, saves fail) and the same one
+            # (vLLM's own prefix cache): both served.
+            other = bench.complete(url, bench.prompt_ids(256, seed=5), 8)
+            again = bench.complete(url, prompt, 8)
+    assert other.text
+    assert again.text == before.text

@@ -1,0 +1,251 @@
+"""Two vLLM CPU instances sharing one mooncaked node through the KV connector.
+
+    python tools/bench_vllm_connector.py --vllm-python VENV/bin/python
+
+A prompt of ``--prompt-tokens`` tokens is computed by instance A (connector
+on: its blocks are put on the node); instance B, started afresh, is sent the
+same prompt with the connector on (its prefix loaded from the node) and,
+as the baseline, B alone (connector off). Printed side by side: B's TTFT
+both ways and their ratio, whether B's greedy output equals B's alone, and
+the bytes the connector loaded. The instances run one after another (two
+cores); the node outlives them all.
+
+The node serves the same Hugging Face directory vLLM loads (``--model-dir``,
+float32 on both sides), so both compute the same model id and block hashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "bench-vllm-connector-secret"
+CONNECTOR = "mooncaked.integrations.vllm_connector"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: exited {proc.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0):
+                return
+        except OSError:
+            time.sleep(1.0)
+    raise RuntimeError(f"{url}: not ready in {timeout_s:.0f} s; see {log}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30.0)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextlib.contextmanager
+def spawned(argv: list[str], env: dict[str, str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            argv, env=os.environ | env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        yield proc
+    finally:
+        _stop(proc)
+
+
+def node_config(work: Path, model_dir: Path, port: int) -> Path:
+    """A single node serving ``model_dir`` in float32, taking an outside
+    writer's replicas (the connector's saves)."""
+    cfg = work / "node.toml"
+    cfg.write_text(
+        f"""
+[node]
+cluster_secret = "{SECRET}"
+[model]
+path = "{model_dir}"
+dtype = "float32"
+[kv]
+block_size = 16
+[server]
+host = "127.0.0.1"
+port = {port}
+[store]
+dram_bytes = 805306368
+replica_inbox_bytes = 201326592
+replica_max_rows_outside = 256
+[log]
+level = "warning"
+"""
+    )
+    return cfg
+
+
+@contextlib.contextmanager
+def node(
+    python: str, model_dir: Path, work: Path, timeout_s: float
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    port = free_port()
+    cfg = node_config(work, model_dir, port)
+    url = f"http://127.0.0.1:{port}"
+    log = work / "node.log"
+    with spawned([python, "-m", "mooncaked", "--config", str(cfg)], {}, log) as proc:
+        _wait_ready(url + "/health", proc, log, timeout_s)
+        yield url, proc
+
+
+def kv_transfer_config(node_url: str) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "MooncakedConnector",
+            "kv_connector_module_path": CONNECTOR,
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "node_url": node_url,
+                "secret": SECRET,
+                "block_size": 16,
+                "load_rows": 160,
+                "save_rows": 160,
+                "timeout_s": 5.0,
+            },
+        }
+    )
+
+
+@contextlib.contextmanager
+def vllm(
+    python: str, model_dir: Path, log: Path, node_url: str | None, timeout_s: float
+) -> Iterator[str]:
+    port = free_port()
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    argv += ["--served-model-name", "m", "--dtype", "float32", "--max-model-len", "4096"]
+    argv += ["--block-size", "16", "--host", "127.0.0.1", "--port", str(port)]
+    if node_url is not None:
+        argv += ["--kv-transfer-config", kv_transfer_config(node_url)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    url = f"http://127.0.0.1:{port}"
+    with spawned(argv, env, log) as proc:
+        _wait_ready(url + "/v1/models", proc, log, timeout_s)
+        yield url
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    ttft_s: float
+    text: str
+
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> Answer:
+    """A greedy streamed completion: the time to its first token, and its text."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    body |= {"stream": True, "ignore_eos": True}
+    req = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    ttft, parts = 0.0, []
+    with urllib.request.urlopen(req, timeout=600.0) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text = json.loads(line[6:])["choices"][0].get("text", "")
+            if text and not ttft:
+                ttft = time.perf_counter() - t0
+            parts.append(text)
+    return Answer(ttft, "".join(parts))
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def loaded_bytes(log: Path) -> int:
+    """What the connector said it loaded, from an instance's log."""
+    return sum(int(m) for m in re.findall(r"vllm_connector\.loaded.*?bytes=(\d+)", log.read_text()))
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, float | int | bool]:
+    prompt = prompt_ids(args.prompt_tokens, args.seed)
+    warm = prompt_ids(64, args.seed + 1)
+    vp, timeout = args.vllm_python, args.start_timeout
+    with node(args.python, args.model_dir, work, timeout) as (node_url, _):
+        with vllm(vp, args.model_dir, work / "b-alone.log", None, timeout) as url:
+            complete(url, warm, 2)
+            alone = complete(url, prompt, args.max_tokens)
+        with vllm(vp, args.model_dir, work / "a.log", node_url, timeout) as url:
+            complete(url, warm, 2)
+            complete(url, prompt, args.max_tokens)
+        with vllm(vp, args.model_dir, work / "b.log", node_url, timeout) as url:
+            complete(url, warm, 2)
+            shared = complete(url, prompt, args.max_tokens)
+    return {
+        "prompt_tokens": len(prompt),
+        "ttft_alone_s": alone.ttft_s,
+        "ttft_connector_s": shared.ttft_s,
+        "speedup": alone.ttft_s / shared.ttft_s if shared.ttft_s else 0.0,
+        "same_output": alone.text == shared.text,
+        "bytes_loaded": loaded_bytes(work / "b.log"),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--vllm-python", default=os.environ.get("MOONCAKED_VLLM_PYTHON", ""))
+    p.add_argument("--python", default=sys.executable, help="the interpreter that runs the node")
+    p.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path("~/.cache/mooncaked-bench/hf-SmolLM2-135M-Instruct.Q4_1").expanduser(),
+    )
+    p.add_argument("--prompt-tokens", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--keep", type=Path, help="keep the logs in this directory")
+    args = p.parse_args()
+    if not args.vllm_python:
+        p.error("--vllm-python (or MOONCAKED_VLLM_PYTHON): the interpreter vLLM is installed in")
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-conn-") as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        r = run(args, work)
+    print(f"prompt            {r['prompt_tokens']} tokens, {args.max_tokens} greedy tokens out")
+    print(f"B alone           TTFT {r['ttft_alone_s'] * 1e3:9.1f} ms")
+    print(
+        f"B via mooncaked   TTFT {r['ttft_connector_s'] * 1e3:9.1f} ms   ratio {r['speedup']:.2f}x"
+    )
+    print(f"greedy output     {'identical' if r['same_output'] else 'DIFFERS'}")
+    print(f"bytes loaded      {r['bytes_loaded']:,}")
+    return 0 if r["same_output"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
