@@ -143,6 +143,7 @@ class MooncakedConnector(KVConnectorBase_V1):
                 _model_id(self.cfg, vllm_config),
                 self.cfg.block_size,
                 max_load_blocks=self.cfg.load_rows,
+                align=self.vllm_block_size,
             )
             log.info(
                 "vllm_connector.scheduler", model_id=self.book.model_id, node=self.cfg.node_url

@@ -166,9 +166,13 @@ class _Request:
 class SchedulerBook:
     """The scheduler side's state per request, between vLLM's calls."""
 
-    def __init__(self, model_id: str, block_size: int, *, max_load_blocks: int) -> None:
+    def __init__(
+        self, model_id: str, block_size: int, *, max_load_blocks: int, align: int = 0
+    ) -> None:
         self.model_id = model_id
         self.block_size = block_size
+        # vLLM's block size: a load ends on one of its blocks' edges.
+        self.align = align or block_size
         self.max_load_blocks = max_load_blocks
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
@@ -203,7 +207,9 @@ class SchedulerBook:
         r = self._requests[req_id]
         n = r.offer.num_blocks if r.offer else 0
         first = r.asked_past // self.block_size
-        return matched_tokens(r.num_prompt, r.asked_past, first + n, self.block_size)
+        n = matched_tokens(r.num_prompt, r.asked_past, first + n, self.block_size)
+        end = r.asked_past + n
+        return max(0, end - end % self.align - r.asked_past)
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> Offer | None:
         """vLLM allocated ``block_ids`` for the request, ``num_external``
@@ -213,8 +219,9 @@ class SchedulerBook:
             return None
         offer, r.offer = r.offer, None
         first = max(r.asked_past, 0) // self.block_size
-        # vLLM's own hit was computed (and put) before.
-        r.saved = first
+        # vLLM's own hit was computed (and put) before. vLLM calls again once
+        # a load landed (num_external 0): what was loaded stays counted.
+        r.saved = max(r.saved, first)
         if num_external <= 0 or offer is None:
             return offer
         count = num_external // self.block_size
