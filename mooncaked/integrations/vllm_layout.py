@@ -13,8 +13,8 @@ kv_heads, head_dim]`` (``cache/layout.py``), the same on every tier and node.
 follows whatever the running build picked and never guesses. Where K's and
 V's placements are affine in (token, head, dim) (``vec``, ``vec16``), a
 block's K or V is a strided view and a copy is one strided torch copy per
-layer and K/V; otherwise an element index does it (about 3x slower, measured
-by ``tools/bench_vllm_layout.py``).
+layer and K/V; otherwise an element index does it, a gather per element:
+slower, but right for any placement the probe finds.
 
 ``RowMap`` addresses node blocks in vLLM's cache: a vLLM block of
 ``vllm_block_size`` tokens holds ``vllm_block_size / block_size`` node blocks,
