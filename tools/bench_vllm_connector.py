@@ -116,7 +116,8 @@ def node(
     url = f"http://127.0.0.1:{port}"
     log = work / "node.log"
     with spawned([python, "-m", "mooncaked", "--config", str(cfg)], {}, log) as proc:
-        _wait_ready(url + "/health", proc, log, timeout_s)
+        # /ready: the model is loaded and the node serves (503 until then).
+        _wait_ready(url + "/ready", proc, log, timeout_s)
         yield url, proc
 
 
@@ -195,6 +196,58 @@ def loaded_bytes(log: Path) -> list[int]:
     return [int(m) for m in re.findall(r"vllm_connector\.loaded.*?bytes=(\d+)", log.read_text())]
 
 
+def node_complete(node_url: str, prompt: list[int], max_tokens: int) -> tuple[str, int]:
+    """A greedy completion on the mooncaked node itself: its text, and the
+    prompt tokens it found cached (``usage.prompt_tokens_details``)."""
+    with urllib.request.urlopen(node_url + "/v1/models", timeout=60.0) as resp:
+        model = json.loads(resp.read())["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    body |= {"ignore_eos": True}
+    req = urllib.request.Request(
+        node_url + "/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=600.0) as resp:
+        doc = json.loads(resp.read())
+    cached = doc["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return doc["choices"][0]["text"], int(cached)
+
+
+@dataclass(frozen=True, slots=True)
+class Cross:
+    """Blocks one engine computed, reused by the other, both ways."""
+
+    # The node computed prompt 1; vLLM loaded it through the connector.
+    vllm_loaded_bytes: int
+    vllm_text_same: bool
+    # vLLM computed prompt 2 and saved it; the node's own request found it.
+    node_cached_tokens: int
+    node_text_same: bool
+
+
+def cross(args: argparse.Namespace, work: Path) -> Cross:
+    """A mooncaked request and a vLLM instance on the same node, model and
+    block size: each reuses the blocks the other computed. Each side's text
+    is compared with the other engine's for the same prompt."""
+    p1 = prompt_ids(args.prompt_tokens, args.seed + 10)
+    p2 = prompt_ids(args.prompt_tokens, args.seed + 20)
+    work.mkdir(parents=True, exist_ok=True)
+    vp, timeout = args.vllm_python, args.start_timeout
+    with node(args.python, args.model_dir, work, timeout) as (node_url, _):
+        node_text1, _ = node_complete(node_url, p1, args.max_tokens)
+        with vllm(vp, args.model_dir, work / "x.log", node_url, timeout) as url:
+            vllm_text1 = complete(url, p1, args.max_tokens).text
+            vllm_text2 = complete(url, p2, args.max_tokens).text
+        node_text2, cached = node_complete(node_url, p2, args.max_tokens)
+    return Cross(
+        vllm_loaded_bytes=(loaded_bytes(work / "x.log") or [0])[0],
+        vllm_text_same=vllm_text1 == node_text1,
+        node_cached_tokens=cached,
+        node_text_same=node_text2 == vllm_text2,
+    )
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, float | int | bool]:
     prompt = prompt_ids(args.prompt_tokens, args.seed)
     warm = prompt_ids(64, args.seed + 1)
@@ -235,6 +288,11 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--keep", type=Path, help="keep the logs in this directory")
+    p.add_argument(
+        "--cross",
+        action="store_true",
+        help="also: a mooncaked request and a vLLM instance reusing each other's blocks",
+    )
     args = p.parse_args()
     if not args.vllm_python:
         p.error("--vllm-python (or MOONCAKED_VLLM_PYTHON): the interpreter vLLM is installed in")
@@ -249,7 +307,28 @@ def main() -> int:
     )
     print(f"greedy output     {'identical' if r['same_output'] else 'DIFFERS'}")
     print(f"bytes loaded      {r['bytes_loaded']:,}")
-    return 0 if r["same_output"] else 1
+    ok = bool(r["same_output"])
+    if args.cross:
+        with tempfile.TemporaryDirectory(prefix="bench-vllm-cross-") as tmp:
+            c = cross(args, args.keep / "cross" if args.keep else Path(tmp))
+        print(
+            "node -> vLLM      loaded",
+            f"{c.vllm_loaded_bytes:,} B,",
+            "text",
+            _same(c.vllm_text_same),
+        )
+        print(
+            "vLLM -> node      cached",
+            f"{c.node_cached_tokens} tokens,",
+            "text",
+            _same(c.node_text_same),
+        )
+        ok = ok and c.vllm_loaded_bytes > 0 and c.node_cached_tokens > 0
+    return 0 if ok else 1
+
+
+def _same(same: bool) -> str:
+    return "identical across engines" if same else "DIFFERS across engines"
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ skipped unless MOONCAKED_VLLM_PYTHON names vLLM's interpreter."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import signal
@@ -75,3 +76,25 @@ def test_vllm_serves_on_when_its_node_is_killed(tmp_path: Path) -> None:
             again = bench.complete(url, prompt, 8)
     assert other.text
     assert again.text == before.text
+
+
+def test_a_mooncaked_request_and_vllm_reuse_each_others_blocks(tmp_path: Path) -> None:
+    """Same HF directory, precision and block size on both engines: the same
+    model id and block hashes, and rows in the node's one layout."""
+    args = argparse.Namespace(
+        vllm_python=VLLM_PYTHON,
+        python=sys.executable,
+        model_dir=MODEL_DIR,
+        prompt_tokens=512,
+        max_tokens=8,
+        seed=5,
+        start_timeout=START_S,
+    )
+    c = bench.cross(args, tmp_path)
+    # vLLM loaded what the node computed: every vLLM block (32 tokens) but the
+    # one holding the last prompt token, as node blocks of 16 tokens.
+    assert c.vllm_loaded_bytes == 30 * 30 * 2 * 16 * 3 * 64 * 4
+    # The node's own request found what vLLM computed and saved: every full
+    # block of 16 but the last (its last token is always computed).
+    assert c.node_cached_tokens == 512 - 16
+    assert c.vllm_text_same and c.node_text_same
