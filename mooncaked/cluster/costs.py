@@ -263,3 +263,178 @@ def predicted_tbt_s(
         k = max(1, min(queued_prefill_tokens, costs.chunk_tokens - b))
         t += costs.step.token_s * k + costs.step.pair_s * prefill_pairs(k, 0)
     return t
+
+
+# -- attention offloading -------------------------------------------------------
+#
+# A compute node whose decode attention runs on a memory node (which holds the
+# KV) keeps only the dense part of its step: reading the weights and each
+# sequence's projections (``base + seq * batch``). Per layer, the batch's
+# q, k and v go to the memory node, which reads the context's KV for that layer
+# and sends the attention output back. Split in micro-batches, one's remote
+# attention runs while the compute node computes another's layers (Lamina's
+# staggered pipelining); each micro-batch then reads the weights again.
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionTraffic:
+    """What offloaded attention moves per decoded token per layer."""
+
+    num_layers: int
+    # One token's q, k and v at one layer: (query heads + 2 KV heads) x head
+    # dim x bytes per value; sent to the memory node.
+    qkv_bytes: int
+    # One token's attention output at one layer: query heads x head dim x
+    # bytes per value; sent back.
+    out_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLink:
+    """A memory node as one compute node sees it."""
+
+    # Bytes/s its attention reads KV at: measured, or a preset's.
+    kv_read_bps: float
+    # Bytes/s each way between the two nodes: the slower NIC (inf: no limit).
+    link_bps: float
+    # One round trip a layer: the q/k/v message and the output's.
+    rtt_s: float = 0.0
+    # What a layer's attention costs the memory node whatever the context
+    # (a kernel launch, the synchronisation).
+    layer_s: float = 0.0
+    # KV it holds for other compute nodes: it reads those too in each layer's
+    # round, so they share its bandwidth in proportion.
+    other_bytes: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadedStep:
+    """A decode step of a compute node with offloaded attention, term by term."""
+
+    # The compute node's step without attention, for the whole batch at once.
+    dense_s: float
+    # Per layer: the memory node's attention, and the q/k/v/output round trip.
+    attention_s: float
+    round_trip_s: float
+    # No overlap: the dense step, then every layer's remote trip in turn.
+    serial_s: float
+    # Micro-batched (staggered pipelining): see ``offloaded_step``.
+    overlapped_s: float
+
+    @property
+    def tbt_s(self) -> float:
+        # The engine micro-batches only where it pays: a micro-batch reads
+        # the weights again, which a small remote part does not repay.
+        return min(self.serial_s, self.overlapped_s)
+
+    @property
+    def overlaps(self) -> bool:
+        return self.overlapped_s < self.serial_s
+
+
+def dense_step_s(step: StepCost, batch: int) -> float:
+    """The decode step of ``batch`` sequences without its attention: the fitted
+    model less its context term (which is the attention's KV read)."""
+    if batch <= 0:
+        return 0.0
+    return step.base_s + step.seq_s * batch
+
+
+def remote_attention_s(
+    link: MemoryLink, traffic: AttentionTraffic, kv_bytes_per_token: int, context_tokens: float
+) -> float:
+    """One layer's attention on the memory node: its share of the context's
+    KV (and of what it holds for others) read at its bandwidth."""
+    if link.kv_read_bps <= 0.0:
+        return math.inf
+    per_layer = (context_tokens * kv_bytes_per_token + link.other_bytes) / traffic.num_layers
+    return link.layer_s + per_layer / link.kv_read_bps
+
+
+def round_trip_s(link: MemoryLink, traffic: AttentionTraffic, batch: int) -> float:
+    """One layer's q/k/v out and attention output back for ``batch`` tokens."""
+    if batch <= 0:
+        return 0.0
+    if link.link_bps <= 0.0:
+        return math.inf
+    return link.rtt_s + batch * (traffic.qkv_bytes + traffic.out_bytes) / link.link_bps
+
+
+def _split(batch: int, parts: int) -> list[int]:
+    parts = max(1, min(parts, batch))
+    return [batch // parts + (1 if i < batch % parts else 0) for i in range(parts)]
+
+
+def offloaded_step(
+    step: StepCost,
+    kv_bytes_per_token: int,
+    traffic: AttentionTraffic,
+    link: MemoryLink,
+    batch: int,
+    context_tokens: float,
+    *,
+    micro_batches: int = 2,
+) -> OffloadedStep:
+    """A decode step of ``batch`` sequences holding ``context_tokens`` whose
+    attention runs on the memory node behind ``link``.
+
+    Serial: ``dense(b) + L x (attention(ctx) + round_trip(b))``.
+
+    Overlapped, the batch cut into ``micro_batches`` parts j (dense part
+    d_j = dense(b_j) / L a layer, remote part a_j + n_j): each layer, the
+    compute node runs every d_j, the memory node every a_j, the link carries
+    every transfer, and each micro-batch waits its own d_j + a_j + n_j, so a
+    layer takes ``P = max(sum d_j, sum a_j, sum of transfers, max_j (d_j +
+    a_j + n_j))``; the step takes ``L x P`` plus one remote trip to drain.
+    """
+    layers = traffic.num_layers
+    if batch <= 0:
+        return OffloadedStep(0.0, 0.0, 0.0, 0.0, 0.0)
+    dense = dense_step_s(step, batch)
+    attn = remote_attention_s(link, traffic, kv_bytes_per_token, context_tokens)
+    trip = round_trip_s(link, traffic, batch)
+    serial = dense + layers * (attn + trip)
+    sizes = _split(batch, micro_batches)
+    if len(sizes) < 2:
+        return OffloadedStep(dense, attn, trip, serial, serial)
+    ds, attns, trips = [], [], []
+    for b in sizes:
+        share = b / batch
+        # Each micro-batch carries its share of the other nodes' reads too.
+        part = dataclasses.replace(link, other_bytes=link.other_bytes * share)
+        ds.append(dense_step_s(step, b) / layers)
+        attns.append(remote_attention_s(part, traffic, kv_bytes_per_token, context_tokens * share))
+        trips.append(round_trip_s(link, traffic, b))
+    wire = sum(t - link.rtt_s for t in trips)
+    cycle = max(d + a + n for d, a, n in zip(ds, attns, trips, strict=True))
+    period = max(sum(ds), sum(attns), wire, cycle)
+    drain = max(a + n for a, n in zip(attns, trips, strict=True))
+    return OffloadedStep(dense, attn, trip, serial, layers * period + drain)
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """How a compute node's attention is offloaded: the traffic its model
+    makes, the memory node it goes to, and the micro-batches it is cut into."""
+
+    traffic: AttentionTraffic
+    link: MemoryLink
+    micro_batches: int = 2
+
+
+def decode_tbt_s(
+    costs: NodeCosts, batch: float, context_tokens: float, offload: Offload | None = None
+) -> float:
+    """Time between tokens of a decode step: local attention (``offload`` None,
+    ``predicted_tbt_s``) or offloaded to a memory node."""
+    if offload is None:
+        return predicted_tbt_s(costs, batch, context_tokens)
+    return offloaded_step(
+        costs.step,
+        costs.kv_bytes_per_token,
+        offload.traffic,
+        offload.link,
+        max(1, math.ceil(batch)),
+        context_tokens,
+        micro_batches=offload.micro_batches,
+    ).tbt_s
