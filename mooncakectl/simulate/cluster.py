@@ -71,6 +71,9 @@ class Shape:
     num_both: int = 0
     # Stages a pipelined prefill group has (0: no groups); every prefill node is one.
     cpp: int = 0
+    # Memory nodes serving the decode nodes' attention (``memory``): priced
+    # into the decode nodes' steps, not simulated as nodes of their own.
+    num_memory: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_both"):
@@ -80,6 +83,11 @@ class Shape:
             raise ValueError("the cluster has no node: give --prefill and --decode, or --both")
         if self.num_prefill and not (self.num_decode or self.num_both):
             raise ValueError(f"{self.num_prefill} prefill node(s) and none that can decode")
+        if self.num_memory < 0 or (self.num_memory and not self.num_decode):
+            raise ValueError(
+                f"--memory {self.num_memory}: memory nodes serve decode nodes' attention; "
+                "give --decode >= 1 and a count >= 0"
+            )
         if self.cpp == 0:
             return
         # The daemon's [pipeline] num_stages bounds.
@@ -108,6 +116,8 @@ class Shape:
             parts.append(f"{self.num_prefill}P+{self.num_decode}D")
         if self.num_both:
             parts.append(f"{self.num_both}B")
+        if self.num_memory:
+            parts.append(f"{self.num_memory}M")
         return "+".join(parts)
 
     def node_ids(self) -> list[tuple[str, str]]:

@@ -31,7 +31,7 @@ from mooncakectl.bench.trace import (
 from mooncakectl.bench.workloads import TraceScale
 from mooncakectl.flags import number_list
 from mooncakectl.registry import Env, ExitStatus, command
-from mooncakectl.simulate import against
+from mooncakectl.simulate import against, memory_report
 from mooncakectl.simulate.cluster import Shape, SimConfig, SimResult, Simulation, trace_requests
 from mooncakectl.simulate.costs import (
     GB,
@@ -41,6 +41,7 @@ from mooncakectl.simulate.costs import (
     preset_stage_model,
     profile_node,
 )
+from mooncakectl.simulate.memory import MEMORY_PRESETS, offloaded_node
 from mooncakectl.simulate.results import SimSummary, false_rejections, result_json, sim_summary
 from mooncaked.cluster.placement import ConductorParams, EarlyReject, Policy
 from mooncaked.cluster.slo import Slo
@@ -183,6 +184,7 @@ def _configure_cluster(c: argparse._ArgumentGroup) -> None:
         default=512,
         help="tokens in a pipelined prompt's first chunk (the head's [pipeline] chunk_tokens)",
     )
+    memory_report.add_arguments(c)
 
 
 def _configure_conductor(s: argparse._ArgumentGroup) -> None:
@@ -287,6 +289,8 @@ class Inputs:
     rejects: list[EarlyReject]
     # Stages of the prefill nodes' pipelined groups, one run each (0: none).
     cpps: list[int]
+    # Memory nodes serving the decode nodes' attention, one run each (0: none).
+    memories: list[int]
 
 
 def _node(args: argparse.Namespace, profile: str | None) -> NodeSpec:
@@ -369,7 +373,51 @@ def _inputs(args: argparse.Namespace) -> Inputs:
     for cpp in cpps:
         # Refused before any run: a count that does not fit names itself.
         replace(base, shape=replace(shape, cpp=cpp))
-    return Inputs(records, node, base, policies, rejects, cpps)
+    memories = _ints(args.memory, "--memory", minimum=0)
+    for num_memory in memories:
+        replace(shape, num_memory=num_memory)
+    if any(memories):
+        if args.profile or args.decode_profile or args.sweep:
+            raise ValueError("--memory prices a --preset's model: not --profile or --sweep")
+        if args.micro_batches < 1:
+            raise ValueError(f"--micro-batches must be >= 1, got {args.micro_batches}")
+    return Inputs(records, node, base, policies, rejects, cpps, memories)
+
+
+def _decode_node(args: argparse.Namespace, inp: Inputs, num_memory: int) -> NodeSpec | None:
+    """The decode nodes' spec with ``num_memory`` memory nodes striped over them."""
+    if num_memory == 0:
+        return inp.base.decode_node
+    return offloaded_node(
+        inp.node,
+        args.preset or DEFAULT_PRESET,
+        MEMORY_PRESETS[args.memory_preset],
+        num_memory / args.decode,
+        micro_batches=args.micro_batches,
+    )
+
+
+def _print_costs(
+    args: argparse.Namespace, env: Env, inp: Inputs, results: Sequence[SimResult]
+) -> None:
+    """Decode throughput per cost of each ``--memory`` run (``memory_report``)."""
+    preset = PRESETS[args.preset or DEFAULT_PRESET]
+    usd = memory_report.prices(args, preset.hardware.name)
+    sc = inp.base.scale
+    mean_context = sum(
+        r.input_length * sc.effective_input_scale + r.output_length * sc.output_scale / 2
+        for r in inp.records
+    ) / len(inp.records)
+    rows = []
+    for res in results:
+        node = res.config.decode_node or inp.node
+        rows.append(memory_report.cost_row(res, node, usd, mean_context))
+    title = (
+        f"decode throughput per cost: {args.preset or DEFAULT_PRESET} decode nodes at "
+        f"${usd[0]:.2f}/h, {args.memory_preset} memory nodes at ${usd[1]:.2f}/h, "
+        f"TBT SLO {inp.base.slo.tbt_s * 1e3:g} ms, mean context {mean_context:.0f} tokens"
+    )
+    _print_table(env, memory_report.cost_table(rows, title))
 
 
 def _run(cfg: SimConfig, records: Sequence[TraceRecord]) -> tuple[SimResult, SimSummary]:
@@ -556,8 +604,13 @@ def _runs(args: argparse.Namespace, inp: Inputs) -> tuple[list[SimResult], list[
     """One run per pipelined-group size x policy x early-rejection mode asked for."""
     results: list[SimResult] = []
     summaries: list[SimSummary] = []
-    for cpp in inp.cpps:
-        base = replace(inp.base, shape=replace(inp.base.shape, cpp=cpp))
+    shapes = [(cpp, m) for cpp in inp.cpps for m in inp.memories]
+    for cpp, num_memory in shapes:
+        base = replace(
+            inp.base,
+            shape=replace(inp.base.shape, cpp=cpp, num_memory=num_memory),
+            decode_node=_decode_node(args, inp, num_memory),
+        )
         for policy in inp.policies:
             runs: dict[EarlyReject, tuple[SimResult, SimSummary]] = {}
             # Rejection off first: the reference each other mode's false
@@ -597,6 +650,8 @@ def simulate(args: argparse.Namespace, env: Env) -> int:
             f"{inp.base.slo.ttft_s:g} s, TBT {inp.base.slo.tbt_s * 1e3:g} ms",
         )
         print_buckets(env, summaries)
+        if any(inp.memories):
+            _print_costs(args, env, inp, results)
     if args.result_json:
         write_result(
             args.result_json, result_json(_config_json(args, inp.node), summaries, results)

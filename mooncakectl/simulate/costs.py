@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mooncaked.cluster.costs import NodeCosts, StepCost
+from mooncaked.cluster.costs import AttentionTraffic, NodeCosts, Offload, StepCost, offloaded_step
 from mooncaked.handoff import LayerSpan
 
 # The paper's attention and projection coefficients.
@@ -50,6 +50,12 @@ class ModelSpec:
     @property
     def weight_bytes(self) -> float:
         return self.num_params * self.bytes_per_value
+
+    def attention_traffic(self) -> AttentionTraffic:
+        """Per token per layer: q (hidden), k and v (hidden / gqa each) out, the
+        output (hidden) back."""
+        d, b = self.hidden_size, self.bytes_per_value
+        return AttentionTraffic(self.num_layers, (d + 2 * d // self.gqa) * b, d * b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +105,30 @@ class NodeSpec:
     ssd_bps: float = 4 * GB
     # Tokens of KV the device holds for decoding (0: bounded by max_batch only).
     kv_capacity_tokens: int = 0
+    # Decode attention on memory nodes (None: local); ``costs`` then prices it
+    # serially for the Conductor, and the node's steps by this.
+    offload: OffloadedDecode | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadedDecode:
+    """A compute node's own step model and where its attention goes."""
+
+    step: StepCost
+    kv_bytes_per_token: int
+    offload: Offload
+
+    def decode_s(self, batch: int, context_tokens: float) -> float:
+        o = self.offload
+        return offloaded_step(
+            self.step,
+            self.kv_bytes_per_token,
+            o.traffic,
+            o.link,
+            batch,
+            context_tokens,
+            micro_batches=o.micro_batches,
+        ).tbt_s
 
 
 LLAMA3_70B = ModelSpec("llama3-70b", 80, 8192, 8, 70.6e9)
@@ -124,12 +154,29 @@ A800_X8 = HardwareSpec(
     # decodes at about the fitted times, so most of the 5 ms is per layer.
     step_fixed_s=0.001,
 )
+# H800 80GB SXM: H100's compute (989 dense bf16 TFLOP/s) and HBM3 (3.35
+# TB/s), NVLink cut to 400 GB/s as the A800's: the A800's fitted all-reduce
+# and launch overheads are taken as they are (an assumption, not a fit).
+H800_X8 = HardwareSpec(
+    "8xh800",
+    8,
+    989e12,
+    3.35e12,
+    80 * GB,
+    8,
+    400.0,
+    2048 * GB,
+    step_overhead_s=0.005,
+    seq_overhead_s=25e-6,
+    step_fixed_s=0.001,
+)
 # One GPU: no tensor parallelism, nothing to all-reduce.
 A800_X1 = HardwareSpec("1xa800", 1, 312e12, 2.039e12, 80 * GB, 1, 200.0, 256 * GB)
 
 PRESETS: dict[str, Preset] = {
     "llama3-70b-8xa800": Preset(LLAMA3_70B, A800_X8, chunk_tokens=8192, max_batch=128),
     "llama3-8b-1xa800": Preset(LLAMA3_8B, A800_X1, chunk_tokens=8192, max_batch=128),
+    "llama3-70b-8xh800": Preset(LLAMA3_70B, H800_X8, chunk_tokens=8192, max_batch=128),
 }
 
 

@@ -246,13 +246,19 @@ class SimNode:
         if not pieces and self.coalesce:
             self._start_run(num_decodes)
             return
-        dt = (
-            c.base_s
-            + c.token_s * tokens
-            + c.pair_s * pairs
-            + c.seq_s * num_decodes
-            + c.ctx_s * self.context_tokens
-        )
+        off = self.spec.offload
+        if off is not None and num_decodes:
+            # Attention on memory nodes: the decodes' step, plus the prompt's tokens.
+            decodes = off.decode_s(num_decodes, self.context_tokens)
+            dt = decodes + c.token_s * tokens + c.pair_s * pairs
+        else:
+            dt = (
+                c.base_s
+                + c.token_s * tokens
+                + c.pair_s * pairs
+                + c.seq_s * num_decodes
+                + c.ctx_s * self.context_tokens
+            )
         if self.host is not None:
             dt *= self.host.start(self.node_id, self.threads)
         self.busy = True
@@ -302,8 +308,12 @@ class SimNode:
         growth = c.ctx_s * num_decodes
         t = self.events.now
         ends = []
+        off = self.spec.offload
         for j in range(num_steps):
-            t += first + growth * j
+            if off is not None:
+                t += off.decode_s(num_decodes, self.context_tokens + num_decodes * j)
+            else:
+                t += first + growth * j
             ends.append(t)
         self._run_ends = ends
         self._run_start = self.events.now
