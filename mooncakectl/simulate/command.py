@@ -373,7 +373,7 @@ def _inputs(args: argparse.Namespace) -> Inputs:
     for cpp in cpps:
         # Refused before any run: a count that does not fit names itself.
         replace(base, shape=replace(shape, cpp=cpp))
-    memories = _ints(args.memory, "--memory", minimum=0)
+    memories = _ints(args.memory, "--memory", minimum=0) if args.memory else [0]
     for num_memory in memories:
         replace(shape, num_memory=num_memory)
     if any(memories):
@@ -650,7 +650,7 @@ def simulate(args: argparse.Namespace, env: Env) -> int:
             f"{inp.base.slo.ttft_s:g} s, TBT {inp.base.slo.tbt_s * 1e3:g} ms",
         )
         print_buckets(env, summaries)
-        if any(inp.memories):
+        if args.memory:
             _print_costs(args, env, inp, results)
     if args.result_json:
         write_result(

@@ -30,9 +30,9 @@ from mooncakectl.simulate.results import meets_slo
 def add_arguments(c: argparse._ArgumentGroup) -> None:
     c.add_argument(
         "--memory",
-        default="0",
         help="memory nodes serving the decode nodes' attention (0: attention local); "
-        "a comma-separated list runs each, e.g. 0,2",
+        "a comma-separated list runs each, e.g. 0,2; given, a table of decode throughput "
+        "per cost follows",
     )
     c.add_argument(
         "--memory-preset",
