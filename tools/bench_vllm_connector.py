@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "bench-vllm-connector-secret"
 CONNECTOR = "mooncaked.integrations.vllm_connector"
+# The node's block size, which the connector is told (vLLM's is 32).
+BLOCK_SIZE = 16
 
 
 def free_port() -> int:
@@ -92,7 +94,7 @@ cluster_secret = "{SECRET}"
 path = "{model_dir}"
 dtype = "float32"
 [kv]
-block_size = 16
+block_size = {BLOCK_SIZE}
 [server]
 host = "127.0.0.1"
 port = {port}
@@ -130,7 +132,7 @@ def kv_transfer_config(node_url: str) -> str:
             "kv_connector_extra_config": {
                 "node_url": node_url,
                 "secret": SECRET,
-                "block_size": 16,
+                "block_size": BLOCK_SIZE,
                 "load_rows": 160,
                 "save_rows": 160,
                 "timeout_s": 5.0,
@@ -214,6 +216,22 @@ def node_complete(node_url: str, prompt: list[int], max_tokens: int) -> tuple[st
     return doc["choices"][0]["text"], int(cached)
 
 
+def saved_on_node(node_url: str, prompt: list[int], timeout_s: float) -> bool:
+    """Wait until the node holds every full block of ``prompt`` but the last
+    (its last token is always computed); False when it did not in time."""
+    from mooncaked.client import StoreClient
+
+    client = StoreClient(node_url)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        here = client.kv.exists(prompt=prompt).here
+        if all(here[: len(prompt) // BLOCK_SIZE - 1]):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 @dataclass(frozen=True, slots=True)
 class Cross:
     """Blocks one engine computed, reused by the other, both ways."""
@@ -239,6 +257,9 @@ def cross(args: argparse.Namespace, work: Path) -> Cross:
         with vllm(vp, args.model_dir, work / "x.log", node_url, timeout) as url:
             vllm_text1 = complete(url, p1, args.max_tokens).text
             vllm_text2 = complete(url, p2, args.max_tokens).text
+            # The connector's puts leave after the step, off vLLM's path:
+            # the node holds prompt 2 a moment after vLLM answered.
+            saved_on_node(node_url, p2, args.start_timeout)
         node_text2, cached = node_complete(node_url, p2, args.max_tokens)
     return Cross(
         vllm_loaded_bytes=(loaded_bytes(work / "x.log") or [0])[0],

@@ -24,6 +24,9 @@ MODEL_DIR = Path(
 
 pytestmark = [
     pytest.mark.vllm,
+    # Up to three vLLM servers start one after another in a test (each a
+    # minute or more on two cores), past the suite's per-test limit.
+    pytest.mark.timeout(1200),
     pytest.mark.skipif(
         not VLLM_PYTHON or not Path(VLLM_PYTHON).exists(),
         reason="MOONCAKED_VLLM_PYTHON does not name vLLM's interpreter "
