@@ -67,6 +67,7 @@ from mooncaked.cluster.load import CostMeter
 from mooncaked.cluster.member import joined
 from mooncaked.config import Config
 from mooncaked.engine.core import EngineCore
+from mooncaked.engine.offload.server import AttentionServer
 from mooncaked.engine.serving import EngineFactory, load_engine, serving_engine
 from mooncaked.identity import NodeIdentity, new_generation
 from mooncaked.kv_events.service import publishing
@@ -103,6 +104,8 @@ class Node:
         self.http_site: CappedTCPSite | None = None
         self._port: int | None = None
         self._transfer: TransferEngine | None = None
+        # A memory node's attention service, while it runs.
+        self.attention: AttentionServer | None = None
         self._stack: AsyncExitStack | None = None
         self._stop_lock = asyncio.Lock()
         self._log = structlog.get_logger(__name__).bind(node=self.node_id)
@@ -157,6 +160,12 @@ class Node:
             # HTTP first: /health and /ready answer while the model loads.
             await stack.enter_async_context(self._http())
             stack.push_async_callback(self.router.close)
+            if self._config.node.role == "memory":
+                # No model, no engine: KV and attention for compute nodes.
+                await stack.enter_async_context(self._attention_service())
+                await stack.enter_async_context(self._serving())
+                self._log.info("memory node ready", attention=self.attention_address)
+                return
             transfer = await stack.enter_async_context(self._transfer_engine())
             # Before the model: it may be an object to fetch from peers first.
             objects = await stack.enter_async_context(self._objects(transfer))
@@ -214,6 +223,27 @@ class Node:
                 yield
             finally:
                 self.http_site = None
+
+    @property
+    def attention_address(self) -> str:
+        """host:port of a memory node's attention service ("" on other roles)."""
+        return self.attention.address if self.attention is not None else ""
+
+    @contextlib.asynccontextmanager
+    async def _attention_service(self) -> AsyncIterator[AttentionServer]:
+        cfg = self._config
+        async with AttentionServer(
+            node_id=self.node_id,
+            secret=self.services.identity.secret,
+            host=cfg.server.host,
+            port=cfg.offload.port,
+            pool_bytes=cfg.offload.pool_bytes,
+        ) as server:
+            self.attention = server
+            try:
+                yield server
+            finally:
+                self.attention = None
 
     @contextlib.asynccontextmanager
     async def _transfer_engine(self) -> AsyncIterator[TransferEngine]:

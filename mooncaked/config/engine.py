@@ -120,3 +120,47 @@ class SchedulerConfig:
         check(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
         check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
         check(self.max_waiting >= 0, "max_waiting", "must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    """Decode attention on a memory node (attention offloading, Lamina's split).
+
+    On a compute node, ``memory_node`` turns it on: each decode step sends the
+    new q/k/v of every layer to that node and takes the attention output back;
+    the linear layers, norms, RoPE and sampling stay here. On a node with
+    ``node.role = "memory"``, ``port`` and ``pool_bytes`` size its service.
+    """
+
+    # host:port of a memory node's attention service; empty: attention runs here.
+    memory_node: str = ""
+    # Decode batches split into this many micro-batches (1 or 2): with 2, one
+    # half's remote attention overlaps the other half's local layers.
+    micro_batches: int = 1
+    # A memory node's reply must come within this; past it the step finishes
+    # its attention here (the KV is mirrored locally) and the node is left alone
+    # for retry_s.
+    timeout_s: float = 5.0
+    retry_s: float = 5.0
+    # A memory node: where its attention service listens (0: any free port) ...
+    port: int = 0
+    # ... and the DRAM of the KV it holds for compute nodes.
+    pool_bytes: int = 1024 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        check(self.micro_batches in (1, 2), "micro_batches", "must be 1 or 2")
+        check(self.timeout_s > 0, "timeout_s", "must be > 0")
+        check(self.retry_s >= 0, "retry_s", "must be >= 0")
+        check(0 <= self.port < 65536, "port", "must be in 0..65535")
+        check(self.pool_bytes > 0, "pool_bytes", "must be > 0")
+        if self.memory_node:
+            host, sep, port = self.memory_node.rpartition(":")
+            check(
+                bool(sep and host and port.isdigit()),
+                "memory_node",
+                f"must be host:port, got {self.memory_node!r}",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.memory_node)

@@ -45,6 +45,7 @@ from mooncaked.engine.connector import ConnectorContext, KVConnector, LoadResult
 from mooncaked.engine.introspect import EngineStats, engine_stats, requests_in_flight
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.loader import LoadedModel, load_model
+from mooncaked.engine.offload import attach_offload
 from mooncaked.engine.output import OutputProcessor, RequestStream
 from mooncaked.engine.pipeline import ChunkRefused, StagePipe
 from mooncaked.engine.plan import LoadJob, StepOutput, StepPlan
@@ -116,6 +117,8 @@ class EngineCore:
         self.span = self.loaded.model.span
         self._clock = clock
         self.pool, self.runner = self._build_kv(kv_allocator)
+        # Attention offloading (None: attention here); the runner calls it.
+        self.offload = attach_offload(config, self.runner)
         # Both built by start(): the connector is given then.
         self.connector: KVConnector = KVConnector()
         # A stage of a pipelined prefill group: its activations in and out.
@@ -137,6 +140,8 @@ class EngineCore:
         # its own end before an idle wait.
         self.step_listeners: list[Callable[[StepPlan, float], None]] = []
         self.finish_listeners: list[Callable[[Request], None]] = []
+        if self.offload is not None:
+            self.finish_listeners.append(self.offload.finished)
         # The last step run: (its plan, its start, its end), until reported.
         self._last_step: tuple[StepPlan, float, float] | None = None
         self._pending_aborts: set[str] = set()
@@ -320,6 +325,8 @@ class EngineCore:
         # Nothing reuses the blocks any more: no writer outside can matter.
         self.pool.release_expired(math.inf)
         self._executor.shutdown(wait=True)
+        if self.offload is not None:
+            self.offload.close()
 
     def _loop_failed(self, exc: BaseException) -> None:
         """The step loop died (its traceback is logged by the task owner)."""

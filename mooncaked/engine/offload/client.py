@@ -1,0 +1,239 @@
+"""A compute node's side of attention offloading: blocking sockets in the step thread.
+
+The step thread calls the memory node itself, once a layer: a hop through the
+event loop would add a thread switch to every round trip, and those round
+trips (layers x steps) are what offloading pays. One connection a
+micro-batch, so one half's call is in flight while the other half computes.
+
+Failure never costs a request: any error or a reply later than
+``timeout_s`` marks the memory node down for ``retry_s`` (every connection
+closed, so no stream is left out of step), and the caller finishes the
+step's attention locally from the KV it mirrors. What the memory node holds
+is then forgotten: on reconnect each sequence is uploaded again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from mooncaked.engine.offload.wire import (
+    HEADER,
+    Kind,
+    KVShape,
+    OffloadError,
+    StepSeq,
+    bytes_tensor,
+    encode_json,
+    encode_step,
+    encode_upload,
+    frame,
+    hello_mac,
+    parse_header,
+    tensor_bytes,
+)
+
+log = structlog.get_logger(__name__)
+
+# A sequence's first n tokens of KV, every layer: [layers, 2, n, kv_heads, head_dim].
+UploadSource = Callable[[str, int], torch.Tensor]
+
+
+@dataclass(slots=True)
+class ClientStats:
+    steps: int = 0
+    layers: int = 0
+    uploads: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    # Seconds the step thread sat waiting for replies (what overlap hides).
+    wait_s: float = 0.0
+    failures: int = 0
+    # Steps (or their rest) computed here because the memory node was down.
+    local_fallbacks: int = 0
+
+
+class AttentionClient:
+    def __init__(
+        self,
+        address: str,
+        *,
+        node_id: str,
+        secret: bytes,
+        shape: KVShape,
+        num_conns: int = 1,
+        timeout_s: float = 5.0,
+        retry_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        host, _, port = address.rpartition(":")
+        self._addr = (host, int(port))
+        self.address = address
+        self._node_id = node_id
+        self._secret = secret
+        self.shape = shape
+        self._num_conns = num_conns
+        self._timeout_s = timeout_s
+        self._retry_s = retry_s
+        self._clock = clock
+        self._socks: list[socket.socket] = []
+        self._down_until = 0.0
+        self.last_error = ""
+        # Tokens the memory node holds of each sequence (as of the last step).
+        self._held: dict[str, int] = {}
+        # Finished sequences, told with the next step; appended on the event loop.
+        self._drops: list[str] = []
+        self._drops_lock = threading.Lock()
+        self.stats = ClientStats()
+
+    # -- connection --------------------------------------------------------
+
+    def available(self) -> bool:
+        """Connected, or connected now; False while the node is down."""
+        if self._socks:
+            return True
+        if self._clock() < self._down_until:
+            return False
+        try:
+            self._socks = [self._connect() for _ in range(self._num_conns)]
+        except (OSError, OffloadError) as exc:
+            self.fail(f"connect: {exc}")
+            return False
+        return True
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(self._addr, timeout=self._timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            kind, _, nonce = _recv_frame(sock)
+            if kind is not Kind.CHALLENGE:
+                raise OffloadError(f"expected CHALLENGE, got {kind.name}")
+            mac = hello_mac(self._secret, bytes(nonce), self._node_id, self.shape)
+            hello = {"node": self._node_id, "mac": mac, "shape": _shape_dict(self.shape)}
+            sock.sendall(frame(Kind.HELLO, encode_json(hello)))
+            kind, _, payload = _recv_frame(sock)
+            if kind is not Kind.OK:
+                raise OffloadError(
+                    f"memory node refused: {bytes(payload).decode(errors='replace')}"
+                )
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def fail(self, reason: str) -> None:
+        """The memory node is down: close everything, forget what it holds."""
+        for sock in self._socks:
+            sock.close()
+        self._socks = []
+        self._held.clear()
+        self._down_until = self._clock() + self._retry_s
+        self.last_error = reason
+        self.stats.failures += 1
+        log.warning("memory node unavailable; attention runs locally", reason=reason)
+
+    def close(self) -> None:
+        for sock in self._socks:
+            sock.close()
+        self._socks = []
+
+    def drop(self, key: str) -> None:
+        """Forget a finished sequence (from any thread)."""
+        with self._drops_lock:
+            self._drops.append(key)
+
+    # -- a step ------------------------------------------------------------
+
+    def begin(self, conn: int, seqs: list[StepSeq], source: UploadSource) -> None:
+        """Upload what the memory node lacks of ``seqs``, then open the step on ``conn``."""
+        sock = self._socks[conn]
+        missing = [s for s in seqs if s.start > 0 and self._held.get(s.key) != s.start]
+        for s in missing:
+            self._send(sock, frame(Kind.UPLOAD, encode_upload(s.key, source(s.key, s.start))))
+        for s in missing:
+            kind, _, payload = self._recv(sock)
+            if kind is not Kind.OK:
+                raise OffloadError(f"upload refused: {bytes(payload).decode(errors='replace')}")
+            self._held[s.key] = s.start
+        self.stats.uploads += len(missing)
+        with self._drops_lock:
+            drops, self._drops = self._drops, []
+        for key in drops:
+            self._held.pop(key, None)
+        self._send(sock, frame(Kind.STEP, encode_step(seqs, drops)))
+        self.stats.steps += 1
+
+    def send_layer(
+        self, conn: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        qkv = torch.cat((q.reshape(-1), k.reshape(-1), v.reshape(-1)))
+        self._send(self._socks[conn], frame(Kind.LAYER, tensor_bytes(qkv), layer))
+
+    def recv_layer(self, conn: int, layer: int, num_tokens: int) -> torch.Tensor:
+        """The attention output [T, heads, head_dim] of ``layer``."""
+        t0 = time.perf_counter()
+        kind, got, payload = self._recv(self._socks[conn])
+        self.stats.wait_s += time.perf_counter() - t0
+        if kind is not Kind.OUT or got != layer:
+            raise OffloadError(
+                f"layer {layer}: {kind.name} {bytes(payload[:200]).decode(errors='replace')}"
+            )
+        if len(payload) != self.shape.out_bytes(num_tokens):
+            raise OffloadError(f"layer {layer}: {len(payload)} bytes of output")
+        self.stats.layers += 1
+        s = self.shape
+        return bytes_tensor(payload, s.torch_dtype).view(num_tokens, s.num_heads, s.head_dim)
+
+    def end(self, seqs: list[StepSeq]) -> None:
+        for s in seqs:
+            self._held[s.key] = s.start + s.n
+
+    # -- bytes -------------------------------------------------------------
+
+    def _send(self, sock: socket.socket, data: bytes) -> None:
+        try:
+            sock.sendall(data)
+        except OSError as exc:
+            raise OffloadError(f"send: {exc}") from exc
+        self.stats.bytes_sent += len(data)
+
+    def _recv(self, sock: socket.socket) -> tuple[Kind, int, bytearray]:
+        try:
+            kind, layer, payload = _recv_frame(sock)
+        except (OSError, ValueError) as exc:
+            raise OffloadError(f"receive: {exc or type(exc).__name__}") from exc
+        self.stats.bytes_received += len(payload) + HEADER.size
+        return kind, layer, payload
+
+
+def _shape_dict(shape: KVShape) -> dict[str, object]:
+    return json.loads(encode_json({k: getattr(shape, k) for k in shape.__dataclass_fields__}))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        r = sock.recv_into(view[got:])
+        if r == 0:
+            raise ConnectionError("memory node closed the connection")
+        got += r
+    return buf
+
+
+def _recv_frame(sock: socket.socket) -> tuple[Kind, int, bytearray]:
+    kind, layer, length = parse_header(bytes(_recv_exact(sock, HEADER.size)))
+    return kind, layer, _recv_exact(sock, length) if length else bytearray()
+
+
+def new_client_id() -> str:
+    return os.urandom(4).hex()
