@@ -15,7 +15,6 @@ is then forgotten: on reconnect each sequence is uploaded again.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
@@ -54,8 +53,11 @@ class ClientStats:
     uploads: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
-    # Seconds the step thread sat waiting for replies (what overlap hides).
+    # Seconds the step thread sat waiting for replies ...
     wait_s: float = 0.0
+    # ... of the seconds the layers were in flight (sent to answered): the
+    # share not waited for is what micro-batching hid behind local compute.
+    flight_s: float = 0.0
     failures: int = 0
     # Steps (or their rest) computed here because the memory node was down.
     local_fallbacks: int = 0
@@ -93,6 +95,8 @@ class AttentionClient:
         self._drops: list[str] = []
         self._drops_lock = threading.Lock()
         self.stats = ClientStats()
+        # When each connection's layer in flight was sent.
+        self._sent_at = [0.0] * num_conns
 
     # -- connection --------------------------------------------------------
 
@@ -176,12 +180,15 @@ class AttentionClient:
     ) -> None:
         qkv = torch.cat((q.reshape(-1), k.reshape(-1), v.reshape(-1)))
         self._send(self._socks[conn], frame(Kind.LAYER, tensor_bytes(qkv), layer))
+        self._sent_at[conn] = time.perf_counter()
 
     def recv_layer(self, conn: int, layer: int, num_tokens: int) -> torch.Tensor:
         """The attention output [T, heads, head_dim] of ``layer``."""
         t0 = time.perf_counter()
         kind, got, payload = self._recv(self._socks[conn])
-        self.stats.wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.stats.wait_s += t1 - t0
+        self.stats.flight_s += t1 - self._sent_at[conn]
         if kind is not Kind.OUT or got != layer:
             raise OffloadError(
                 f"layer {layer}: {kind.name} {bytes(payload[:200]).decode(errors='replace')}"
@@ -233,7 +240,3 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 def _recv_frame(sock: socket.socket) -> tuple[Kind, int, bytearray]:
     kind, layer, length = parse_header(bytes(_recv_exact(sock, HEADER.size)))
     return kind, layer, _recv_exact(sock, length) if length else bytearray()
-
-
-def new_client_id() -> str:
-    return os.urandom(4).hex()
