@@ -65,8 +65,10 @@ from mooncaked.cache.store import TieredStore
 from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.load import CostMeter
 from mooncaked.cluster.member import joined
+from mooncaked.cluster.state import NodeLoad
 from mooncaked.config import Config
 from mooncaked.engine.core import EngineCore
+from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.offload.server import AttentionServer
 from mooncaked.engine.serving import EngineFactory, load_engine, serving_engine
 from mooncaked.identity import NodeIdentity, new_generation
@@ -162,7 +164,8 @@ class Node:
             stack.push_async_callback(self.router.close)
             if self._config.node.role == "memory":
                 # No model, no engine: KV and attention for compute nodes.
-                await stack.enter_async_context(self._attention_service())
+                server = await stack.enter_async_context(self._attention_service())
+                await stack.enter_async_context(self._memory_member(server))
                 await stack.enter_async_context(self._serving())
                 self._log.info("memory node ready", attention=self.attention_address)
                 return
@@ -244,6 +247,40 @@ class Node:
                 yield server
             finally:
                 self.attention = None
+
+    @contextlib.asynccontextmanager
+    async def _memory_member(self, server: AttentionServer) -> AsyncIterator[None]:
+        """A memory node in gossip: role "memory", its KV use as load. It
+        caches no prefix blocks: an empty pool stands for its block index."""
+        cfg, s = self._config, self.services
+
+        def load() -> NodeLoad:
+            held = server.load()
+            total = held["num_blocks"]
+            return NodeLoad(
+                running_decode_batch=int(held["num_seqs"]),
+                kv_usage=(total - held["num_free_blocks"]) / total if total else 0.0,
+                decode_context_tokens=int(held["num_tokens"]),
+            )
+
+        async with joined(
+            cfg,
+            s.identity,
+            api_addr=api_addr(cfg, self.port),
+            engine=lambda: None,
+            draining=lambda: self.lifecycle.draining,
+            costs=None,
+            pool=BlockPool(1, enable_prefix_caching=False),
+            store=None,
+            segments=[],
+            on_failure=self.fail,
+            memory_load=load,
+        ) as member:
+            s.member = member
+            try:
+                yield
+            finally:
+                s.member = None
 
     @contextlib.asynccontextmanager
     async def _transfer_engine(self) -> AsyncIterator[TransferEngine]:

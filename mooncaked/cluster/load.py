@@ -34,7 +34,7 @@ from mooncaked.cluster.forecast import (
     OutputLengths,
     PrefillWork,
 )
-from mooncaked.cluster.state import LocalState, StageInfo
+from mooncaked.cluster.state import LocalState, NodeLoad, StageInfo
 from mooncaked.cluster.work import NodeWork, gossiped_load, queue_s
 from mooncaked.config import PipelineConfig
 from mooncaked.engine.plan import StepPlan
@@ -207,9 +207,12 @@ class LoadMeter:
         costs: CostMeter | None = None,
         pipeline: PipelineConfig | None = None,
         dram_free: Callable[[], int] | None = None,
+        memory_load: Callable[[], NodeLoad] | None = None,
     ) -> None:
         """``dram_free``: free slots of the node's DRAM tier (replicas go
-        where most are free)."""
+        where most are free). ``memory_load``: a memory node's (no engine)
+        KV use and the sequences it serves."""
+        self._memory_load = memory_load
         self._role = role
         self._dram_free = dram_free
         self._api_addr = api_addr
@@ -223,7 +226,10 @@ class LoadMeter:
     def __call__(self) -> LocalState:
         engine = self._engine()
         if engine is None:
-            return LocalState(role=self._role, api_addr=self._api_addr, draining=self._draining())
+            load = self._memory_load() if self._memory_load is not None else NodeLoad()
+            return LocalState(
+                role=self._role, api_addr=self._api_addr, draining=self._draining(), load=load
+            )
         now = self._clock()
         snapshot = engine.snapshot
         work = engine_work(snapshot, now)

@@ -23,7 +23,7 @@ from mooncaked.cluster.block_index import BlockEvent, BlockOp
 from mooncaked.cluster.events import BlockEventBatcher
 from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.load import CostMeter, LoadMeter
-from mooncaked.cluster.state import ClusterView
+from mooncaked.cluster.state import ClusterView, NodeLoad
 from mooncaked.cluster.status import ClusterSnapshot, cluster_snapshot
 from mooncaked.config import ClusterConfig, Config
 from mooncaked.identity import NodeIdentity
@@ -142,6 +142,7 @@ async def joined(
     store: TieredStore | None,
     segments: Sequence[Mapping[str, Any]],
     on_failure: Callable[[BaseException], None],
+    memory_load: Callable[[], NodeLoad] | None = None,
 ) -> AsyncIterator[ClusterMember]:
     """This node in the cluster of ``[cluster]`` while entered, gossiping the
     load of ``engine`` (None while it is not serving) from ``api_addr``."""
@@ -154,6 +155,7 @@ async def joined(
         costs=costs,
         pipeline=config.pipeline,
         dram_free=None if store is None else (lambda: store.dram.num_free),
+        memory_load=memory_load,
     )
     member = ClusterMember(
         config.cluster,

@@ -135,12 +135,13 @@ class AttentionServer:
         await self.close()
 
     def load(self) -> dict[str, float]:
-        """What gossip says of this node: KV capacity and use, peers served."""
+        """KV capacity and use, sequences and peers served."""
         kv = self.kv
         return {
             "num_blocks": float(kv.num_blocks if kv else 0),
             "num_free_blocks": float(kv.num_free if kv else 0),
             "num_seqs": float(len(kv.seqs) if kv else 0),
+            "num_tokens": float(sum(q.num_tokens for q in kv.seqs.values()) if kv else 0),
             "num_peers": float(len(self._peers)),
         }
 
