@@ -51,7 +51,7 @@ from mooncaked.engine.pipeline import ChunkRefused, StagePipe
 from mooncaked.engine.plan import LoadJob, StepOutput, StepPlan
 from mooncaked.engine.runner import KVAllocator, ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
-from mooncaked.engine.snapshot import EngineLoad, EngineSnapshot, ModelFacts
+from mooncaked.engine.snapshot import EngineLoad, EngineSnapshot, model_facts
 from mooncaked.handoff import NO_HANDOFF, Handoff, StageJob
 from mooncaked.process import (
     compute_threads,
@@ -130,7 +130,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             kv_sent=self._kv_sent,
         )
-        self.model_facts = self._model_facts()
+        self.model_facts = model_facts(config, self.runner, self.pool.num_blocks)
         self.snapshot = EngineSnapshot(self.model_facts)
         # Called with every step's plan and its seconds (cost models learn
         # from them), and with every finished request. A step's seconds are
@@ -140,8 +140,6 @@ class EngineCore:
         # its own end before an idle wait.
         self.step_listeners: list[Callable[[StepPlan, float], None]] = []
         self.finish_listeners: list[Callable[[Request], None]] = []
-        if self.offload is not None:
-            self.finish_listeners.append(self.offload.finished)
         # The last step run: (its plan, its start, its end), until reported.
         self._last_step: tuple[StepPlan, float, float] | None = None
         self._pending_aborts: set[str] = set()
@@ -206,22 +204,6 @@ class EngineCore:
         free, total = torch.cuda.mem_get_info(device)
         return int(total * kv.gpu_memory_fraction) - (total - free)
 
-    def _model_facts(self) -> ModelFacts:
-        arch, sched = self.loaded.arch, self.config.scheduler
-        return ModelFacts(
-            model_id=self.model_id,
-            vocab_size=arch.vocab_size,
-            max_model_len=self.max_model_len,
-            num_layers=arch.num_layers,
-            dtype=str(self.loaded.dtype).removeprefix("torch."),
-            device=str(self.loaded.device),
-            block_size=self.block_size,
-            num_blocks=self.pool.num_blocks,
-            kv_bytes_per_token=self.runner.block_bytes // self.block_size,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs,
-        )
-
     @property
     def scheduler(self) -> Scheduler:
         """The scheduler; built by ``start()``."""
@@ -276,6 +258,8 @@ class EngineCore:
             model_id=self.model_id,
             connector=self.connector,
         )
+        if self.offload is not None:
+            self._scheduler.on_remote_dropped = self.offload.dropped
         self._loop_task = self._tasks.spawn(self._run_loop(), name="engine-step-loop")
         log.info(
             "engine started",
@@ -476,9 +460,11 @@ class EngineCore:
                 f"but {total} were requested ({len(prompt_token_ids)} in the prompt, "
                 f"{sampling.max_tokens} for the completion)"
             )
-        if -(-total // self.block_size) > self.pool.num_blocks:
+        # Offloaded, a request holds blocks here for its prompt only.
+        local = len(prompt_token_ids) + 1 if self.offload is not None else total
+        if -(-local // self.block_size) > self.pool.num_blocks:
             raise PromptTooLongError(
-                f"{total} tokens need more KV blocks than this node has "
+                f"{local} tokens need more KV blocks than this node has "
                 f"({self.pool.num_blocks} blocks of {self.block_size} tokens)"
             )
 
@@ -530,6 +516,9 @@ class EngineCore:
             # Idle: a cheap moment for the pool's self-check.
             self._checked_at_step = self.num_steps
             self._self_check()
+        if self.offload is not None and self.offload.client.num_drops:
+            # What finished requests held on the memory node goes now.
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.offload.flush)
         self._wakeup.clear()
         deadline = self.pool.next_deadline()
         if deadline is None:
@@ -557,7 +546,7 @@ class EngineCore:
         last = self._last_step
         if last is not None and last[0] is plan:
             self._last_step = (plan, last[1], time.perf_counter())
-        reqs = self.scheduler.update(plan, out.tokens)
+        reqs = self.scheduler.update(plan, out.tokens, kv_moved=out.kv_moved, kv_lost=out.kv_lost)
         # Before the outputs go: a request's last one carries what its
         # connector report says became of the KV it sent.
         self.connector.after_step(out.kv_report)

@@ -31,6 +31,9 @@ class ScheduledChunk:
     # A stage after the first of a pipelined prefill group: the rows of its
     # inbound activations that hold these tokens' input (None: token ids).
     act_rows: list[int] | None = None
+    # The request's KV lives on a memory node (attention offloading): no
+    # local blocks (``block_ids`` is empty), its attention runs there only.
+    kv_remote: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -118,3 +121,9 @@ class StepOutput:
     # A stage before the last of a pipelined prefill group: the step's output
     # rows [tokens, hidden], in plan order, for the next stage (None elsewhere).
     hidden: Any = None
+    # Attention offloading: requests whose KV the memory node holds since this
+    # step (their local blocks can go), and requests whose KV there was lost
+    # (the memory node failed: they are recomputed; their tokens of this step
+    # are void).
+    kv_moved: tuple[str, ...] = ()
+    kv_lost: tuple[str, ...] = ()

@@ -14,6 +14,7 @@ results return; what it reports of the step comes back with the tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -193,9 +194,18 @@ class ModelRunner:
         return self.run(plan).tokens
 
     def run(self, plan: StepPlan, connector: KVConnector | None = None) -> StepOutput:
-        """The step's tokens, and the connector's report of it."""
+        """The step's tokens, the connector's report of it, and (attention
+        offloading) which requests' KV moved to the memory node or was lost."""
         if plan.is_empty:
             return StepOutput([])
+        out = self._run(plan, connector)
+        offload = self.offload
+        if offload is None or offload.last is None:
+            return out
+        run, offload.last = offload.last, None
+        return dataclasses.replace(out, kv_moved=run.moved, kv_lost=run.lost)
+
+    def _run(self, plan: StepPlan, connector: KVConnector | None) -> StepOutput:
         meta = plan.connector_meta if connector is not None else None
         if connector is None or meta is None:
             with torch.inference_mode():

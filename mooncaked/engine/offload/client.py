@@ -5,11 +5,14 @@ event loop would add a thread switch to every round trip, and those round
 trips (layers x steps) are what offloading pays. One connection a
 micro-batch, so one half's call is in flight while the other half computes.
 
-Failure never costs a request: any error or a reply later than
-``timeout_s`` marks the memory node down for ``retry_s`` (every connection
-closed, so no stream is left out of step), and the caller finishes the
-step's attention locally from the KV it mirrors. What the memory node holds
-is then forgotten: on reconnect each sequence is uploaded again.
+The memory node is the only holder of an offloaded sequence's KV (this node
+keeps no mirror: that is the memory offloading saves). Any error or a reply
+later than ``timeout_s`` marks the memory node down for ``retry_s`` (every
+connection closed, so no stream is left out of step, and the memory node
+frees this node's sequences when they close); ``fail`` returns the keys of
+every sequence it held, which the engine recomputes. A sequence whose KV is
+still here (a prompt prefilled here or handed over by a prefill node) is
+uploaded before its first offloaded step.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from mooncaked.engine.offload.wire import (
     OffloadError,
     StepSeq,
     bytes_tensor,
+    encode_drop,
     encode_json,
     encode_step,
     encode_upload,
@@ -42,8 +46,9 @@ from mooncaked.engine.offload.wire import (
 
 log = structlog.get_logger(__name__)
 
-# A sequence's first n tokens of KV, every layer: [layers, 2, n, kv_heads, head_dim].
-UploadSource = Callable[[str, int], torch.Tensor]
+# A sequence's first n tokens of KV, every layer: [layers, 2, n, kv_heads, head_dim];
+# None when this node does not hold them (the memory node was their only holder).
+UploadSource = Callable[[str, int], torch.Tensor | None]
 
 
 @dataclass(slots=True)
@@ -59,8 +64,10 @@ class ClientStats:
     # share not waited for is what micro-batching hid behind local compute.
     flight_s: float = 0.0
     failures: int = 0
-    # Steps (or their rest) computed here because the memory node was down.
+    # Steps whose decodes attended here because the memory node was down.
     local_fallbacks: int = 0
+    # Sequences whose KV a failure lost (recomputed by the engine).
+    lost: int = 0
 
 
 class AttentionClient:
@@ -133,16 +140,19 @@ class AttentionClient:
             raise
         return sock
 
-    def fail(self, reason: str) -> None:
-        """The memory node is down: close everything, forget what it holds."""
+    def fail(self, reason: str) -> list[str]:
+        """The memory node is down: close everything; the keys of the
+        sequences it held, whose KV is lost."""
         for sock in self._socks:
             sock.close()
         self._socks = []
+        lost = list(self._held)
         self._held.clear()
         self._down_until = self._clock() + self._retry_s
         self.last_error = reason
         self.stats.failures += 1
-        log.warning("memory node unavailable; attention runs locally", reason=reason)
+        log.warning("memory node unavailable", reason=reason, num_lost=len(lost))
+        return lost
 
     def close(self) -> None:
         for sock in self._socks:
@@ -154,24 +164,49 @@ class AttentionClient:
         with self._drops_lock:
             self._drops.append(key)
 
+    @property
+    def num_drops(self) -> int:
+        return len(self._drops)
+
+    def take_drops(self, keep: set[str]) -> list[str]:
+        """The sequences to forget with the next step, but those in ``keep``
+        (the step uploads them again: their old KV goes with the upload)."""
+        with self._drops_lock:
+            drops, self._drops = self._drops, []
+        drops = [k for k in drops if k not in keep]
+        for key in drops:
+            self._held.pop(key, None)
+        return drops
+
+    def flush(self) -> None:
+        """Tell the memory node of the finished sequences now (the engine is
+        idle: no step would carry them); step thread only."""
+        if not self._socks or not self._drops:
+            return
+        drops = self.take_drops(set())
+        try:
+            self._send(self._socks[0], frame(Kind.DROP, encode_drop(drops)))
+        except OffloadError as exc:
+            self.fail(str(exc))
+
     # -- a step ------------------------------------------------------------
 
-    def begin(self, conn: int, seqs: list[StepSeq], source: UploadSource) -> None:
-        """Upload what the memory node lacks of ``seqs``, then open the step on ``conn``."""
+    def begin(self, conn: int, seqs: list[StepSeq], source: UploadSource, drops: list[str]) -> None:
+        """Upload what the memory node lacks of ``seqs``, then open the step on
+        ``conn``, telling it to forget ``drops``."""
         sock = self._socks[conn]
         missing = [s for s in seqs if s.start > 0 and self._held.get(s.key) != s.start]
         for s in missing:
-            self._send(sock, frame(Kind.UPLOAD, encode_upload(s.key, source(s.key, s.start))))
+            kv = source(s.key, s.start)
+            if kv is None:
+                raise OffloadError(f"the memory node lacks the KV of {s.key!r}")
+            self._send(sock, frame(Kind.UPLOAD, encode_upload(s.key, kv)))
         for s in missing:
             kind, _, payload = self._recv(sock)
             if kind is not Kind.OK:
                 raise OffloadError(f"upload refused: {bytes(payload).decode(errors='replace')}")
             self._held[s.key] = s.start
         self.stats.uploads += len(missing)
-        with self._drops_lock:
-            drops, self._drops = self._drops, []
-        for key in drops:
-            self._held.pop(key, None)
         self._send(sock, frame(Kind.STEP, encode_step(seqs, drops)))
         self.stats.steps += 1
 

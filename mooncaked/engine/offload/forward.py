@@ -1,11 +1,13 @@
 """A forward pass whose decode attention runs on a memory node.
 
-The step's decode sequences form one or two remote parts (micro-batches);
-its prefill chunks, if any, one local part (prefill attention is compute-
-bound: it stays). Per layer, a part computes its norm, q/k/v and RoPE here,
-writes its new K/V into the local cache (the mirror that lets a step finish
-here when the memory node fails), sends q/k/v, and later takes the output
-back for o_proj and the MLP. The parts are staggered:
+The step's decodes form one or two remote parts (micro-batches); its
+prefill chunks, if any, one local part (prefill attention is compute-bound:
+it stays, into local blocks; the KV moves to the memory node with the
+sequence's first decode, and the engine frees the blocks then). Per layer,
+a part computes its norm, q/k/v and RoPE here; a local part writes its K/V
+into the local cache and attends here, a remote part sends q/k/v (the
+memory node writes the K/V into its own blocks: there is no local copy) and
+later takes the output back for o_proj and the MLP. The parts are staggered:
 
     pre(A, 0); pre(B, 0)
     for each layer i:  post(A, i); pre(A, i+1); post(B, i); pre(B, i+1)
@@ -15,9 +17,10 @@ after attention and its layer i+1 before it: with two parts, remote
 attention overlaps local compute (Lamina's staggered pipelining); with
 one part, every layer waits a full round trip.
 
-A part's first layer-0 reply tells whether the memory node holds what the
-step needs; a failure anywhere makes the rest of the step local: the
-outputs are the same numbers either way.
+A failure anywhere ends every remote part's work for the step: their
+sequences, and every other the memory node held, are reported lost (the
+engine recomputes them), and their rows of this step are void. The local
+part finishes as if nothing happened.
 """
 
 from __future__ import annotations
@@ -37,8 +40,7 @@ from mooncaked.engine.attention import (
 from mooncaked.engine.model import CausalLM, Rope
 from mooncaked.engine.offload.client import AttentionClient
 from mooncaked.engine.offload.wire import OffloadError, StepSeq
-from mooncaked.engine.plan import StepPlan
-from mooncaked.request import Request
+from mooncaked.engine.plan import ScheduledChunk, StepPlan
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -48,35 +50,48 @@ class _Part:
     rows: torch.Tensor
     x: torch.Tensor
     rope: Rope
-    meta: AttentionMetadata
+    # Local attention's metadata (None: a remote part, it has none here).
+    meta: AttentionMetadata | None
     # None: attention here.
     seqs: list[StepSeq] | None
     conn: int = 0
     # q, k, v of the layer in flight.
     pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    sent: bool = False
+    # A remote part whose memory node failed: nothing more is computed of it.
+    failed: bool = False
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class OffloadedRun:
-    """A step's parts and how the attention went, for the caller's counters."""
+    """What a step did to where KV lives, for the scheduler (plain data)."""
 
     num_remote_parts: int
-    fell_back: bool
+    # Requests whose KV the memory node holds after this step.
+    moved: tuple[str, ...]
+    # Requests whose KV was lost with the memory node (their step is void).
+    lost: tuple[str, ...]
 
 
 class OffloadedAttention:
     """The runner's hook: ``forward`` runs a step with remote decode attention,
-    or returns None when it does not apply (no decodes, the node is down)."""
+    or returns None when it does not apply (no decodes; the node is down and
+    every decode's KV is still here)."""
 
     def __init__(self, client: AttentionClient, micro_batches: int) -> None:
         self.client = client
         self.micro_batches = micro_batches
+        # The last step's report, until the runner takes it.
         self.last: OffloadedRun | None = None
+        self._lost: list[str] = []
 
-    def finished(self, request: Request) -> None:
-        """A request ended: its KV on the memory node goes with the next step."""
-        self.client.drop(request.request_id)
+    def dropped(self, request_id: str) -> None:
+        """A request's KV on the memory node is no longer needed (finished,
+        preempted): it is freed with the next step, or by ``flush``."""
+        self.client.drop(request_id)
+
+    def flush(self) -> None:
+        """Free what finished requests held on the memory node; step thread only."""
+        self.client.flush()
 
     def close(self) -> None:
         self.client.close()
@@ -91,52 +106,56 @@ class OffloadedAttention:
         block_size: int,
         layer_done: Callable[[int], None] | None = None,
     ) -> torch.Tensor | None:
-        decodes = [i for i, c in enumerate(plan.chunks) if c.num_tokens == 1]
-        if not decodes or not self.client.available():
+        self.last = None
+        chunks = plan.chunks
+        # A one-token chunk that samples decodes next (a prefill's last
+        # token included): after this step its KV is on the memory node.
+        remote = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and c.sample]
+        if not remote:
             return None
-        prefills = [i for i, c in enumerate(plan.chunks) if c.num_tokens > 1]
-        n = min(self.micro_batches, len(decodes))
-        size = -(-len(decodes) // n)
-        groups = [decodes[lo : lo + size] for lo in range(0, len(decodes), size)]
+        up = self.client.available()
+        if not up and not any(chunks[i].kv_remote for i in remote):
+            self.client.stats.local_fallbacks += 1
+            return None
+        local = [i for i in range(len(chunks)) if i not in set(remote)]
+        n = min(self.micro_batches, len(remote))
+        size = -(-len(remote) // n)
+        groups = [remote[lo : lo + size] for lo in range(0, len(remote), size)]
         device, dtype = kv_buffer.device, kv_buffer.dtype
         starts = _row_starts(plan)
         parts = [
             _part(model, plan, g, starts, backend, block_size, device, dtype, remote=True, conn=j)
             for j, g in enumerate(groups)
         ]
-        if prefills:
+        if local:
             parts.append(
-                _part(
-                    model, plan, prefills, starts, backend, block_size, device, dtype, remote=False
-                )
+                _part(model, plan, local, starts, backend, block_size, device, dtype, remote=False)
             )
-
-        def source(key: str, num_tokens: int) -> torch.Tensor:
-            chunk = next(c for c in plan.chunks if c.request_id == key)
-            return _gather_kv(kv_buffer, chunk.block_ids, num_tokens, block_size)
-
-        fell_back = False
-        for p in parts:
-            if p.seqs is not None:
-                try:
-                    self.client.begin(p.conn, p.seqs, source)
-                except OffloadError as exc:
-                    fell_back = self._fail(parts, str(exc))
+        self._lost = []
+        if up:
+            self._begin(parts, chunks, kv_buffer, block_size)
+        else:
+            # Defensive: KV on a node that is down is KV lost.
+            self._fail(parts, None)
         layers = list(zip(model.model.layers, kv_caches, strict=True))
         for p in parts:
-            fell_back |= self._pre(p, 0, layers[0])
+            self._pre(p, 0, layers[0], parts)
         for i, pair in enumerate(layers):
             if layer_done is not None:
                 layer_done(i)
             for p in parts:
-                fell_back |= self._post(p, i, pair, parts)
+                self._post(p, i, pair, parts)
                 if i + 1 < len(layers):
-                    fell_back |= self._pre(p, i + 1, layers[i + 1])
-        if not fell_back:
+                    self._pre(p, i + 1, layers[i + 1], parts)
+        moved: list[str] = []
+        if not self._lost:
             for p in parts:
                 if p.seqs is not None:
                     self.client.end(p.seqs)
-        self.last = OffloadedRun(len(groups), fell_back)
+                    moved.extend(s.key for s in p.seqs)
+        lost = tuple(dict.fromkeys(self._lost))
+        self.client.stats.lost += len(lost)
+        self.last = OffloadedRun(len(groups), tuple(moved), lost)
         norm = model.model.norm
         out = torch.empty(
             (plan.num_tokens, parts[0].x.shape[1]), dtype=parts[0].x.dtype, device=device
@@ -145,50 +164,81 @@ class OffloadedAttention:
             out.index_copy_(0, p.rows, norm(p.x) if norm is not None else p.x)
         return out
 
-    def _fail(self, parts: list[_Part], reason: str) -> bool:
-        self.client.fail(reason)
-        self.client.stats.local_fallbacks += 1
-        for p in parts:
-            p.seqs = None
-            p.sent = False
-        return True
+    def _begin(
+        self, parts: list[_Part], chunks: list[ScheduledChunk], kv_buffer: torch.Tensor, bs: int
+    ) -> None:
+        by_id = {c.request_id: c for c in chunks}
 
-    def _pre(self, p: _Part, i: int, pair: tuple[torch.nn.Module, KVCache]) -> bool:
+        def source(key: str, num_tokens: int) -> torch.Tensor | None:
+            chunk = by_id[key]
+            if chunk.kv_remote or not chunk.block_ids:
+                return None
+            return _gather_kv(kv_buffer, chunk.block_ids, num_tokens, bs)
+
+        keys = {s.key for p in parts if p.seqs is not None for s in p.seqs}
+        drops = self.client.take_drops(keys)
+        for p in parts:
+            if p.seqs is None:
+                continue
+            try:
+                self.client.begin(p.conn, p.seqs, source, drops)
+            except OffloadError as exc:
+                self._fail(parts, str(exc))
+                return
+            drops = []
+
+    def _fail(self, parts: list[_Part], reason: str | None) -> None:
+        """Every remote part stops; what the memory node held is lost."""
+        if reason is not None:
+            self._lost.extend(self.client.fail(reason))
+        for p in parts:
+            if p.seqs is not None and not p.failed:
+                p.failed = True
+                p.pending = None
+                self._lost.extend(s.key for s in p.seqs)
+
+    def _pre(
+        self, p: _Part, i: int, pair: tuple[torch.nn.Module, KVCache], parts: list[_Part]
+    ) -> None:
+        if p.failed:
+            return
         layer, (k_cache, v_cache) = pair
-        attn = layer.self_attn
-        q, k, v = attn.project_qkv(layer.input_layernorm(p.x), p.rope)
-        write_kv(k, v, k_cache, v_cache, p.meta.slot_mapping)
-        p.pending, p.sent = (q, k, v), False
+        q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(p.x), p.rope)
+        p.pending = (q, k, v)
         if p.seqs is None:
-            return False
+            if p.meta is None:
+                raise RuntimeError("a local part without attention metadata")
+            write_kv(k, v, k_cache, v_cache, p.meta.slot_mapping)
+            return
         try:
             self.client.send_layer(p.conn, i, q, k, v)
         except OffloadError as exc:
-            return self._fail([p], str(exc))
-        p.sent = True
-        return False
+            self._fail(parts, str(exc))
 
     def _post(
         self, p: _Part, i: int, pair: tuple[torch.nn.Module, KVCache], parts: list[_Part]
-    ) -> bool:
+    ) -> None:
+        if p.failed:
+            return
         layer, (k_cache, v_cache) = pair
         if p.pending is None:
             raise RuntimeError(f"layer {i}: no q/k/v in flight")
         q, k, v = p.pending
-        out: torch.Tensor | None = None
-        failed = False
-        if p.sent and p.seqs is not None:
+        p.pending = None
+        if p.seqs is not None:
             try:
                 out = self.client.recv_layer(p.conn, i, q.shape[0])
             except OffloadError as exc:
-                # Every part's stream is now out of step: all go local.
-                failed = self._fail(parts, str(exc))
-        if out is None:
-            out = p.meta.backend.attend(q, PagedKV(k, v, k_cache, v_cache), p.meta)  # type: ignore[union-attr]
+                # Every part's stream is now out of step: all remote parts stop.
+                self._fail(parts, str(exc))
+                return
+        else:
+            meta = p.meta
+            if meta is None or meta.backend is None:
+                raise RuntimeError("a local part without attention metadata")
+            out = meta.backend.attend(q, PagedKV(k, v, k_cache, v_cache), meta)
         x = p.x + layer.self_attn.project_out(out.to(q.dtype))
         p.x = x + layer.mlp(layer.post_attention_layernorm(x))
-        p.pending = None
-        return failed
 
 
 def _row_starts(plan: StepPlan) -> list[int]:
@@ -215,15 +265,17 @@ def _part(
     rows = [r for i in chunk_ids for r in range(starts[i], starts[i + 1])]
     ids = [t for c in chunks for t in c.token_ids]
     positions = [p for c in chunks for p in range(c.start_pos, c.start_pos + c.num_tokens)]
-    meta = build_metadata(
-        query_lens=[c.num_tokens for c in chunks],
-        start_positions=[c.start_pos for c in chunks],
-        block_tables=[c.block_ids for c in chunks],
-        block_size=block_size,
-        device=device,
-        backend=backend,
-        dtype=dtype,
-    )
+    meta = None
+    if not remote:
+        meta = build_metadata(
+            query_lens=[c.num_tokens for c in chunks],
+            start_positions=[c.start_pos for c in chunks],
+            block_tables=[c.block_ids for c in chunks],
+            block_size=block_size,
+            device=device,
+            backend=backend,
+            dtype=dtype,
+        )
     embed = model.model.embed_tokens
     if embed is None:
         raise RuntimeError("attention offloading runs whole models only")

@@ -8,7 +8,8 @@ the new K/V into their slots and runs the engine's paged attention over them
 on a worker thread, then ``OUT`` carries the result back. A failed step is
 answered ``ERROR`` at its next layer and the connection stays usable; a broken
 frame closes the connection. When a peer's last connection closes, its
-sequences' blocks are freed (it uploads them again when it comes back).
+sequences' blocks are freed: this node was their KV's only holder, so the
+peer recomputes them (and uploads them again when it comes back).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from mooncaked.engine.offload.wire import (
     StepSeq,
     bytes_tensor,
     check_hello,
+    decode_drop,
     decode_step,
     decode_upload,
     encode_json,
@@ -219,6 +221,10 @@ class AttentionServer:
             return None
         if kind is Kind.UPLOAD:
             return self._upload(conn.peer, kv, payload)
+        if kind is Kind.DROP:
+            for key in decode_drop(payload):
+                kv.drop((conn.peer, key))
+            return None
         if kind is Kind.LAYER:
             return await self._layer(conn, kv, layer, payload)
         raise ValueError(f"unexpected {kind.name} frame")

@@ -45,6 +45,9 @@ class Kind(enum.IntEnum):
     # A sequence's KV from position 0, every layer: what the memory node lacks
     # (a prompt prefilled elsewhere, a prefix-cache hit, a restarted node).
     UPLOAD = 8
+    # Sequences the compute node is done with, while no step carries them
+    # (its engine went idle); no reply.
+    DROP = 9
 
 
 class OffloadError(RuntimeError):
@@ -170,6 +173,14 @@ def decode_step(payload: bytes) -> tuple[list[StepSeq], list[str]]:
     if len({s.key for s in seqs}) != len(seqs):
         raise ValueError("STEP names a sequence twice")
     return seqs, [str(k) for k in data.get("drop", [])]
+
+
+def encode_drop(keys: list[str]) -> bytes:
+    return encode_json({"drop": keys})
+
+
+def decode_drop(payload: bytes) -> list[str]:
+    return [str(k) for k in json.loads(payload)["drop"]]
 
 
 def encode_upload(key: str, kv: torch.Tensor) -> bytes:
