@@ -128,7 +128,8 @@ class OffloadConfig:
 
     On a compute node, ``memory_node`` turns it on: each decode step sends the
     new q/k/v of every layer to that node and takes the attention output back;
-    the linear layers, norms, RoPE and sampling stay here. On a node with
+    the linear layers, norms, RoPE and sampling stay here. A decoding
+    sequence's KV is held on the memory node only. On a node with
     ``node.role = "memory"``, ``port`` and ``pool_bytes`` size its service.
     """
 
@@ -137,9 +138,9 @@ class OffloadConfig:
     # Decode batches split into this many micro-batches (1 or 2): with 2, one
     # half's remote attention overlaps the other half's local layers.
     micro_batches: int = 1
-    # A memory node's reply must come within this; past it the step finishes
-    # its attention here (the KV is mirrored locally) and the node is left alone
-    # for retry_s.
+    # A memory node's reply must come within this; past it the sequences whose
+    # KV it held are recomputed here (it was their only holder) and the node is
+    # left alone for retry_s.
     timeout_s: float = 5.0
     retry_s: float = 5.0
     # A memory node: where its attention service listens (0: any free port) ...

@@ -517,8 +517,10 @@ class EngineCore:
             self._checked_at_step = self.num_steps
             self._self_check()
         if self.offload is not None and self.offload.client.num_drops:
-            # What finished requests held on the memory node goes now.
+            # What finished requests held on the memory node goes now; then
+            # schedule again (a request may have come meanwhile).
             await asyncio.get_running_loop().run_in_executor(self._executor, self.offload.flush)
+            return
         self._wakeup.clear()
         deadline = self.pool.next_deadline()
         if deadline is None:

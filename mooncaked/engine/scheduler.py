@@ -478,10 +478,9 @@ class Scheduler:
     def _kv_lost(self, request_ids: Sequence[str]) -> None:
         """The memory node lost these requests' KV: recompute them here (or on
         it again, once it is back); a context this pool cannot hold fails."""
-        for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None or req.state is not RequestState.RUNNING:
-                continue
+        lost = set(request_ids)
+        # From the newest: each goes to the queue's front, so they keep their order.
+        for req in [r for r in reversed(self.running) if r.request_id in lost]:
             self._preempt(req)
             if -(-(req.num_tokens + 1) // self.block_size) > self.pool.num_blocks:
                 self._fail(

@@ -2,9 +2,12 @@
 
 Greedy output must be token-identical with decode attention local and on the
 memory node, with one micro-batch and two, for batches of 1, 4 and 16
-requests through the OpenAI-compatible API. A memory node killed with
-SIGKILL mid-stream costs no request: each ends with the single-node text.
-A compute node without the cluster secret is refused (and serves locally).
+requests through the OpenAI-compatible API; a decoding sequence's KV is on
+the memory node only, so a compute node whose pool holds less than the
+batch's context serves it. A memory node killed with SIGKILL mid-stream
+loses the KV it held: each request is recomputed and ends with the
+single-node text (or an explicit error), and nothing is left behind. A
+compute node without the cluster secret is refused (and serves locally).
 """
 
 from __future__ import annotations
@@ -135,6 +138,39 @@ async def test_offloaded_greedy_output_is_token_identical(
     )
     assert server.kv is not None
     server.kv.check_integrity()
+    # Nothing is left here, nor (once the engines go idle) there.
+    for node in (one, two):
+        assert node.engine is not None and node.engine.pool.num_used_blocks == 0
+    kv = server.kv
+    await wait_until(lambda: not kv.seqs, "the memory node freed every sequence", 10)
+    assert kv.num_free == kv.num_blocks
+
+
+async def test_a_compute_node_batches_more_context_than_its_kv_pool_holds() -> None:
+    batch = prompts(16, seed=16)
+    pool_blocks = 20  # 320 tokens: any one prompt fits, the batch's context does not
+    assert sum(len(p) + MAX_TOKENS for p in batch) > 4 * pool_blocks * 16
+    memory = Node(make_config(**memory_config()))
+    await memory.start()
+    local = Node(make_config())
+    await local.start()
+    offload = {"memory_node": memory.attention_address, "micro_batches": 2}
+    compute = Node(make_config(offload=offload, kv={"num_blocks": pool_blocks}))
+    await compute.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            want = await asyncio.gather(*(complete(session, local.url, p) for p in batch))
+            got = await asyncio.gather(*(complete(session, compute.url, p) for p in batch))
+        assert got == want
+        engine = compute.engine
+        assert engine is not None and engine.offload is not None
+        stats = engine.offload.client.stats
+        assert stats.failures == 0 and stats.lost == 0 and stats.uploads == len(batch)
+        assert engine.pool.num_used_blocks == 0 and engine.scheduler.remote == set()
+        engine.check_integrity()
+    finally:
+        for node in (compute, local, memory):
+            await node.stop()
 
 
 async def test_a_compute_node_without_the_secret_is_refused() -> None:
@@ -176,19 +212,32 @@ async def test_memory_node_killed_mid_stream_costs_no_request(tmp_path: Path) ->
     compute = Node(make_config(offload=offload))
     await compute.start()
     try:
-        batch = prompts(8, seed=11)
+        batch = prompts(20, seed=11)
         async with aiohttp.ClientSession() as session:
             want = await asyncio.gather(*(stream(session, local.url, p) for p in batch))
             engine = compute.engine
             assert engine is not None and engine.offload is not None
-            stats = engine.offload.client.stats
+            client = engine.offload.client
             tasks = [asyncio.ensure_future(stream(session, compute.url, p)) for p in batch]
-            await wait_until(lambda: stats.layers > 40, "remote attention under way", 60)
+            await wait_until(lambda: client.stats.layers > 40, "remote attention under way", 60)
             os.kill(memory.pid, signal.SIGKILL)
             async with asyncio.timeout(120):
-                got = await asyncio.gather(*tasks)
-        assert got == want
-        assert stats.failures >= 1 and stats.local_fallbacks >= 1
+                got = await asyncio.gather(*tasks, return_exceptions=True)
+        # The memory node held their only KV: recomputed here, each ends with
+        # the single-node text, or (none expected here) an explicit error.
+        for text, expected in zip(got, want, strict=True):
+            if isinstance(text, BaseException):
+                assert "stream ended with an error" in str(text)
+            else:
+                assert text == expected
+        assert sum(isinstance(t, str) for t in got) == len(batch)
+        assert client.stats.failures >= 1 and client.stats.lost >= 1
+        assert engine.scheduler.num_preemptions >= client.stats.lost
+        # Nothing left behind: no block, no sequence counted remote, no socket.
+        await engine.wait_idle()
+        assert engine.pool.num_used_blocks == 0 and engine.scheduler.remote == set()
+        engine.check_integrity()
+        assert client.num_connections == 0
     finally:
         memory.proc.kill()
         memory.proc.wait()

@@ -140,6 +140,10 @@ class AttentionClient:
             raise
         return sock
 
+    @property
+    def num_connections(self) -> int:
+        return len(self._socks)
+
     def fail(self, reason: str) -> list[str]:
         """The memory node is down: close everything; the keys of the
         sequences it held, whose KV is lost."""
@@ -181,9 +185,10 @@ class AttentionClient:
     def flush(self) -> None:
         """Tell the memory node of the finished sequences now (the engine is
         idle: no step would carry them); step thread only."""
-        if not self._socks or not self._drops:
-            return
         drops = self.take_drops(set())
+        # Unconnected, the memory node holds nothing of ours: nothing to tell.
+        if not self._socks or not drops:
+            return
         try:
             self._send(self._socks[0], frame(Kind.DROP, encode_drop(drops)))
         except OffloadError as exc:
