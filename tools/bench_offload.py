@@ -8,10 +8,13 @@ For each context length and batch size it times decode steps of one runner
 local (the baseline), offloaded to a memory node in another process on
 another core with one micro-batch, and with two (staggered). The context is
 random KV written into the local cache; the memory node receives it as an
-upload during a warm-up step that is not timed. It prints decode tokens/s,
-the ratio to the local run of the same shape, the bytes sent and received
-per step, and the overlap: the share of the layers' time in flight that the
-compute thread did not wait for (what micro-batching hides).
+upload during a warm-up step that is not timed, after which the sequences'
+local blocks go back to a block pool (as the engine's scheduler frees them)
+and the timed steps read no local KV. It prints decode tokens/s, the ratio
+to the local run of the same shape, the bytes sent and received per step,
+the overlap (the share of the layers' time in flight that the compute
+thread did not wait for: what micro-batching hides), and the compute
+node's KV pool blocks in use during the timed steps.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import structlog
 import torch
 
 from mooncaked.config import Config, ModelConfig, OffloadConfig, with_overrides
+from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.loader import load_model
 from mooncaked.engine.offload import offload_for
 from mooncaked.engine.offload.server import AttentionServer
@@ -71,39 +75,49 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _plan(batch: int, ctx: int, step: int, blocks_per_seq: int) -> StepPlan:
+def _plan(batch: int, ctx: int, step: int, tables: dict[str, list[int]] | None) -> StepPlan:
+    """One decode a sequence; ``tables`` None: their KV is on the memory node."""
     chunks = [
         ScheduledChunk(
             request_id=f"seq{i}",
             token_ids=[3 + (i + step) % 200],
             start_pos=ctx + step,
-            block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+            block_ids=tables[f"seq{i}"] if tables is not None else [],
             sample=True,
+            kv_remote=tables is None,
         )
         for i in range(batch)
     ]
     return StepPlan(chunks=chunks)
 
 
-def _time_steps(runner: ModelRunner, batch: int, ctx: int, steps: int, per_seq: int) -> float:
+def _time_steps(
+    runner: ModelRunner, batch: int, ctx: int, steps: int, tables: dict[str, list[int]] | None
+) -> float:
     """Seconds of steps 1..steps (step 0, the warm-up, ran before)."""
     t0 = time.perf_counter()
     for s in range(1, steps + 1):
-        runner.execute(_plan(batch, ctx, s, per_seq))
+        runner.execute(_plan(batch, ctx, s, tables))
     return time.perf_counter() - t0
+
+
+Row = tuple[str, float, float, float, int]
 
 
 def _run_shape(
     runner: ModelRunner, config: Config, port: int, batch: int, ctx: int, steps: int
-) -> list[tuple[str, float, float, float]]:
-    """(mode, tok/s, bytes a step, overlap) for local, 1 and 2 micro-batches."""
+) -> list[Row]:
+    """(mode, tok/s, bytes a step, overlap, pool blocks in use) for local, 1
+    and 2 micro-batches."""
     per_seq = -(-(ctx + steps + 2) // BLOCK)
+    pool = BlockPool(runner.num_blocks, enable_prefix_caching=False)
     runner.kv_buffer.normal_()
-    rows: list[tuple[str, float, float, float]] = []
+    rows: list[Row] = []
     runner.offload = None
-    runner.execute(_plan(batch, ctx, 0, per_seq))
-    secs = _time_steps(runner, batch, ctx, steps, per_seq)
-    rows.append(("local", batch * steps / secs, 0.0, 0.0))
+    tables = _allocate(pool, batch, per_seq)
+    runner.execute(_plan(batch, ctx, 0, tables))
+    secs = _time_steps(runner, batch, ctx, steps, tables)
+    rows.append(("local", batch * steps / secs, 0.0, 0.0, pool.num_used_blocks))
     for micro in (1, 2):
         cfg = with_overrides(
             config, offload={"memory_node": f"127.0.0.1:{port}", "micro_batches": micro}
@@ -111,20 +125,42 @@ def _run_shape(
         offload = offload_for(cfg, runner.arch, runner.dtype, BLOCK)
         runner.offload = offload
         try:
-            runner.execute(_plan(batch, ctx, 0, per_seq))  # connect and upload
+            # Connect and upload from the local blocks; then, as the
+            # scheduler does, the moved sequences' blocks go back.
+            out = runner.run(_plan(batch, ctx, 0, tables))
+            if sorted(out.kv_moved) != sorted(tables):
+                raise RuntimeError(f"memory node failed: {offload.client.last_error}")
+            for ids in tables.values():
+                pool.free(ids)
             st = offload.client.stats
             sent0, recv0, wait0, flight0 = st.bytes_sent, st.bytes_received, st.wait_s, st.flight_s
-            secs = _time_steps(runner, batch, ctx, steps, per_seq)
+            secs = _time_steps(runner, batch, ctx, steps, None)
             if st.failures:
                 raise RuntimeError(f"memory node failed: {offload.client.last_error}")
             moved = (st.bytes_sent - sent0 + st.bytes_received - recv0) / steps
             flight = st.flight_s - flight0
             overlap = 1 - (st.wait_s - wait0) / flight if flight > 0 else 0.0
-            rows.append((f"offload x{micro}", batch * steps / secs, moved, max(0.0, overlap)))
+            in_use = pool.num_used_blocks
+            rows.append(
+                (f"offload x{micro}", batch * steps / secs, moved, max(0.0, overlap), in_use)
+            )
         finally:
             offload.close()
             runner.offload = None
+        # The next mode starts from local KV again (the memory node forgot
+        # this connection's sequences when it closed).
+        tables = _allocate(pool, batch, per_seq)
     return rows
+
+
+def _allocate(pool: BlockPool, batch: int, per_seq: int) -> dict[str, list[int]]:
+    tables: dict[str, list[int]] = {}
+    for i in range(batch):
+        ids = pool.allocate(per_seq)
+        if ids is None:
+            raise RuntimeError("the bench's block pool is too small")
+        tables[f"seq{i}"] = ids
+    return tables
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,14 +195,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{loaded.arch.num_kv_heads} kv heads x {loaded.arch.head_dim}, {loaded.dtype}; "
               f"compute cpu {args.compute_cpu}, memory cpu {args.memory_cpu}, 1 thread each")  # fmt: skip
         print(f"{'ctx':>6} {'batch':>5} {'mode':<11} {'tok/s':>9} {'vs local':>8} "
-              f"{'KiB/step':>9} {'overlap':>7}")  # fmt: skip
+              f"{'KiB/step':>9} {'overlap':>7} {'blocks':>6}")  # fmt: skip
         for ctx in contexts:
             for batch in batches:
                 rows = _run_shape(runner, config, port, batch, ctx, args.steps)
                 base = rows[0][1]
-                for mode, tps, moved, overlap in rows:
+                for mode, tps, moved, overlap, in_use in rows:
                     print(f"{ctx:>6} {batch:>5} {mode:<11} {tps:>9.1f} {tps / base:>7.2f}x "
-                          f"{moved / 1024:>9.1f} {overlap:>7.0%}", flush=True)  # fmt: skip
+                          f"{moved / 1024:>9.1f} {overlap:>7.0%} {in_use:>6}", flush=True)  # fmt: skip
     finally:
         memory.kill()
         memory.join()
