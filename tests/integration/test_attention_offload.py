@@ -28,6 +28,9 @@ from mooncakectl.local.config import to_toml
 from mooncaked.daemon import Node
 from mooncaked.engine.bundled import smollm2_gguf_path
 from tests.conftest import TEST_SECTIONS, make_config, spawn_daemon, wait_until
+from tests.integration.clusters import ClusterFactory
+from tests.integration.test_disagg import assert_same, complete_all
+from tests.integration.test_disagg import prompts as disagg_prompts
 
 MODEL = "builtin:tiny"
 MAX_TOKENS = 12
@@ -194,6 +197,35 @@ async def test_a_compute_node_without_the_secret_is_refused() -> None:
     finally:
         for node in (compute, local, memory):
             await node.stop()
+
+
+async def test_kv_a_prefill_node_hands_over_moves_on_to_the_memory_node(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """Disaggregated: the prefill node writes the prompt's KV into the decode
+    node's blocks (its write grant), the decode node uploads it to the
+    memory node with the first decode and frees the blocks at once."""
+    memory = Node(make_config(**memory_config()))
+    await memory.start()
+    try:
+        batch = disagg_prompts(n=6)
+        solo = await cluster_factory(["both"])
+        want = await complete_all(solo, batch)
+        offload = {"offload": {"memory_node": memory.attention_address, "micro_batches": 2}}
+        cluster = await cluster_factory(["prefill", ("decode", offload)])
+        got = await complete_all(cluster, batch)
+        assert_same(got, want)
+        prefill, decode = cluster.nodes
+        assert {h["x-mooncaked-prefill-node"] for *_, h in got} == {prefill.node_id}
+        assert {h["x-mooncaked-decode-node"] for *_, h in got} == {decode.node_id}
+        engine = decode.engine
+        assert engine is not None and engine.offload is not None
+        stats = engine.offload.client.stats
+        assert stats.failures == 0 and stats.uploads == len(batch)
+        assert engine.pool.num_used_blocks == 0 and engine.scheduler.remote == set()
+        cluster.assert_clean()
+    finally:
+        await memory.stop()
 
 
 def _free_port() -> int:
