@@ -393,7 +393,8 @@ def _colocated(
         model_tbt_s=d.tbt_s,
         memory=memory_ref(d),
     )
-    return Decision(placement, params.policy, tuple(scores), (d,), "colocated: one engine")
+    why = "colocated: one engine" + (f", attention on memory node {d.memory}" if d.memory else "")
+    return Decision(placement, params.policy, tuple(scores), (d,), why)
 
 
 def memory_ref(score: DecodeScore) -> MemoryRef | None:

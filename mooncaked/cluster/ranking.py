@@ -111,7 +111,9 @@ class DecodeScore:
     def to_json(self) -> dict[str, object]:
         out = _fields_json(self)
         step = self.offload
-        out["offload"] = None if step is None else {**_fields_json(step), "tbt_s": step.tbt_s}
+        out["offload"] = (
+            None if step is None else {**_fields_json(step), "tbt_s": round(step.tbt_s, 6)}
+        )
         return out
 
 
