@@ -65,7 +65,7 @@ from mooncaked.cache.store import TieredStore
 from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.load import CostMeter
 from mooncaked.cluster.member import joined
-from mooncaked.cluster.state import NodeLoad
+from mooncaked.cluster.memory import measure_kv_read_bps, memory_info, memory_load
 from mooncaked.config import Config
 from mooncaked.engine.core import EngineCore
 from mooncaked.engine.kv_pool import BlockPool
@@ -242,27 +242,25 @@ class Node:
             port=cfg.offload.port,
             pool_bytes=cfg.offload.pool_bytes,
         ) as server:
-            self.attention = server
+            self.attention = self.services.attention = server
             try:
                 yield server
             finally:
-                self.attention = None
+                self.attention = self.services.attention = None
 
     @contextlib.asynccontextmanager
     async def _memory_member(self, server: AttentionServer) -> AsyncIterator[None]:
-        """A memory node in gossip: role "memory", its KV use as load. It
-        caches no prefix blocks: an empty pool stands for its block index."""
+        """A memory node in gossip: role "memory", its KV use as load, and
+        what placement needs (``cluster.memory``). It caches no prefix
+        blocks: an empty pool stands for its block index."""
         cfg, s = self._config, self.services
-
-        def load() -> NodeLoad:
-            held = server.load()
-            total = held["num_blocks"]
-            return NodeLoad(
-                running_decode_batch=int(held["num_seqs"]),
-                kv_usage=(total - held["num_free_blocks"]) / total if total else 0.0,
-                decode_context_tokens=int(held["num_tokens"]),
-            )
-
+        bps = cfg.offload.kv_read_bps
+        if bps <= 0.0:
+            # Before joining: placement never sees this node without a rate.
+            bps = await asyncio.to_thread(measure_kv_read_bps)
+            self._log.info("memory node read bandwidth measured", kv_read_bps=f"{bps:.3g}")
+        # Peers reach the attention service on the host they reach the API on.
+        address = api_addr(cfg, int(server.address.rpartition(":")[2]))
         async with joined(
             cfg,
             s.identity,
@@ -274,7 +272,8 @@ class Node:
             store=None,
             segments=[],
             on_failure=self.fail,
-            memory_load=load,
+            memory_load=lambda: memory_load(server),
+            memory=lambda: memory_info(server, address, bps, cfg.offload.model),
         ) as member:
             s.member = member
             try:

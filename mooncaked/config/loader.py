@@ -56,7 +56,7 @@ class Config:
                 f"stage of a pipelined prefill group, which needs node.role = 'prefill' "
                 f"(got {self.node.role!r})"
             )
-        if self.node.role == "memory" and self.offload.enabled:
+        if self.node.role == "memory" and (self.offload.enabled or self.offload.placed):
             raise ConfigError(
                 f"{self.source}: a memory node computes attention for others; "
                 f"'offload.memory_node' = {self.offload.memory_node!r} is for compute nodes"

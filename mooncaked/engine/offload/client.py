@@ -280,3 +280,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 def _recv_frame(sock: socket.socket) -> tuple[Kind, int, bytearray]:
     kind, layer, length = parse_header(bytes(_recv_exact(sock, HEADER.size)))
     return kind, layer, _recv_exact(sock, length) if length else bytearray()
+
+
+# -- placement's choice of memory node, per request ---------------------------
+# (Kept apart: the one point where a request's placement meets this client.)
+
+
+def memory_node_for(placed: str | None, configured: str) -> str:
+    """host:port a request's decode attention goes to: the memory node its
+    placement chose (``Request.memory_node``), else ``offload.memory_node``;
+    "" where neither names one ("auto" with no choice: attention runs here)."""
+    if placed:
+        return placed
+    return "" if configured in ("", "auto") else configured
