@@ -129,14 +129,14 @@ def _run_shape(
             # scheduler does, the moved sequences' blocks go back.
             out = runner.run(_plan(batch, ctx, 0, tables))
             if sorted(out.kv_moved) != sorted(tables):
-                raise RuntimeError(f"memory node failed: {offload.client.last_error}")
+                raise RuntimeError(f"memory node failed: {offload.stats.last_error}")
             for ids in tables.values():
                 pool.free(ids)
-            st = offload.client.stats
+            st = offload.stats
             sent0, recv0, wait0, flight0 = st.bytes_sent, st.bytes_received, st.wait_s, st.flight_s
             secs = _time_steps(runner, batch, ctx, steps, None)
             if st.failures:
-                raise RuntimeError(f"memory node failed: {offload.client.last_error}")
+                raise RuntimeError(f"memory node failed: {offload.stats.last_error}")
             moved = (st.bytes_sent - sent0 + st.bytes_received - recv0) / steps
             flight = st.flight_s - flight0
             overlap = 1 - (st.wait_s - wait0) / flight if flight > 0 else 0.0

@@ -54,7 +54,8 @@ class OffloadStatus:
         offload = engine.runner.offload if engine is not None else None
         if offload is None:
             return None
-        return offload.client.address, offload.client.stats
+        # "auto": every memory node connected now.
+        return ", ".join(offload.clients.connected), offload.stats
 
     def status_section(self) -> dict[str, Any] | None:
         cfg = self._services.config.offload

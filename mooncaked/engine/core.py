@@ -349,7 +349,7 @@ class EngineCore:
             raise EngineFailedError(f"the engine failed: {self.failure!r}")
         if self._closing or self._loop_task is None:
             raise EngineClosedError("the engine is not running")
-        self._check_prompt(prompt_token_ids, sampling)
+        self._check_prompt(prompt_token_ids, sampling, handoff.memory_node)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         stage = handoff.stage
         if (stage is None) != self.span.whole:
@@ -446,7 +446,9 @@ class EngineCore:
         req.ready_tokens = frontier
         self._wakeup.set()
 
-    def _check_prompt(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+    def _check_prompt(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, memory_node: str
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         vocab = self.loaded.arch.vocab_size
@@ -461,7 +463,8 @@ class EngineCore:
                 f"{sampling.max_tokens} for the completion)"
             )
         # Offloaded, a request holds blocks here for its prompt only.
-        local = len(prompt_token_ids) + 1 if self.offload is not None else total
+        offloaded = self.offload is not None and self.offload.address_for(memory_node)
+        local = len(prompt_token_ids) + 1 if offloaded else total
         if -(-local // self.block_size) > self.pool.num_blocks:
             raise PromptTooLongError(
                 f"{local} tokens need more KV blocks than this node has "
@@ -516,7 +519,7 @@ class EngineCore:
             # Idle: a cheap moment for the pool's self-check.
             self._checked_at_step = self.num_steps
             self._self_check()
-        if self.offload is not None and self.offload.client.num_drops:
+        if self.offload is not None and self.offload.clients.num_drops:
             # What finished requests held on the memory node goes now; then
             # schedule again (a request may have come meanwhile).
             await asyncio.get_running_loop().run_in_executor(self._executor, self.offload.flush)

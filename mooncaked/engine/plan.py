@@ -34,6 +34,9 @@ class ScheduledChunk:
     # The request's KV lives on a memory node (attention offloading): no
     # local blocks (``block_ids`` is empty), its attention runs there only.
     kv_remote: bool = False
+    # host:port of the memory node placement chose for the request's decode
+    # attention ("": the node's ``offload.memory_node`` decides).
+    memory_node: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +65,7 @@ def chunk_of(
         sampling=req.sampling,
         num_output_tokens=req.handoff.output_offset + len(req.output_token_ids),
         act_rows=act_in.rows(start_pos, end) if act_in is not None else None,
+        memory_node=req.memory_node or "",
     )
 
 

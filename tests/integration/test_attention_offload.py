@@ -132,11 +132,11 @@ async def test_offloaded_greedy_output_is_token_identical(
     for node in (one, two):
         engine = node.engine
         assert engine is not None and engine.offload is not None
-        stats = engine.offload.client.stats
+        stats = engine.offload.stats
         assert stats.failures == 0 and stats.local_fallbacks == 0
         assert stats.layers > 0
     assert server.stats.layers == sum(
-        n.engine.offload.client.stats.layers  # type: ignore[union-attr]
+        n.engine.offload.stats.layers  # type: ignore[union-attr]
         for n in (one, two)
     )
     assert server.kv is not None
@@ -167,7 +167,7 @@ async def test_a_compute_node_batches_more_context_than_its_kv_pool_holds() -> N
         assert got == want
         engine = compute.engine
         assert engine is not None and engine.offload is not None
-        stats = engine.offload.client.stats
+        stats = engine.offload.stats
         assert stats.failures == 0 and stats.lost == 0 and stats.uploads == len(batch)
         assert engine.pool.num_used_blocks == 0 and engine.scheduler.remote == set()
         engine.check_integrity()
@@ -193,7 +193,7 @@ async def test_a_compute_node_without_the_secret_is_refused() -> None:
         assert memory.attention.stats.layers == 0
         engine = compute.engine
         assert engine is not None and engine.offload is not None
-        assert "refused" in engine.offload.client.last_error
+        assert "refused" in engine.offload.stats.last_error
     finally:
         for node in (compute, local, memory):
             await node.stop()
@@ -220,7 +220,7 @@ async def test_kv_a_prefill_node_hands_over_moves_on_to_the_memory_node(
         assert {h["x-mooncaked-decode-node"] for *_, h in got} == {decode.node_id}
         engine = decode.engine
         assert engine is not None and engine.offload is not None
-        stats = engine.offload.client.stats
+        stats = engine.offload.stats
         assert stats.failures == 0 and stats.uploads == len(batch)
         assert engine.pool.num_used_blocks == 0 and engine.scheduler.remote == set()
         cluster.assert_clean()
@@ -249,7 +249,7 @@ async def test_memory_node_killed_mid_stream_costs_no_request(tmp_path: Path) ->
             want = await asyncio.gather(*(stream(session, local.url, p) for p in batch))
             engine = compute.engine
             assert engine is not None and engine.offload is not None
-            client = engine.offload.client
+            client = engine.offload.clients
             tasks = [asyncio.ensure_future(stream(session, compute.url, p)) for p in batch]
             await wait_until(lambda: client.stats.layers > 40, "remote attention under way", 60)
             os.kill(memory.pid, signal.SIGKILL)

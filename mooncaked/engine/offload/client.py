@@ -68,6 +68,8 @@ class ClientStats:
     local_fallbacks: int = 0
     # Sequences whose KV a failure lost (recomputed by the engine).
     lost: int = 0
+    # The latest failure's memory node and reason (not a counter: no metric).
+    last_error: str = ""
 
 
 class AttentionClient:
@@ -82,7 +84,10 @@ class AttentionClient:
         timeout_s: float = 5.0,
         retry_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        stats: ClientStats | None = None,
     ) -> None:
+        """``stats``: counters to add to, shared by a node's clients of
+        several memory nodes (one set of counters a node reports)."""
         host, _, port = address.rpartition(":")
         self._addr = (host, int(port))
         self.address = address
@@ -101,7 +106,7 @@ class AttentionClient:
         # Finished sequences, told with the next step; appended on the event loop.
         self._drops: list[str] = []
         self._drops_lock = threading.Lock()
-        self.stats = ClientStats()
+        self.stats = stats if stats is not None else ClientStats()
         # When each connection's layer in flight was sent.
         self._sent_at = [0.0] * num_conns
 
@@ -144,6 +149,17 @@ class AttentionClient:
     def num_connections(self) -> int:
         return len(self._socks)
 
+    @property
+    def down(self) -> bool:
+        """Failed less than ``retry_s`` ago: not to be called yet."""
+        return self._clock() < self._down_until
+
+    def holds_nothing(self) -> bool:
+        """The memory node holds no sequence of ours that is still wanted:
+        closing now loses nothing (the memory node frees the rest)."""
+        with self._drops_lock:
+            return set(self._held) <= set(self._drops)
+
     def fail(self, reason: str) -> list[str]:
         """The memory node is down: close everything; the keys of the
         sequences it held, whose KV is lost."""
@@ -154,8 +170,11 @@ class AttentionClient:
         self._held.clear()
         self._down_until = self._clock() + self._retry_s
         self.last_error = reason
+        self.stats.last_error = f"{self.address}: {reason}"
         self.stats.failures += 1
-        log.warning("memory node unavailable", reason=reason, num_lost=len(lost))
+        log.warning(
+            "memory node unavailable", address=self.address, reason=reason, num_lost=len(lost)
+        )
         return lost
 
     def close(self) -> None:
@@ -174,10 +193,12 @@ class AttentionClient:
 
     def take_drops(self, keep: set[str]) -> list[str]:
         """The sequences to forget with the next step, but those in ``keep``
-        (the step uploads them again: their old KV goes with the upload)."""
+        (the step uploads them again: their old KV goes with the upload) and
+        those the memory node does not hold (a drop is told to every memory
+        node's client: only the holder's matters)."""
         with self._drops_lock:
             drops, self._drops = self._drops, []
-        drops = [k for k in drops if k not in keep]
+        drops = [k for k in drops if k not in keep and k in self._held]
         for key in drops:
             self._held.pop(key, None)
         return drops

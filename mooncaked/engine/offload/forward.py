@@ -1,26 +1,29 @@
-"""A forward pass whose decode attention runs on a memory node.
+"""A forward pass whose decode attention runs on memory nodes.
 
-The step's decodes form one or two remote parts (micro-batches); its
-prefill chunks, if any, one local part (prefill attention is compute-bound:
-it stays, into local blocks; the KV moves to the memory node with the
-sequence's first decode, and the engine frees the blocks then). Per layer,
-a part computes its norm, q/k/v and RoPE here; a local part writes its K/V
-into the local cache and attends here, a remote part sends q/k/v (the
-memory node writes the K/V into its own blocks: there is no local copy) and
-later takes the output back for o_proj and the MLP. The parts are staggered:
+The step's decodes go to the memory node each names (``offload.memory_node``,
+or the one placement chose for its request), split per memory node into one
+or two remote parts (micro-batches), each on a connection of its own; the
+decodes that name none and the prefill chunks, if any, form one local part
+(prefill attention is compute-bound: it stays, into local blocks; the KV
+moves to the memory node with the sequence's first decode, and the engine
+frees the blocks then). Per layer, a part computes its norm, q/k/v and RoPE
+here; a local part writes its K/V into the local cache and attends here, a
+remote part sends q/k/v (the memory node writes the K/V into its own
+blocks: there is no local copy) and later takes the output back for o_proj
+and the MLP. The parts are staggered:
 
     pre(A, 0); pre(B, 0)
     for each layer i:  post(A, i); pre(A, i+1); post(B, i); pre(B, i+1)
 
-so while the memory node attends A's layer i+1, this node runs B's layer i
+so while a memory node attends A's layer i+1, this node runs B's layer i
 after attention and its layer i+1 before it: with two parts, remote
 attention overlaps local compute (Lamina's staggered pipelining); with
 one part, every layer waits a full round trip.
 
-A failure anywhere ends every remote part's work for the step: their
-sequences, and every other the memory node held, are reported lost (the
-engine recomputes them), and their rows of this step are void. The local
-part finishes as if nothing happened.
+A failure of a memory node ends its parts' work for the step: their
+sequences, and every other that memory node held, are reported lost (the
+engine recomputes them), and their rows of this step are void. The other
+memory nodes' parts and the local part finish as if nothing happened.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from mooncaked.engine.attention import (
     write_kv,
 )
 from mooncaked.engine.model import CausalLM, Rope
-from mooncaked.engine.offload.client import AttentionClient
+from mooncaked.engine.offload.client import AttentionClient, ClientStats, memory_node_for
+from mooncaked.engine.offload.clients import ClientPool
 from mooncaked.engine.offload.wire import OffloadError, StepSeq
 from mooncaked.engine.plan import ScheduledChunk, StepPlan
 
@@ -54,6 +58,8 @@ class _Part:
     meta: AttentionMetadata | None
     # None: attention here.
     seqs: list[StepSeq] | None
+    # A remote part's memory node, and its connection there.
+    client: AttentionClient | None = None
     conn: int = 0
     # q, k, v of the layer in flight.
     pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -62,39 +68,62 @@ class _Part:
 
 
 @dataclass(frozen=True, slots=True)
+class _Group:
+    """Chunks (indices into the plan) whose attention goes to one memory
+    node over one connection; ``stranded``: the node is down and their KV
+    was there only (the step cannot compute them)."""
+
+    client: AttentionClient
+    chunk_ids: list[int]
+    conn: int = 0
+    stranded: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class OffloadedRun:
     """What a step did to where KV lives, for the scheduler (plain data)."""
 
     num_remote_parts: int
-    # Requests whose KV the memory node holds after this step.
+    # Requests whose KV a memory node holds after this step.
     moved: tuple[str, ...]
-    # Requests whose KV was lost with the memory node (their step is void).
+    # Requests whose KV was lost with a memory node (their step is void).
     lost: tuple[str, ...]
 
 
 class OffloadedAttention:
     """The runner's hook: ``forward`` runs a step with remote decode attention,
-    or returns None when it does not apply (no decodes; the node is down and
-    every decode's KV is still here)."""
+    or returns None when it does not apply (no decode names a memory node;
+    the memory nodes named are down and every decode's KV is still here).
 
-    def __init__(self, client: AttentionClient, micro_batches: int) -> None:
-        self.client = client
+    ``configured``: ``offload.memory_node`` ("auto": each request's own)."""
+
+    def __init__(self, clients: ClientPool, micro_batches: int, configured: str = "") -> None:
+        self.clients = clients
         self.micro_batches = micro_batches
+        self.configured = configured
         # The last step's report, until the runner takes it.
         self.last: OffloadedRun | None = None
         self._lost: list[str] = []
 
+    @property
+    def stats(self) -> ClientStats:
+        return self.clients.stats
+
+    def address_for(self, placed: str) -> str:
+        """Where a request's decode attention goes ("": here)."""
+        return memory_node_for(placed or None, self.configured)
+
     def dropped(self, request_id: str) -> None:
-        """A request's KV on the memory node is no longer needed (finished,
+        """A request's KV on a memory node is no longer needed (finished,
         preempted): it is freed with the next step, or by ``flush``."""
-        self.client.drop(request_id)
+        self.clients.dropped(request_id)
 
     def flush(self) -> None:
-        """Free what finished requests held on the memory node; step thread only."""
-        self.client.flush()
+        """Free what finished requests held on memory nodes; step thread only."""
+        self.clients.flush()
 
     def close(self) -> None:
-        self.client.close()
+        self.clients.close()
 
     def forward(
         self,
@@ -108,35 +137,30 @@ class OffloadedAttention:
     ) -> torch.Tensor | None:
         self.last = None
         chunks = plan.chunks
-        # A one-token chunk that samples decodes next (a prefill's last
-        # token included): after this step its KV is on the memory node.
-        remote = [i for i, c in enumerate(chunks) if c.num_tokens == 1 and c.sample]
-        if not remote:
+        by_node = self._by_memory_node(chunks)
+        groups = self._groups(chunks, by_node)
+        if not groups:
+            self.clients.prune(by_node)
             return None
-        up = self.client.available()
-        if not up and not any(chunks[i].kv_remote for i in remote):
-            self.client.stats.local_fallbacks += 1
-            return None
-        local = [i for i in range(len(chunks)) if i not in set(remote)]
-        n = min(self.micro_batches, len(remote))
-        size = -(-len(remote) // n)
-        groups = [remote[lo : lo + size] for lo in range(0, len(remote), size)]
+        remote = {i for g in groups for i in g.chunk_ids}
+        local = [i for i in range(len(chunks)) if i not in remote]
         device, dtype = kv_buffer.device, kv_buffer.dtype
         starts = _row_starts(plan)
         parts = [
-            _part(model, plan, g, starts, backend, block_size, device, dtype, remote=True, conn=j)
-            for j, g in enumerate(groups)
-        ]
+            _part(model, plan, g.chunk_ids, starts, backend, block_size, device, dtype,
+                  remote=True, client=g.client, conn=g.conn)
+            for g in groups
+        ]  # fmt: skip
         if local:
             parts.append(
                 _part(model, plan, local, starts, backend, block_size, device, dtype, remote=False)
             )
         self._lost = []
-        if up:
-            self._begin(parts, chunks, kv_buffer, block_size)
-        else:
-            # Defensive: KV on a node that is down is KV lost.
-            self._fail(parts, None)
+        for p, g in zip(parts, groups, strict=False):
+            if g.stranded:
+                # Defensive: KV on a node that is down is KV lost.
+                self._stop(p)
+        self._begin(parts, chunks, kv_buffer, block_size)
         layers = list(zip(model.model.layers, kv_caches, strict=True))
         for p in parts:
             self._pre(p, 0, layers[0], parts)
@@ -148,14 +172,15 @@ class OffloadedAttention:
                 if i + 1 < len(layers):
                     self._pre(p, i + 1, layers[i + 1], parts)
         moved: list[str] = []
-        if not self._lost:
-            for p in parts:
-                if p.seqs is not None:
-                    self.client.end(p.seqs)
-                    moved.extend(s.key for s in p.seqs)
+        for p in parts:
+            if p.seqs is not None and p.client is not None and not p.failed:
+                p.client.end(p.seqs)
+                moved.extend(s.key for s in p.seqs)
         lost = tuple(dict.fromkeys(self._lost))
-        self.client.stats.lost += len(lost)
-        self.last = OffloadedRun(len(groups), tuple(moved), lost)
+        self.stats.lost += len(lost)
+        live = sum(not g.stranded for g in groups)
+        self.last = OffloadedRun(live, tuple(moved), lost)
+        self.clients.prune(by_node)
         norm = model.model.norm
         out = torch.empty(
             (plan.num_tokens, parts[0].x.shape[1]), dtype=parts[0].x.dtype, device=device
@@ -163,6 +188,41 @@ class OffloadedAttention:
         for p in parts:
             out.index_copy_(0, p.rows, norm(p.x) if norm is not None else p.x)
         return out
+
+    def _by_memory_node(self, chunks: list[ScheduledChunk]) -> dict[str, list[int]]:
+        """The decodes (indices) by the memory node they attend on. A
+        one-token chunk that samples decodes next (a prefill's last token
+        included): after this step its KV is on that memory node."""
+        by_node: dict[str, list[int]] = {}
+        for i, c in enumerate(chunks):
+            address = self.address_for(c.memory_node) if c.num_tokens == 1 and c.sample else ""
+            if address:
+                by_node.setdefault(address, []).append(i)
+        return by_node
+
+    def _groups(self, chunks: list[ScheduledChunk], by_node: dict[str, list[int]]) -> list[_Group]:
+        """The remote parts to run: each memory node's decodes in up to
+        ``micro_batches`` parts. A memory node that is down takes none: its
+        decodes whose KV is still here attend here (with the local part),
+        those whose KV was there only are stranded. Empty: nothing remote
+        runs, the whole step is local."""
+        groups: list[_Group] = []
+        for address, ids in by_node.items():
+            client = self.clients.get(address)
+            if client.available():
+                n = min(self.micro_batches, len(ids))
+                size = -(-len(ids) // n)
+                groups.extend(
+                    _Group(client, ids[lo : lo + size], conn=j)
+                    for j, lo in enumerate(range(0, len(ids), size))
+                )
+                continue
+            stranded = [i for i in ids if chunks[i].kv_remote]
+            if len(stranded) < len(ids):
+                self.stats.local_fallbacks += 1
+            if stranded:
+                groups.append(_Group(client, stranded, stranded=True))
+        return groups
 
     def _begin(
         self, parts: list[_Part], chunks: list[ScheduledChunk], kv_buffer: torch.Tensor, bs: int
@@ -175,27 +235,38 @@ class OffloadedAttention:
                 return None
             return _gather_kv(kv_buffer, chunk.block_ids, num_tokens, bs)
 
-        keys = {s.key for p in parts if p.seqs is not None for s in p.seqs}
-        drops = self.client.take_drops(keys)
-        for p in parts:
-            if p.seqs is None:
+        clients = list(dict.fromkeys(p.client for p in parts if p.client is not None))
+        for client in clients:
+            mine = [p for p in parts if p.client is client and not p.failed]
+            if not mine:
                 continue
-            try:
-                self.client.begin(p.conn, p.seqs, source, drops)
-            except OffloadError as exc:
-                self._fail(parts, str(exc))
-                return
-            drops = []
+            keys = {s.key for p in mine if p.seqs is not None for s in p.seqs}
+            # Told once a memory node, with its first part's step.
+            drops = client.take_drops(keys)
+            for p in mine:
+                if p.seqs is None:
+                    continue
+                try:
+                    client.begin(p.conn, p.seqs, source, drops)
+                except OffloadError as exc:
+                    self._fail(client, parts, str(exc))
+                    break
+                drops = []
 
-    def _fail(self, parts: list[_Part], reason: str | None) -> None:
-        """Every remote part stops; what the memory node held is lost."""
-        if reason is not None:
-            self._lost.extend(self.client.fail(reason))
+    def _stop(self, p: _Part) -> None:
+        """A remote part computes nothing more; its sequences' step is void."""
+        if p.seqs is not None and not p.failed:
+            p.failed = True
+            p.pending = None
+            self._lost.extend(s.key for s in p.seqs)
+
+    def _fail(self, client: AttentionClient, parts: list[_Part], reason: str) -> None:
+        """The memory node failed: its parts stop, what it held is lost (the
+        other memory nodes' parts go on: their streams are in step)."""
+        self._lost.extend(client.fail(reason))
         for p in parts:
-            if p.seqs is not None and not p.failed:
-                p.failed = True
-                p.pending = None
-                self._lost.extend(s.key for s in p.seqs)
+            if p.client is client:
+                self._stop(p)
 
     def _pre(
         self, p: _Part, i: int, pair: tuple[torch.nn.Module, KVCache], parts: list[_Part]
@@ -205,15 +276,15 @@ class OffloadedAttention:
         layer, (k_cache, v_cache) = pair
         q, k, v = layer.self_attn.project_qkv(layer.input_layernorm(p.x), p.rope)
         p.pending = (q, k, v)
-        if p.seqs is None:
+        if p.client is None:
             if p.meta is None:
                 raise RuntimeError("a local part without attention metadata")
             write_kv(k, v, k_cache, v_cache, p.meta.slot_mapping)
             return
         try:
-            self.client.send_layer(p.conn, i, q, k, v)
+            p.client.send_layer(p.conn, i, q, k, v)
         except OffloadError as exc:
-            self._fail(parts, str(exc))
+            self._fail(p.client, parts, str(exc))
 
     def _post(
         self, p: _Part, i: int, pair: tuple[torch.nn.Module, KVCache], parts: list[_Part]
@@ -225,12 +296,12 @@ class OffloadedAttention:
             raise RuntimeError(f"layer {i}: no q/k/v in flight")
         q, k, v = p.pending
         p.pending = None
-        if p.seqs is not None:
+        if p.client is not None:
             try:
-                out = self.client.recv_layer(p.conn, i, q.shape[0])
+                out = p.client.recv_layer(p.conn, i, q.shape[0])
             except OffloadError as exc:
-                # Every part's stream is now out of step: all remote parts stop.
-                self._fail(parts, str(exc))
+                # That memory node's streams are out of step: its parts stop.
+                self._fail(p.client, parts, str(exc))
                 return
         else:
             meta = p.meta
@@ -259,6 +330,7 @@ def _part(
     dtype: torch.dtype,
     *,
     remote: bool,
+    client: AttentionClient | None = None,
     conn: int = 0,
 ) -> _Part:
     chunks = [plan.chunks[i] for i in chunk_ids]
@@ -282,7 +354,8 @@ def _part(
     x = embed(torch.tensor(ids, dtype=torch.int64, device=device))
     rope = model.rope(torch.tensor(positions, dtype=torch.int64, device=device), x.dtype)
     seqs = [StepSeq(c.request_id, c.start_pos, c.num_tokens) for c in chunks] if remote else None
-    return _Part(torch.tensor(rows, dtype=torch.int64, device=device), x, rope, meta, seqs, conn)
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    return _Part(rows_t, x, rope, meta, seqs, client, conn)
 
 
 def _gather_kv(
