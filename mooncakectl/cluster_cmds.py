@@ -61,20 +61,51 @@ def node_rows(doc: dict[str, Any]) -> list[tuple[str, ...]]:
         if node.get("self"):
             name += " *"
         kv = st.get("load", {}).get("kv_usage") if st else None
+        memory = st.get("memory") if st else None
         rows.append(
             (
                 name,
                 str(st.get("role", "-")) if st else "-",
                 _state(node),
-                _load(st) if st else "-",
+                _memory_load(memory) if memory else (_load(st) if st else "-"),
                 "-" if kv is None else f"{100.0 * float(kv):.1f}%",
                 str(node.get("cached_blocks", 0)),
                 "-" if node.get("self") else _ago(float(node.get("last_heard_s", 0.0))),
                 _queue(st) if st else "-",
-                _cost_model(st) if st else "-",
+                _memory_rate(memory) if memory else (_cost_model(st) if st else "-"),
             )
         )
     return rows
+
+
+def _memory_load(m: dict[str, Any]) -> str:
+    """A memory node's load: the sequences it holds, its pool's free room."""
+    gib = 2**30
+    return (
+        f"{m.get('num_seqs', 0)} seq, {m.get('free_bytes', 0) / gib:.2f}/"
+        f"{m.get('total_bytes', 0) / gib:.2f} GiB free"
+    )
+
+
+def _memory_rate(m: dict[str, Any]) -> str:
+    """What prices a memory node's attention: its KV read bandwidth, and where it listens."""
+    return f"KV read {float(m.get('kv_read_bps', 0.0)) / 1e9:.2f} GB/s at {m.get('attention_addr')}"
+
+
+def memory_summary(doc: dict[str, Any]) -> str:
+    """The memory nodes up: how many, their room and the sequences they hold."""
+    mems = [
+        (n.get("state") or {}).get("memory") or {}
+        for n in doc.get("nodes", [])
+        if n.get("status") in ("alive", "suspect") and (n.get("state") or {}).get("memory")
+    ]
+    if not mems:
+        return "-"
+    gib = 2**30
+    free = sum(int(m.get("free_bytes", 0)) for m in mems) / gib
+    total = sum(int(m.get("total_bytes", 0)) for m in mems) / gib
+    seqs = sum(int(m.get("num_seqs", 0)) for m in mems)
+    return f"{len(mems)} up, {free:.2f}/{total:.2f} GiB free, {seqs} sequences"
 
 
 def _queue(st: dict[str, Any]) -> str:
@@ -145,6 +176,7 @@ def cluster_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
         ("cached blocks", str(summary.get("cached_blocks", 0))),
         ("queued prefill", f"{summary.get('queued_prefill_tokens', 0)} tokens"),
         ("decoding", f"{summary.get('running_decode_batch', 0)} requests"),
+        ("memory nodes", memory_summary(doc)),
         (
             "gossip",
             f"{counters.get('packets_sent', 0)} packets / {counters.get('bytes_sent', 0)} bytes sent, "
@@ -157,7 +189,13 @@ def cluster_rows(doc: dict[str, Any]) -> list[tuple[str, str]]:
 def cluster(args: argparse.Namespace, env: Env) -> int:
     doc = env.client(args).get_json("/admin/cluster")
     if args.json:
-        print_json(env, {k: doc.get(k) for k in ("self", "summary", "counters")})
+        out = {k: doc.get(k) for k in ("self", "summary", "counters")}
+        out["memory_nodes"] = {
+            str(n.get("node_id")): (n.get("state") or {}).get("memory")
+            for n in doc.get("nodes", [])
+            if (n.get("state") or {}).get("memory")
+        }
+        print_json(env, out)
         return ExitStatus.OK
     print_fields(env, "cluster", cluster_rows(doc))
     return ExitStatus.OK
@@ -305,7 +343,7 @@ def drain(args: argparse.Namespace, env: Env) -> int:
 # -- explain ------------------------------------------------------------------------
 
 PREFILL_COLUMNS = ("node", "cached", "remote", "queue", "transfer", "prefill", "ttft", "note")
-DECODE_COLUMNS = ("node", "batch now", "batch at join", "tbt", "within slo")
+DECODE_COLUMNS = ("node", "batch now", "batch at join", "tbt", "within slo", "memory node")
 
 
 def _ms(v: Any) -> str:
@@ -347,6 +385,7 @@ def explain_rows(doc: dict[str, Any]) -> tuple[list[tuple[str, ...]], list[tuple
                 str(s.get("batch_at_join")),
                 _ms(s.get("tbt_s")) if s.get("costs_known") else "-",
                 "yes" if s.get("within_slo") else "no",
+                str(s.get("memory") or "-"),
             )
         )
     return pre, dec

@@ -76,6 +76,25 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.1f}s"
 
 
+def _offload_row(o: dict[str, Any]) -> str:
+    """Attention offloading, from either side: what went out, or what was served."""
+    mib = 2**20
+    if o.get("side") == "memory":
+        pool = o.get("pool") or {}
+        return (
+            f"memory node at {o.get('attention_addr')}: {int(pool.get('num_seqs', 0))} "
+            f"sequences of {int(pool.get('num_peers', 0))} compute nodes, "
+            f"{int(pool.get('num_free_blocks', 0))}/{int(pool.get('num_blocks', 0))} blocks free; "
+            f"{o.get('layers', 0)} layers served, {o.get('bytes_in', 0) / mib:.1f} MiB in"
+        )
+    where = o.get("connected_to") or "-"
+    return (
+        f"to {o.get('memory_node')} (now {where}): {o.get('steps', 0)} steps, "
+        f"{o.get('layers', 0)} layers, {o.get('bytes_sent', 0) / mib:.1f} MiB out, "
+        f"{o.get('failures', 0)} failures, {o.get('local_fallbacks', 0)} steps local"
+    )
+
+
 def status_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
     state = "draining" if st.get("draining") else ("ready" if st.get("ready") else "loading")
     load = st.get("load") or {}
@@ -118,6 +137,9 @@ def status_rows(st: dict[str, Any]) -> list[tuple[str, str]]:
                 + (f"{threads} threads" if threads else "torch's default threads"),
             )
         )
+    offload = st.get("offload")
+    if offload:
+        rows.append(("offload", _offload_row(offload)))
     cond = st.get("conductor")
     if cond:
         rows.append(("placement", f"{cond['policy']}, early rejection {cond['early_reject']}"))

@@ -65,8 +65,11 @@ from mooncaked.cache.store import TieredStore
 from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.load import CostMeter
 from mooncaked.cluster.member import joined
+from mooncaked.cluster.memory import measure_kv_read_bps, memory_info, memory_load
 from mooncaked.config import Config
 from mooncaked.engine.core import EngineCore
+from mooncaked.engine.kv_pool import BlockPool
+from mooncaked.engine.offload.server import AttentionServer
 from mooncaked.engine.serving import EngineFactory, load_engine, serving_engine
 from mooncaked.identity import NodeIdentity, new_generation
 from mooncaked.kv_events.service import publishing
@@ -103,6 +106,8 @@ class Node:
         self.http_site: CappedTCPSite | None = None
         self._port: int | None = None
         self._transfer: TransferEngine | None = None
+        # A memory node's attention service, while it runs.
+        self.attention: AttentionServer | None = None
         self._stack: AsyncExitStack | None = None
         self._stop_lock = asyncio.Lock()
         self._log = structlog.get_logger(__name__).bind(node=self.node_id)
@@ -157,6 +162,13 @@ class Node:
             # HTTP first: /health and /ready answer while the model loads.
             await stack.enter_async_context(self._http())
             stack.push_async_callback(self.router.close)
+            if self._config.node.role == "memory":
+                # No model, no engine: KV and attention for compute nodes.
+                server = await stack.enter_async_context(self._attention_service())
+                await stack.enter_async_context(self._memory_member(server))
+                await stack.enter_async_context(self._serving())
+                self._log.info("memory node ready", attention=self.attention_address)
+                return
             transfer = await stack.enter_async_context(self._transfer_engine())
             # Before the model: it may be an object to fetch from peers first.
             objects = await stack.enter_async_context(self._objects(transfer))
@@ -214,6 +226,60 @@ class Node:
                 yield
             finally:
                 self.http_site = None
+
+    @property
+    def attention_address(self) -> str:
+        """host:port of a memory node's attention service ("" on other roles)."""
+        return self.attention.address if self.attention is not None else ""
+
+    @contextlib.asynccontextmanager
+    async def _attention_service(self) -> AsyncIterator[AttentionServer]:
+        cfg = self._config
+        async with AttentionServer(
+            node_id=self.node_id,
+            secret=self.services.identity.secret,
+            host=cfg.server.host,
+            port=cfg.offload.port,
+            pool_bytes=cfg.offload.pool_bytes,
+        ) as server:
+            self.attention = self.services.attention = server
+            try:
+                yield server
+            finally:
+                self.attention = self.services.attention = None
+
+    @contextlib.asynccontextmanager
+    async def _memory_member(self, server: AttentionServer) -> AsyncIterator[None]:
+        """A memory node in gossip: role "memory", its KV use as load, and
+        what placement needs (``cluster.memory``). It caches no prefix
+        blocks: an empty pool stands for its block index."""
+        cfg, s = self._config, self.services
+        bps = cfg.offload.kv_read_bps
+        if bps <= 0.0:
+            # Before joining: placement never sees this node without a rate.
+            bps = await asyncio.to_thread(measure_kv_read_bps)
+            self._log.info("memory node read bandwidth measured", kv_read_bps=f"{bps:.3g}")
+        # Peers reach the attention service on the host they reach the API on.
+        address = api_addr(cfg, int(server.address.rpartition(":")[2]))
+        async with joined(
+            cfg,
+            s.identity,
+            api_addr=api_addr(cfg, self.port),
+            engine=lambda: None,
+            draining=lambda: self.lifecycle.draining,
+            costs=None,
+            pool=BlockPool(1, enable_prefix_caching=False),
+            store=None,
+            segments=[],
+            on_failure=self.fail,
+            memory_load=lambda: memory_load(server),
+            memory=lambda: memory_info(server, address, bps, cfg.offload.model),
+        ) as member:
+            s.member = member
+            try:
+                yield
+            finally:
+                s.member = None
 
     @contextlib.asynccontextmanager
     async def _transfer_engine(self) -> AsyncIterator[TransferEngine]:

@@ -330,6 +330,9 @@ class Handoff:
     stage: StageJob | None = None
     # Keep the prompt's KV once computed (the request asked); None: cache as usual.
     retain: Retain | None = None
+    # Decode node: host:port of the memory node placement paired it with for
+    # this request's attention (""; the node's own ``offload`` config).
+    memory_node: str = ""
 
     def __post_init__(self) -> None:
         if self.source is not None and self.sink is not None:

@@ -104,6 +104,12 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
 
     @property
+    def memory_node(self) -> str | None:
+        """host:port of the memory node placement chose for this request's
+        decode attention (None: the node's ``offload`` config decides)."""
+        return self.handoff.memory_node or None
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

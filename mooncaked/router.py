@@ -274,6 +274,7 @@ class Submission:
             # A resumed stream's prompt holds its output too: only the
             # first attempt keeps the prompt the client sent.
             None if resumed else req.retain,
+            memory_node=_memory_node(placement),
         )
         if not await self._forward(placement.decode, body):
             await self._start()
@@ -302,6 +303,7 @@ class Submission:
                 kv_ready_at=kv_ready_at(ready_in_s, time.monotonic()),
                 output_offset=resumed,
                 retain=None if resumed else self.req.retain,
+                memory_node=_memory_node(placement),
             ),
         )
         self._stream = stream
@@ -340,6 +342,11 @@ class Submission:
         """Stop listening; cancels the request on every node involved."""
         self._done = True
         await self._close_stream()
+
+
+def _memory_node(placement: Placement) -> str:
+    """The attention service the placement pairs the decode node with ("": none)."""
+    return placement.memory.attention_addr if placement.memory is not None else ""
 
 
 def _kv_ready_in_s(placement: Placement) -> float:

@@ -18,8 +18,10 @@ from mooncaked.cluster.state import (
     ClusterView,
     Member,
     MemberStatus,
+    MemoryInfo,
     NodeLoad,
     NodeState,
+    OffloadInfo,
     StageInfo,
 )
 
@@ -54,6 +56,8 @@ def node_state(
     costs: NodeCosts | None = None,
     forecast: DecodeForecast | None = None,
     stage: StageInfo | None = None,
+    memory: MemoryInfo | None = None,
+    offload: OffloadInfo | None = None,
 ) -> NodeState:
     return NodeState(
         node_id,
@@ -71,6 +75,8 @@ def node_state(
         costs=costs or NodeCosts(),
         forecast=forecast or DecodeForecast(),
         stage=stage,
+        memory=memory,
+        offload=offload,
     )
 
 

@@ -22,9 +22,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from mooncakectl.local.cluster import LocalCluster, start_blocking
-from mooncakectl.local.config import model_from_peers, read_base_config
-from mooncakectl.local.plan import DEFAULT_PORT, NodePlan, node_cpus, plan_nodes, stage_cpus
+from mooncakectl.local.cluster import LocalCluster, SectionsOf, start_blocking
+from mooncakectl.local.config import Sections, merge_sections, model_from_peers, read_base_config
+from mooncakectl.local.plan import (
+    DEFAULT_PORT,
+    NodePlan,
+    node_cpus,
+    offload_sections,
+    plan_nodes,
+    stage_cpus,
+)
 from mooncakectl.local.process import (
     NodeProcess,
     StartFailed,
@@ -37,7 +44,10 @@ from mooncakectl.rundir import STATE_FILE, not_our_daemon, open_run_dir, read_st
 from mooncaked.config import BUILTIN_PREFIX
 from mooncaked.engine.bundled import SMOLLM2_INSTALL, default_model_path
 
-_UP_HELP = "start local mooncaked nodes (one, or --prefill N --decode M) and wait until ready"
+_UP_HELP = (
+    "start local mooncaked nodes (one, or --prefill N --decode M, and --memory K) "
+    "and wait until ready"
+)
 _DOWN_HELP = "stop the daemons that up started (SIGTERM: they drain first; killed after --wait)"
 _WAIT_HELP = "seconds the nodes get to drain before they are killed"
 _PIN_HELP = (
@@ -78,6 +88,14 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode", type=int, metavar="M", help="start M decode nodes (a disaggregated cluster)"
     )
+    p.add_argument(
+        "--memory",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also start K memory nodes; the nodes that decode offload their attention to "
+        "the one placement picks (offload.memory_node = auto)",
+    )
     p.add_argument("--config", help="base mooncaked config file, under each node's own settings")
     p.add_argument(
         "--port",
@@ -114,7 +132,9 @@ def _configure_up(p: argparse.ArgumentParser) -> None:
 
 @command("up", _UP_HELP, configure=_configure_up)
 def up(args: argparse.Namespace, env: Env) -> int:
-    plans = plan_nodes(args.prefill, args.decode, args.port, num_stages=args.cpp)
+    plans = plan_nodes(
+        args.prefill, args.decode, args.port, num_stages=args.cpp, num_memory=args.memory
+    )
     cpus = pin_cpus(plans, sorted(os.sched_getaffinity(0)), env.stderr) if args.pin else None
     base = read_base_config(args.config)
     run_dir = open_run_dir(_run_dir(args))
@@ -137,6 +157,8 @@ def up(args: argparse.Namespace, env: Env) -> int:
         sections = model_from_peers(plans, path or BUILTIN_PREFIX)
         # Each node's model.path is in its own sections now.
         model = None
+    if args.memory:
+        sections = with_offload(sections)
     cluster = LocalCluster(
         plans,
         run_dir,
@@ -167,6 +189,17 @@ def up(args: argparse.Namespace, env: Env) -> int:
     if not args.json:
         env.stdout.write("stop it with: mooncakectl down\n")
     return ExitStatus.OK
+
+
+def with_offload(sections: SectionsOf | None) -> SectionsOf:
+    """Each node's ``sections`` and its ``offload`` ones (``up --memory``)."""
+
+    def of(plan: NodePlan) -> Sections:
+        return merge_sections(
+            sections(plan) if sections is not None else {}, offload_sections(plan)
+        )
+
+    return of
 
 
 def pin_cpus(plans: Sequence[NodePlan], allowed: Sequence[int], err: TextIO) -> list[str]:

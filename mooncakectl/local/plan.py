@@ -110,27 +110,36 @@ def plan_nodes(
     port: int | None,
     *,
     num_stages: int | None = None,
+    num_memory: int = 0,
 ) -> list[NodePlan]:
-    """The nodes of ``up``. Neither count given: one ``both`` node on ``port``
-    (default 8000). Otherwise prefill nodes then decode nodes; the entry (the
+    """The nodes of ``up``. No count given: one ``both`` node on ``port``
+    (default 8000). Otherwise prefill nodes, decode nodes (one ``both`` node
+    when only ``num_memory`` is given), then memory nodes; the entry (the
     first decode node) gets ``port`` when given, every other port is free.
     ``num_stages`` (``--cpp``): the prefill nodes form pipelined groups of
     that many stages (``pipeline_groups``)."""
+    if num_memory < 0:
+        raise ValueError(f"--memory counts memory nodes, got {num_memory}")
     if num_prefill is None and num_decode is None:
         if num_stages is not None:
             raise ValueError(f"--cpp {num_stages} needs prefill nodes: add --prefill and --decode")
-        return [NodePlan("", "both", DEFAULT_PORT if port is None else port, 0)]
+        if not num_memory:
+            return [NodePlan("", "both", DEFAULT_PORT if port is None else port, 0)]
     num_prefill = num_prefill or 0
     num_decode = num_decode or 0
     if num_prefill < 0 or num_decode < 0:
         raise ValueError(f"--prefill and --decode count nodes, got {num_prefill} and {num_decode}")
-    if num_decode == 0:
+    if num_decode == 0 and num_prefill:
         raise ValueError(
             f"a cluster needs a decode node to answer requests: --decode 0 with "
             f"--prefill {num_prefill}"
         )
     members = [(f"prefill-{i}", "prefill") for i in range(num_prefill)]
     members += [(f"decode-{i}", "decode") for i in range(num_decode)]
+    if not members:
+        # Memory nodes alone compute nothing: one node does the rest.
+        members = [("compute-0", "both")]
+    members += [(f"memory-{i}", "memory") for i in range(num_memory)]
     plans = plan_cluster(members, fixed_ports=True)
     if num_stages is not None:
         plans = pipeline_groups(plans, num_stages)
@@ -168,11 +177,25 @@ def pipeline_groups(plans: Sequence[NodePlan], num_stages: int) -> list[NodePlan
 
 
 def entry_index(plans: Sequence[NodePlan]) -> int:
-    """Where clients go: the first decode node (it places every request), else the first."""
+    """Where clients go: the first decode node (it places every request), else
+    the first that serves a model (a memory node serves none)."""
     for i, p in enumerate(plans):
         if p.role == "decode":
             return i
+    for i, p in enumerate(plans):
+        if p.role != "memory":
+            return i
     return 0
+
+
+def offload_sections(plan: NodePlan) -> dict[str, dict[str, object]]:
+    """``up --memory``: the nodes that decode offload their attention to the
+    memory node placement picks; a memory node's service takes a free port."""
+    if plan.role in ("decode", "both"):
+        return {"offload": {"memory_node": "auto"}}
+    if plan.role == "memory":
+        return {"offload": {"port": 0}}
+    return {}
 
 
 def is_cluster(plans: Sequence[NodePlan]) -> bool:

@@ -192,7 +192,8 @@ def wait_ready(
 
 def sees_all(url: str, node_ids: set[str], *, admin_token: str = "") -> bool:
     """Whether the node at ``url`` sees every one of ``node_ids`` alive with its
-    API address and model known (what placement needs to pick it)."""
+    API address and model known (what placement needs to pick it); a memory
+    node, which loads no model, once its attention service is known."""
     try:
         doc = Client(url, timeout=_ASK_TIMEOUT_S, token=admin_token).get_json("/admin/cluster")
     except (DaemonUnreachable, DaemonError):
@@ -200,11 +201,18 @@ def sees_all(url: str, node_ids: set[str], *, admin_token: str = "") -> bool:
     alive = {
         n.get("node_id")
         for n in doc.get("nodes", [])
-        if n.get("status") == "alive"
-        and (n.get("state") or {}).get("api_addr")
-        and (n.get("state") or {}).get("model_id")
+        if n.get("status") == "alive" and _serves(n.get("state") or {})
     }
     return node_ids <= alive
+
+
+def _serves(state: dict[str, Any]) -> bool:
+    """Whether a gossiped state says what placement needs to pick the node."""
+    if not state.get("api_addr"):
+        return False
+    if state.get("role") == "memory":
+        return bool((state.get("memory") or {}).get("attention_addr"))
+    return bool(state.get("model_id"))
 
 
 def stages_seen(url: str, *, admin_token: str = "") -> dict[str, dict[str, Any]]:

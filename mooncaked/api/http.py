@@ -32,6 +32,7 @@ from mooncaked.api.metrics import (
 )
 from mooncaked.api.middleware import api_middleware
 from mooncaked.api.objects import ObjectsAPI
+from mooncaked.api.offload_status import OffloadStatus
 from mooncaked.api.openai import OpenAIAPI
 from mooncaked.api.pipeline import PipelineAPI
 from mooncaked.api.recent import RecentRequests
@@ -152,6 +153,8 @@ class NodeApi:
         self.admin.add_status_section("pipeline", self.pipeline.status_section)
         self.admin.add_status_section("objects", self.objects.status_section)
         self.admin.add_status_section("kv_events", s.kv_events_status)
+        self.offload = OffloadStatus(s)
+        self.admin.add_status_section("offload", self.offload.status_section)
         for source in (
             SnapshotMetrics(s.engine_stats, ENGINE_METRICS),
             self.cache.metrics_source(),
@@ -161,6 +164,7 @@ class NodeApi:
             self.handoff_steps,
             self.pipeline.metrics_source(),
             SnapshotMetrics(s.kv_events_stats, KV_EVENTS_METRICS),
+            self.offload,
         ):
             s.metrics.register(source)
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from mooncaked.engine.core import EngineCore, EngineStats
     from mooncaked.engine.kv_receiver import KVReceiver
     from mooncaked.engine.kv_sender import KVSender
+    from mooncaked.engine.offload.server import AttentionServer
     from mooncaked.kv_events.service import KVEvents, KVEventsStats
     from mooncaked.objects.service import ObjectStore
     from mooncaked.wire.lease import Holding
@@ -162,6 +163,8 @@ class Services:
     objects: ObjectStore | None = None
     # KV events out in vLLM's format (None: cluster.kv_events_endpoint is empty).
     kv_events: KVEvents | None = None
+    # A memory node's attention service (None on other roles).
+    attention: AttentionServer | None = None
 
     @classmethod
     def build(

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from mooncaked.cluster.block_index import PrefixMatch
 from mooncaked.cluster.costs import NodeCosts, predicted_tbt_s
 from mooncaked.cluster.holders import LEASABLE_TIERS
+from mooncaked.cluster.offload import offloaded_scores
 from mooncaked.cluster.placement import (
     Candidate,
     ConductorParams,
     EarlyReject,
+    MemoryRef,
     PendingLoad,
     Placement,
     PlacementRequest,
@@ -79,6 +81,15 @@ class Decision:
                 "predicted_tbt_s": round(r.predicted_tbt_s, 6),
                 "model_ttft_s": round(r.model_ttft_s, 6),
                 "model_tbt_s": round(r.model_tbt_s, 6),
+                # Attention offloaded: the memory node, and the decode node's
+                # offloaded step term by term (its score's).
+                "memory": r.memory.to_json() if r.memory is not None else None,
+                "offload": next(
+                    (s.to_json()["offload"] for s in self.decode if s.node_id == r.decode.node_id),
+                    None,
+                )
+                if r.memory is not None
+                else None,
             }
         else:
             out["rejected"] = {
@@ -179,6 +190,7 @@ def candidates(
             st.forecast,
             pending.get(node_id, none),
             st.stage,
+            st.offload,
         )
     return nodes
 
@@ -300,7 +312,7 @@ def _disaggregated(
     join_in_s = params.ttft(best.ttft_s) if best is not None else 0.0
     dpool = pools.decode
     scorer = decode_scorer(request, params, slo, join_in_s)
-    dscores = [scorer(n) for n in dpool]
+    dscores = offloaded_scores(view, request, params, slo, dpool, [scorer(n) for n in dpool])
     dorder = order_decode(params, dpool, dscores, rng)
     if judges_tbt(params, slo):
         dorder = [i for i in dorder if dscores[i].within_slo]
@@ -314,6 +326,7 @@ def _disaggregated(
             fetch=params.policy is Policy.CONDUCTOR,
             predicted_tbt_s=params.tbt(dbest.tbt_s),
             model_tbt_s=dbest.tbt_s,
+            memory=memory_ref(dbest),
         )
         why = "no prefill node alive: the decode node prefills itself"
         return Decision(placement, params.policy, tuple(scores), tuple(dscores), why)
@@ -335,6 +348,7 @@ def _disaggregated(
         model_ttft_s=model_ttft,
         model_tbt_s=dbest.tbt_s,
         offers=offers(params, [scores[i] for i in tried]),
+        memory=memory_ref(dbest),
     )
     return Decision(
         placement, params.policy, tuple(scores), tuple(dscores), _why(params, best, dbest)
@@ -362,6 +376,7 @@ def _colocated(
         return Decision(reject, params.policy, tuple(scores), (), reject.reason)
     node = pool[order[0]]
     d = decode_score(request, params, slo, node, params.ttft(best.ttft_s))
+    d = offloaded_scores(view, request, params, slo, [node], [d])[0]
     if judges_tbt(params, slo) and not d.within_slo:
         reject = _tbt_reject(params, slo, [d], "this node cannot")
         return Decision(reject, params.policy, tuple(scores), (d,), reject.reason)
@@ -376,8 +391,15 @@ def _colocated(
         predicted_tbt_s=params.tbt(d.tbt_s),
         model_ttft_s=model_ttft,
         model_tbt_s=d.tbt_s,
+        memory=memory_ref(d),
     )
-    return Decision(placement, params.policy, tuple(scores), (d,), "colocated: one engine")
+    why = "colocated: one engine" + (f", attention on memory node {d.memory}" if d.memory else "")
+    return Decision(placement, params.policy, tuple(scores), (d,), why)
+
+
+def memory_ref(score: DecodeScore) -> MemoryRef | None:
+    """The memory node a decode score pairs its node with (None: attention local)."""
+    return MemoryRef(score.memory, score.attention_addr) if score.memory else None
 
 
 def offers(params: ConductorParams, tried: list[PrefillScore]) -> tuple[PrefillOffer, ...]:
@@ -502,4 +524,8 @@ def _why(params: ConductorParams, best: PrefillScore, d: DecodeScore) -> str:
             + ")"
         ),
     }[params.policy]
-    return f"{p}; decode on {d.node_id}: predicted TBT {d.tbt_s * 1e3:.1f} ms at batch {d.batch_at_join:g}"
+    mem = f", attention on memory node {d.memory}" if d.memory else ""
+    return (
+        f"{p}; decode on {d.node_id}: predicted TBT {d.tbt_s * 1e3:.1f} ms "
+        f"at batch {d.batch_at_join:g}{mem}"
+    )

@@ -34,7 +34,7 @@ from mooncaked.cluster.forecast import (
     OutputLengths,
     PrefillWork,
 )
-from mooncaked.cluster.state import LocalState, StageInfo
+from mooncaked.cluster.state import LocalState, MemoryInfo, NodeLoad, OffloadInfo, StageInfo
 from mooncaked.cluster.work import NodeWork, gossiped_load, queue_s
 from mooncaked.config import PipelineConfig
 from mooncaked.engine.plan import StepPlan
@@ -207,9 +207,20 @@ class LoadMeter:
         costs: CostMeter | None = None,
         pipeline: PipelineConfig | None = None,
         dram_free: Callable[[], int] | None = None,
+        memory_load: Callable[[], NodeLoad] | None = None,
+        memory: Callable[[], MemoryInfo] | None = None,
+        offload: Callable[[EngineCore], OffloadInfo | None] | None = None,
     ) -> None:
         """``dram_free``: free slots of the node's DRAM tier (replicas go
-        where most are free)."""
+        where most are free). ``memory_load``: a memory node's (no engine)
+        KV use and the sequences it serves; ``memory``: its attention
+        service and pool. ``offload``: what a compute node whose attention
+        placement offloads says of it."""
+        self._memory_load = memory_load
+        self._memory = memory
+        self._offload = offload
+        self._offload_info: OffloadInfo | None = None
+        self._offload_asked = False
         self._role = role
         self._dram_free = dram_free
         self._api_addr = api_addr
@@ -223,7 +234,14 @@ class LoadMeter:
     def __call__(self) -> LocalState:
         engine = self._engine()
         if engine is None:
-            return LocalState(role=self._role, api_addr=self._api_addr, draining=self._draining())
+            load = self._memory_load() if self._memory_load is not None else NodeLoad()
+            return LocalState(
+                role=self._role,
+                api_addr=self._api_addr,
+                draining=self._draining(),
+                load=load,
+                memory=self._memory() if self._memory is not None else None,
+            )
         now = self._clock()
         snapshot = engine.snapshot
         work = engine_work(snapshot, now)
@@ -249,7 +267,15 @@ class LoadMeter:
             costs=costs,
             forecast=forecast,
             stage=self._stage(engine),
+            offload=self._offload_of(engine),
         )
+
+    def _offload_of(self, engine: EngineCore) -> OffloadInfo | None:
+        # Fixed for the engine's life: worked out once.
+        if not self._offload_asked and self._offload is not None:
+            self._offload_info = self._offload(engine)
+            self._offload_asked = True
+        return self._offload_info
 
     def _stage(self, engine: EngineCore) -> StageInfo | None:
         """This node's place in its pipelined prefill group, if it is a stage."""

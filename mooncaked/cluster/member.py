@@ -23,7 +23,8 @@ from mooncaked.cluster.block_index import BlockEvent, BlockOp
 from mooncaked.cluster.events import BlockEventBatcher
 from mooncaked.cluster.gossip.service import ClusterService
 from mooncaked.cluster.load import CostMeter, LoadMeter
-from mooncaked.cluster.state import ClusterView
+from mooncaked.cluster.memory import offload_info
+from mooncaked.cluster.state import ClusterView, MemoryInfo, NodeLoad
 from mooncaked.cluster.status import ClusterSnapshot, cluster_snapshot
 from mooncaked.config import ClusterConfig, Config
 from mooncaked.identity import NodeIdentity
@@ -142,6 +143,8 @@ async def joined(
     store: TieredStore | None,
     segments: Sequence[Mapping[str, Any]],
     on_failure: Callable[[BaseException], None],
+    memory_load: Callable[[], NodeLoad] | None = None,
+    memory: Callable[[], MemoryInfo] | None = None,
 ) -> AsyncIterator[ClusterMember]:
     """This node in the cluster of ``[cluster]`` while entered, gossiping the
     load of ``engine`` (None while it is not serving) from ``api_addr``."""
@@ -154,6 +157,9 @@ async def joined(
         costs=costs,
         pipeline=config.pipeline,
         dram_free=None if store is None else (lambda: store.dram.num_free),
+        memory_load=memory_load,
+        memory=memory,
+        offload=lambda e: offload_info(config, e),
     )
     member = ClusterMember(
         config.cluster,

@@ -166,6 +166,18 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryRef:
+    """The memory node a decode node's attention for one request goes to."""
+
+    node_id: str
+    # host:port of its attention service.
+    attention_addr: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"node": self.node_id, "attention_addr": self.attention_addr}
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     """Where a request runs: its decode node, and the prefill nodes to try in
     order (empty: the decode node computes the prompt itself, in one engine)."""
@@ -189,6 +201,9 @@ class Placement:
     # Late binding: per prefill candidate, what the entry forecast of it
     # (empty: every candidate takes the request when asked).
     offers: tuple[PrefillOffer, ...] = ()
+    # Attention offloaded: the memory node paired with the decode node (None:
+    # its attention runs there).
+    memory: MemoryRef | None = None
 
     @property
     def colocated(self) -> bool:

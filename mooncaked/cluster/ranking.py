@@ -18,6 +18,7 @@ from mooncaked.cache.hashing import layer_hashes
 from mooncaked.cluster.block_index import PrefixMatch
 from mooncaked.cluster.costs import (
     NodeCosts,
+    OffloadedStep,
     StepCost,
     equal_time_chunks,
     pipeline_prefill_s,
@@ -34,7 +35,7 @@ from mooncaked.cluster.placement import (
     Policy,
 )
 from mooncaked.cluster.slo import Slo
-from mooncaked.cluster.state import ClusterView, MemberStatus, NodeLoad, StageInfo
+from mooncaked.cluster.state import ClusterView, MemberStatus, NodeLoad, OffloadInfo, StageInfo
 
 
 def _fields_json(obj: object) -> dict[str, object]:
@@ -98,9 +99,22 @@ class DecodeScore:
     tbt_s: float
     within_slo: bool
     costs_known: bool
+    # The context its batch holds then, without this request's.
+    context_tokens: float = 0.0
+    # Attention offloaded (``offload.offloaded_scores``): the memory node
+    # placement pairs it with, where its attention service listens, and the
+    # predicted step term by term (None: attention runs on the node).
+    memory: str = ""
+    attention_addr: str = ""
+    offload: OffloadedStep | None = None
 
     def to_json(self) -> dict[str, object]:
-        return _fields_json(self)
+        out = _fields_json(self)
+        step = self.offload
+        out["offload"] = (
+            None if step is None else {**_fields_json(step), "tbt_s": round(step.tbt_s, 6)}
+        )
+        return out
 
 
 @dataclass(slots=True)
@@ -116,6 +130,8 @@ class CandidateNode:
     pending: PendingLoad
     # A stage of a pipelined prefill group: its place in it.
     stage: StageInfo | None = None
+    # Its attention is offloaded to the memory node placement picks.
+    offload: OffloadInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,7 +547,9 @@ def decode_scorer(
         within = costs.max_batch <= 0 or batch + 1 <= costs.max_batch
         if within and known and slo_tbt > 0.0:
             within = params.tbt(tbt) * params.tbt_margin <= slo_tbt
-        return DecodeScore(n.cand.node_id, batch_now, round(batch, 3), tbt, within, known)
+        return DecodeScore(
+            n.cand.node_id, batch_now, round(batch, 3), tbt, within, known, round(ctx, 1)
+        )
 
     return score
 

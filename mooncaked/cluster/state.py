@@ -43,6 +43,7 @@ log = structlog.get_logger(__name__)
 __all__ = [
     "ALL_TIERS_MASK",
     "ApplyResult",
+    "AttentionShape",
     "BlockDelta",
     "BlockEvent",
     "BlockLog",
@@ -52,9 +53,11 @@ __all__ = [
     "LocalState",
     "Member",
     "MemberStatus",
+    "MemoryInfo",
     "NodeBlocks",
     "NodeLoad",
     "NodeState",
+    "OffloadInfo",
     "PrefixMatch",
     "StageInfo",
     "Tier",
@@ -137,6 +140,112 @@ class StageInfo:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
 
 
+# Bytes per value of the KV dtypes a memory node lays out.
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """A model's KV as a memory node lays it out (``offload.wire.KVShape``):
+    a memory node serves the compute nodes whose shape is its own."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    # torch's name of the KV's dtype ("bfloat16"): equal sizes are not enough.
+    dtype: str
+    block_size: int
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE.get(self.dtype, 4)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def to_list(self) -> list[object]:
+        return [
+            self.num_layers,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.block_size,
+        ]
+
+    def to_json(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryInfo:
+    """What a memory node tells placement: where its attention service
+    listens, its KV pool's room and use, and how fast its attention reads KV.
+    Wire form: ``to_list`` / ``cluster.wire``'s decoder."""
+
+    # host:port of its attention service (what a compute node connects to).
+    attention_addr: str
+    # Bytes of KV its pool holds in all, and those free (whole blocks).
+    total_bytes: int
+    free_bytes: int
+    num_seqs: int
+    # Bytes/s its attention reads KV at: measured at start-up on a
+    # synthetic context, or the operator's figure (``offload.kv_read_bps``).
+    kv_read_bps: float
+    # The model it serves attention for ("": any whose KV shape fits).
+    model: str = ""
+    # The KV shape its pool is laid out for (None: none yet; the first
+    # compute node to connect sets it).
+    shape: AttentionShape | None = None
+
+    def to_list(self) -> list[object]:
+        return [
+            self.attention_addr,
+            self.total_bytes,
+            self.free_bytes,
+            self.num_seqs,
+            self.kv_read_bps,
+            self.model,
+            None if self.shape is None else self.shape.to_list(),
+        ]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "attention_addr": self.attention_addr,
+            "total_bytes": self.total_bytes,
+            "free_bytes": self.free_bytes,
+            "num_seqs": self.num_seqs,
+            "kv_read_bps": self.kv_read_bps,
+            "model": self.model,
+            "shape": None if self.shape is None else self.shape.to_json(),
+        }
+
+    def serves(self, model_id: str, shape: AttentionShape) -> bool:
+        """Whether a compute node of ``model_id`` whose KV is ``shape`` may use it."""
+        if self.model and self.model != model_id:
+            return False
+        return self.shape is None or self.shape == shape
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadInfo:
+    """A compute node that offloads its decode attention to the memory node
+    placement picks (``offload.memory_node = "auto"``): its KV shape, which
+    prices the q/k/v traffic and must match the memory node's, and the
+    micro-batches it cuts a decode batch into."""
+
+    shape: AttentionShape
+    micro_batches: int = 1
+
+    def to_list(self) -> list[object]:
+        return [self.shape.to_list(), self.micro_batches]
+
+    def to_json(self) -> dict[str, object]:
+        return {"shape": self.shape.to_json(), "micro_batches": self.micro_batches}
+
+
 @dataclass(frozen=True, slots=True)
 class LocalState:
     """What the hosting daemon says about itself; polled by the gossip layer."""
@@ -151,6 +260,10 @@ class LocalState:
     forecast: DecodeForecast = field(default_factory=DecodeForecast)
     # A stage of a pipelined prefill group (None: a node of its own).
     stage: StageInfo | None = None
+    # A memory node's service and pool (None: not a memory node).
+    memory: MemoryInfo | None = None
+    # A compute node whose attention placement offloads (None: it does not).
+    offload: OffloadInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +292,8 @@ class NodeState:
     costs: NodeCosts = field(default_factory=NodeCosts)
     forecast: DecodeForecast = field(default_factory=DecodeForecast)
     stage: StageInfo | None = None
+    memory: MemoryInfo | None = None
+    offload: OffloadInfo | None = None
 
 
 @dataclass(slots=True)
@@ -461,4 +576,8 @@ def _state_json(st: NodeState) -> dict[str, Any]:
         },
         # A stage of a pipelined prefill group: its group, place and layers.
         "stage": st.stage.to_json() if st.stage is not None else None,
+        # A memory node: its attention service, pool and read bandwidth.
+        "memory": st.memory.to_json() if st.memory is not None else None,
+        # A compute node whose attention placement offloads.
+        "offload": st.offload.to_json() if st.offload is not None else None,
     }

@@ -35,7 +35,14 @@ from mooncaked.cache.hashing import BLOCK_HASH_BYTES
 from mooncaked.cluster.block_index import ALL_TIERS_MASK, BlockDelta
 from mooncaked.cluster.costs import MAX_LINKS, NodeCosts, StepCost
 from mooncaked.cluster.forecast import FORECAST_HORIZONS_S, DecodeForecast
-from mooncaked.cluster.state import NodeLoad, NodeState, StageInfo
+from mooncaked.cluster.state import (
+    AttentionShape,
+    MemoryInfo,
+    NodeLoad,
+    NodeState,
+    OffloadInfo,
+    StageInfo,
+)
 
 MAC_BYTES = 16
 MAGIC = b"MG"
@@ -359,6 +366,10 @@ def state_to_json(st: NodeState) -> dict[str, Any]:
         "costs": st.costs.to_list(),
         "fc": [list(st.forecast.batch), list(st.forecast.context_tokens)],
         **({"stage": st.stage.to_list()} if st.stage is not None else {}),
+        # Attention offloading: sent only by the nodes it concerns, so older
+        # nodes' states (without them) still decode, and theirs here.
+        **({"mem": st.memory.to_list()} if st.memory is not None else {}),
+        **({"offl": st.offload.to_list()} if st.offload is not None else {}),
     }
 
 
@@ -390,6 +401,80 @@ def state_from_json(obj: Mapping[str, Any]) -> NodeState:
         costs=_costs_from_list(obj.get("costs")),
         forecast=_forecast_from_list(obj.get("fc")),
         stage=_stage_from_list(obj.get("stage")),
+        memory=_memory_from_list(obj.get("mem")),
+        offload=_offload_from_list(obj.get("offl")),
+    )
+
+
+# Bounds of a gossiped KV shape: what no model comes near.
+_SHAPE_NAMES = ("layers", "heads", "kv_heads", "head_dim", "dtype", "block")
+_SHAPE_DTYPES = ("float32", "float16", "bfloat16")
+_MAX_HEADS = 1 << 10
+_MAX_HEAD_DIM = 1 << 12
+_MAX_BLOCK = 1 << 12
+_MAX_MICRO_BATCHES = 8
+# A memory node's figures: its attention service's address, bytes and rates.
+_MEMORY_NAMES = ("addr", "total", "free", "seqs", "bps", "model", "shape")
+
+
+def _known_prefix(values: Any, key: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """A gossiped list as ``names`` -> value. A newer node may append items:
+    those past ``names`` are ignored, so the list can grow compatibly."""
+    if not isinstance(values, list) or len(values) < len(names):
+        raise WireError(f"field {key!r} must be a list of at least {len(names)} items")
+    return dict(zip(names, values[: len(names)], strict=True))
+
+
+def _shape_from_list(values: Any, key: str) -> AttentionShape:
+    obj = _known_prefix(values, key, _SHAPE_NAMES)
+    dtype = get_str(obj, "dtype")
+    if dtype not in _SHAPE_DTYPES:
+        raise BoundsError(f"field {key!r}: KV dtype {dtype!r} is not one of {_SHAPE_DTYPES}")
+    heads = get_int(obj, "heads", maximum=_MAX_HEADS, minimum=1)
+    kv_heads = get_int(obj, "kv_heads", maximum=heads, minimum=1)
+    if heads % kv_heads:
+        raise BoundsError(f"field {key!r}: {heads} heads do not share {kv_heads} KV heads")
+    return AttentionShape(
+        get_int(obj, "layers", maximum=_MAX_LAYERS, minimum=1),
+        heads,
+        kv_heads,
+        get_int(obj, "head_dim", maximum=_MAX_HEAD_DIM, minimum=1),
+        dtype,
+        get_int(obj, "block", maximum=_MAX_BLOCK, minimum=1),
+    )
+
+
+def _memory_from_list(values: Any) -> MemoryInfo | None:
+    """``MemoryInfo.to_list`` back, every number bounded; absent: not a memory node."""
+    if values is None:
+        return None
+    obj = _known_prefix(values, "mem", _MEMORY_NAMES)
+    addr = get_str(obj, "addr")
+    parse_addr(addr)
+    total = get_int(obj, "total")
+    model = obj["model"]
+    if not isinstance(model, str):
+        raise WireError("field 'model' must be a string")
+    shape = obj["shape"]
+    return MemoryInfo(
+        attention_addr=addr,
+        total_bytes=total,
+        free_bytes=get_int(obj, "free", maximum=total),
+        num_seqs=get_int(obj, "seqs"),
+        kv_read_bps=get_float(obj, "bps"),
+        model=model,
+        shape=None if shape is None else _shape_from_list(shape, "mem.shape"),
+    )
+
+
+def _offload_from_list(values: Any) -> OffloadInfo | None:
+    """``OffloadInfo.to_list`` back; absent: the node does not offload by placement."""
+    if values is None:
+        return None
+    obj = _known_prefix(values, "offl", ("shape", "micro"))
+    return OffloadInfo(
+        _shape_from_list(obj["shape"], "offl.shape"),
+        get_int(obj, "micro", maximum=_MAX_MICRO_BATCHES, minimum=1),
     )
 
 

@@ -25,7 +25,13 @@ from mooncaked.config.cluster import (
     SloConfig,
 )
 from mooncaked.config.data import CHECKSUMS, ObjectsConfig, StoreConfig, TransferConfig
-from mooncaked.config.engine import BUILTIN_PREFIX, KVConfig, ModelConfig, SchedulerConfig
+from mooncaked.config.engine import (
+    BUILTIN_PREFIX,
+    KVConfig,
+    ModelConfig,
+    OffloadConfig,
+    SchedulerConfig,
+)
 from mooncaked.config.errors import ConfigError, ConfigValueError
 from mooncaked.config.loader import (
     Config,
@@ -68,6 +74,7 @@ __all__ = [
     "ModelConfig",
     "NodeConfig",
     "ObjectsConfig",
+    "OffloadConfig",
     "PipelineConfig",
     "Role",
     "SchedulerConfig",

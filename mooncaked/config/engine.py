@@ -120,3 +120,69 @@ class SchedulerConfig:
         check(self.max_num_seqs > 0, "max_num_seqs", "must be > 0")
         check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
         check(self.max_waiting >= 0, "max_waiting", "must be >= 0")
+
+
+# ``offload.memory_node``: the memory node is placement's choice, per request.
+AUTO_MEMORY_NODE = "auto"
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    """Decode attention on a memory node (attention offloading, Lamina's split).
+
+    On a compute node, ``memory_node`` turns it on: each decode step sends the
+    new q/k/v of every layer to that node and takes the attention output back;
+    the linear layers, norms, RoPE and sampling stay here. A decoding
+    sequence's KV is held on the memory node only. ``"auto"``: the memory
+    node is the one placement picks for each request (among those gossip
+    shows). On a node with ``node.role = "memory"``, ``port`` and
+    ``pool_bytes`` size its service.
+    """
+
+    # host:port of a memory node's attention service; "auto": the one placement
+    # picks per request; empty: attention runs here.
+    memory_node: str = ""
+    # Decode batches split into this many micro-batches (1 or 2): with 2, one
+    # half's remote attention overlaps the other half's local layers.
+    micro_batches: int = 1
+    # A memory node's reply must come within this; past it the sequences whose
+    # KV it held are recomputed here (it was their only holder) and the node is
+    # left alone for retry_s.
+    timeout_s: float = 5.0
+    retry_s: float = 5.0
+    # A memory node: where its attention service listens (0: any free port) ...
+    port: int = 0
+    # ... and the DRAM of the KV it holds for compute nodes.
+    pool_bytes: int = 1024 * 1024 * 1024
+    # A memory node: bytes/s its attention reads KV at, as placement prices
+    # it; 0: measured at start-up over a synthetic context.
+    kv_read_bps: float = 0.0
+    # A memory node: the model id whose attention it serves, gossiped for
+    # placement and tooling; empty: any model whose KV shape fits (the first
+    # compute node to connect lays its pool out).
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        check(self.micro_batches in (1, 2), "micro_batches", "must be 1 or 2")
+        check(self.timeout_s > 0, "timeout_s", "must be > 0")
+        check(self.retry_s >= 0, "retry_s", "must be >= 0")
+        check(0 <= self.port < 65536, "port", "must be in 0..65535")
+        check(self.pool_bytes > 0, "pool_bytes", "must be > 0")
+        check(0.0 <= self.kv_read_bps < float("inf"), "kv_read_bps", "must be a number >= 0")
+        if self.memory_node and not self.placed:
+            host, sep, port = self.memory_node.rpartition(":")
+            check(
+                bool(sep and host and port.isdigit()),
+                "memory_node",
+                f"must be host:port, got {self.memory_node!r}",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Attention goes to the one memory node configured (host:port)."""
+        return bool(self.memory_node) and not self.placed
+
+    @property
+    def placed(self) -> bool:
+        """Attention goes to the memory node placement picks per request."""
+        return self.memory_node == AUTO_MEMORY_NODE

@@ -24,7 +24,7 @@ from mooncaked.config.cluster import (
     SloConfig,
 )
 from mooncaked.config.data import ObjectsConfig, StoreConfig, TransferConfig
-from mooncaked.config.engine import KVConfig, ModelConfig, SchedulerConfig
+from mooncaked.config.engine import KVConfig, ModelConfig, OffloadConfig, SchedulerConfig
 from mooncaked.config.errors import ConfigError, ConfigValueError
 from mooncaked.config.node import LogConfig, NodeConfig, ServerConfig
 
@@ -45,6 +45,7 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     conductor: ConductorConfig = field(default_factory=ConductorConfig)
     slo: SloConfig = field(default_factory=SloConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     # Where the config came from, for messages; not a TOML key.
     source: str = field(default="<defaults>", compare=False)
 
@@ -54,6 +55,11 @@ class Config:
                 f"{self.source}: 'pipeline.group' = {self.pipeline.group!r} makes this node a "
                 f"stage of a pipelined prefill group, which needs node.role = 'prefill' "
                 f"(got {self.node.role!r})"
+            )
+        if self.node.role == "memory" and (self.offload.enabled or self.offload.placed):
+            raise ConfigError(
+                f"{self.source}: a memory node computes attention for others; "
+                f"'offload.memory_node' = {self.offload.memory_node!r} is for compute nodes"
             )
         if self.model.object_name is not None:
             if not self.objects.peers:

@@ -9,7 +9,9 @@ from typing import Literal
 
 from mooncaked.config.errors import ConfigValueError, check
 
-Role = Literal["both", "prefill", "decode"]
+# "memory": no model weights; holds KV and computes decode attention for
+# compute nodes (attention offloading).
+Role = Literal["both", "prefill", "decode", "memory"]
 
 ORIGIN_DEFAULT_PORTS = {"http": 80, "https": 443}
 

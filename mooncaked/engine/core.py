@@ -45,12 +45,13 @@ from mooncaked.engine.connector import ConnectorContext, KVConnector, LoadResult
 from mooncaked.engine.introspect import EngineStats, engine_stats, requests_in_flight
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.loader import LoadedModel, load_model
+from mooncaked.engine.offload import attach_offload
 from mooncaked.engine.output import OutputProcessor, RequestStream
 from mooncaked.engine.pipeline import ChunkRefused, StagePipe
 from mooncaked.engine.plan import LoadJob, StepOutput, StepPlan
 from mooncaked.engine.runner import KVAllocator, ModelRunner, num_blocks_for_bytes
 from mooncaked.engine.scheduler import QueueFullError, Scheduler
-from mooncaked.engine.snapshot import EngineLoad, EngineSnapshot, ModelFacts
+from mooncaked.engine.snapshot import EngineLoad, EngineSnapshot, model_facts
 from mooncaked.handoff import NO_HANDOFF, Handoff, StageJob
 from mooncaked.process import (
     compute_threads,
@@ -116,6 +117,8 @@ class EngineCore:
         self.span = self.loaded.model.span
         self._clock = clock
         self.pool, self.runner = self._build_kv(kv_allocator)
+        # Attention offloading (None: attention here); the runner calls it.
+        self.offload = attach_offload(config, self.runner)
         # Both built by start(): the connector is given then.
         self.connector: KVConnector = KVConnector()
         # A stage of a pipelined prefill group: its activations in and out.
@@ -127,7 +130,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             kv_sent=self._kv_sent,
         )
-        self.model_facts = self._model_facts()
+        self.model_facts = model_facts(config, self.runner, self.pool.num_blocks)
         self.snapshot = EngineSnapshot(self.model_facts)
         # Called with every step's plan and its seconds (cost models learn
         # from them), and with every finished request. A step's seconds are
@@ -201,22 +204,6 @@ class EngineCore:
         free, total = torch.cuda.mem_get_info(device)
         return int(total * kv.gpu_memory_fraction) - (total - free)
 
-    def _model_facts(self) -> ModelFacts:
-        arch, sched = self.loaded.arch, self.config.scheduler
-        return ModelFacts(
-            model_id=self.model_id,
-            vocab_size=arch.vocab_size,
-            max_model_len=self.max_model_len,
-            num_layers=arch.num_layers,
-            dtype=str(self.loaded.dtype).removeprefix("torch."),
-            device=str(self.loaded.device),
-            block_size=self.block_size,
-            num_blocks=self.pool.num_blocks,
-            kv_bytes_per_token=self.runner.block_bytes // self.block_size,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs,
-        )
-
     @property
     def scheduler(self) -> Scheduler:
         """The scheduler; built by ``start()``."""
@@ -271,6 +258,8 @@ class EngineCore:
             model_id=self.model_id,
             connector=self.connector,
         )
+        if self.offload is not None:
+            self._scheduler.on_remote_dropped = self.offload.dropped
         self._loop_task = self._tasks.spawn(self._run_loop(), name="engine-step-loop")
         log.info(
             "engine started",
@@ -320,6 +309,8 @@ class EngineCore:
         # Nothing reuses the blocks any more: no writer outside can matter.
         self.pool.release_expired(math.inf)
         self._executor.shutdown(wait=True)
+        if self.offload is not None:
+            self.offload.close()
 
     def _loop_failed(self, exc: BaseException) -> None:
         """The step loop died (its traceback is logged by the task owner)."""
@@ -358,7 +349,7 @@ class EngineCore:
             raise EngineFailedError(f"the engine failed: {self.failure!r}")
         if self._closing or self._loop_task is None:
             raise EngineClosedError("the engine is not running")
-        self._check_prompt(prompt_token_ids, sampling)
+        self._check_prompt(prompt_token_ids, sampling, handoff.memory_node)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         stage = handoff.stage
         if (stage is None) != self.span.whole:
@@ -455,7 +446,9 @@ class EngineCore:
         req.ready_tokens = frontier
         self._wakeup.set()
 
-    def _check_prompt(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+    def _check_prompt(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, memory_node: str
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
         vocab = self.loaded.arch.vocab_size
@@ -469,9 +462,12 @@ class EngineCore:
                 f"but {total} were requested ({len(prompt_token_ids)} in the prompt, "
                 f"{sampling.max_tokens} for the completion)"
             )
-        if -(-total // self.block_size) > self.pool.num_blocks:
+        # Offloaded, a request holds blocks here for its prompt only.
+        offloaded = self.offload is not None and self.offload.address_for(memory_node)
+        local = len(prompt_token_ids) + 1 if offloaded else total
+        if -(-local // self.block_size) > self.pool.num_blocks:
             raise PromptTooLongError(
-                f"{total} tokens need more KV blocks than this node has "
+                f"{local} tokens need more KV blocks than this node has "
                 f"({self.pool.num_blocks} blocks of {self.block_size} tokens)"
             )
 
@@ -523,6 +519,11 @@ class EngineCore:
             # Idle: a cheap moment for the pool's self-check.
             self._checked_at_step = self.num_steps
             self._self_check()
+        if self.offload is not None and self.offload.clients.num_drops:
+            # What finished requests held on the memory node goes now; then
+            # schedule again (a request may have come meanwhile).
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.offload.flush)
+            return
         self._wakeup.clear()
         deadline = self.pool.next_deadline()
         if deadline is None:
@@ -550,7 +551,7 @@ class EngineCore:
         last = self._last_step
         if last is not None and last[0] is plan:
             self._last_step = (plan, last[1], time.perf_counter())
-        reqs = self.scheduler.update(plan, out.tokens)
+        reqs = self.scheduler.update(plan, out.tokens, kv_moved=out.kv_moved, kv_lost=out.kv_lost)
         # Before the outputs go: a request's last one carries what its
         # connector report says became of the KV it sent.
         self.connector.after_step(out.kv_report)

@@ -348,6 +348,19 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: Rope, kv_cache: LayerCache, meta: AttentionMetadata
     ) -> torch.Tensor:
+        q, k, v = self.project_qkv(x, rope)
+        out = paged_attention(q, PagedKV(k, v, *kv_cache), meta)
+        return self.project_out(out)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """[T, heads, head_dim] attention output -> [T, hidden]."""
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+
+    def project_qkv(
+        self, x: torch.Tensor, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, KVH, D] of ``x``, q and k rotated: what
+        attention takes (here, or on a memory node)."""
         t = x.shape[0]
         cos, sin = rope
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -365,8 +378,7 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(t, kvh, d)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-        out = paged_attention(q, PagedKV(k, v, *kv_cache), meta)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -551,7 +563,7 @@ class CausalLM(nn.Module):
         if self.arch.tie_word_embeddings and self.lm_head is not None and embed is not None:
             self.lm_head.weight = embed.weight
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         inv_freq = self._inv_freq.get(positions.device)
         if inv_freq is None:
             inv_freq = self._inv_freq_cpu.to(positions.device)
@@ -584,7 +596,7 @@ class CausalLM(nn.Module):
             x = self.model.embed_tokens(input_ids)
         else:
             raise RuntimeError("a stage after the first takes hidden states, not token ids")
-        rope = self._rope(positions, x.dtype)
+        rope = self.rope(positions, x.dtype)
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             x = layer(x, rope, kv_cache, meta)
             if layer_done is not None:

@@ -31,6 +31,12 @@ class ScheduledChunk:
     # A stage after the first of a pipelined prefill group: the rows of its
     # inbound activations that hold these tokens' input (None: token ids).
     act_rows: list[int] | None = None
+    # The request's KV lives on a memory node (attention offloading): no
+    # local blocks (``block_ids`` is empty), its attention runs there only.
+    kv_remote: bool = False
+    # host:port of the memory node placement chose for the request's decode
+    # attention ("": the node's ``offload.memory_node`` decides).
+    memory_node: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +65,7 @@ def chunk_of(
         sampling=req.sampling,
         num_output_tokens=req.handoff.output_offset + len(req.output_token_ids),
         act_rows=act_in.rows(start_pos, end) if act_in is not None else None,
+        memory_node=req.memory_node or "",
     )
 
 
@@ -118,3 +125,9 @@ class StepOutput:
     # A stage before the last of a pipelined prefill group: the step's output
     # rows [tokens, hidden], in plan order, for the next stage (None elsewhere).
     hidden: Any = None
+    # Attention offloading: requests whose KV the memory node holds since this
+    # step (their local blocks can go), and requests whose KV there was lost
+    # (the memory node failed: they are recomputed; their tokens of this step
+    # are void).
+    kv_moved: tuple[str, ...] = ()
+    kv_lost: tuple[str, ...] = ()

@@ -14,6 +14,7 @@ results return; what it reports of the step comes back with the tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -29,7 +30,8 @@ from mooncaked.engine.connector import KVConnector
 from mooncaked.engine.graphs import CUDA_GRAPH_MODES, DecodeGraphs, graph_unavailable_reason
 from mooncaked.engine.loader import LoadedModel
 from mooncaked.engine.model import ModelArch
-from mooncaked.engine.plan import SampledToken, StepOutput, StepPlan
+from mooncaked.engine.offload.forward import OffloadedAttention
+from mooncaked.engine.plan import SampledToken, ScheduledChunk, StepOutput, StepPlan
 from mooncaked.engine.sampler import Sampler
 from mooncaked.handoff import KVLayout
 
@@ -117,6 +119,8 @@ class ModelRunner:
         # A stage after the first: the rows its input activations arrive in
         # ([rows, hidden], the pipeline's inbound segment), once bound.
         self.act_in: torch.Tensor | None = None
+        # Attention offloading: decode attention on a memory node (None: here).
+        self.offload: OffloadedAttention | None = None
         self.sampler = sampler if sampler is not None else Sampler()
         self.graphs: DecodeGraphs | None = None
         # Why the decode step runs eagerly ("" when it is graphed).
@@ -190,9 +194,18 @@ class ModelRunner:
         return self.run(plan).tokens
 
     def run(self, plan: StepPlan, connector: KVConnector | None = None) -> StepOutput:
-        """The step's tokens, and the connector's report of it."""
+        """The step's tokens, the connector's report of it, and (attention
+        offloading) which requests' KV moved to the memory node or was lost."""
         if plan.is_empty:
             return StepOutput([])
+        out = self._run(plan, connector)
+        offload = self.offload
+        if offload is None or offload.last is None:
+            return out
+        run, offload.last = offload.last, None
+        return dataclasses.replace(out, kv_moved=run.moved, kv_lost=run.lost)
+
+    def _run(self, plan: StepPlan, connector: KVConnector | None) -> StepOutput:
         meta = plan.connector_meta if connector is not None else None
         if connector is None or meta is None:
             with torch.inference_mode():
@@ -266,25 +279,8 @@ class ModelRunner:
         act_rows: list[int] = []
         for i, c in enumerate(plan.chunks):
             n = c.num_tokens
-            if n == 0:
-                raise ValueError(f"chunk {i} ({c.request_id}) has no tokens")
+            self._check_chunk(i, c)
             end = c.start_pos + n
-            if c.start_pos < 0 or end > self.max_model_len:
-                raise ValueError(
-                    f"chunk {i} ({c.request_id}) covers positions "
-                    f"{c.start_pos}..{end - 1}, beyond max_model_len {self.max_model_len}"
-                )
-            bad = [b for b in c.block_ids if not 0 <= b < self.num_blocks]
-            if bad:
-                raise ValueError(
-                    f"chunk {i} ({c.request_id}) has block ids {bad[:4]} outside "
-                    f"0..{self.num_blocks - 1}"
-                )
-            if (c.act_rows is None) != self.span.first:
-                raise ValueError(
-                    f"chunk {i} ({c.request_id}): layers {self.span.lo}..{self.span.hi} take "
-                    + ("token ids" if self.span.first else "the stage before's activations")
-                )
             if c.act_rows is not None:
                 if len(c.act_rows) != n:
                     raise ValueError(f"chunk {i} ({c.request_id}) has {len(c.act_rows)} input rows")
@@ -296,6 +292,13 @@ class ModelRunner:
             tables.append(c.block_ids)
             if c.sample:
                 sample_rows.append(len(ids) - 1)
+        if self.offload is not None and self.span.whole:
+            hidden = self.offload.forward(
+                self.model, plan, self.kv_caches, self.kv_buffer, self.backend,
+                self.block_size, layer_done,
+            )  # fmt: skip
+            if hidden is not None:
+                return hidden, sample_rows
         graphs = self.graphs
         if (
             graphs is not None
@@ -323,6 +326,29 @@ class ModelRunner:
             hidden_in = self.act_in.index_select(0, rows).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, pos, self.kv_caches, meta, layer_done, hidden=hidden_in)
         return hidden, sample_rows
+
+    def _check_chunk(self, i: int, c: ScheduledChunk) -> None:
+        """ValueError naming what is wrong with chunk ``i`` of a plan."""
+        n = c.num_tokens
+        if n == 0:
+            raise ValueError(f"chunk {i} ({c.request_id}) has no tokens")
+        end = c.start_pos + n
+        if c.start_pos < 0 or end > self.max_model_len:
+            raise ValueError(
+                f"chunk {i} ({c.request_id}) covers positions "
+                f"{c.start_pos}..{end - 1}, beyond max_model_len {self.max_model_len}"
+            )
+        bad = [b for b in c.block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(
+                f"chunk {i} ({c.request_id}) has block ids {bad[:4]} outside "
+                f"0..{self.num_blocks - 1}"
+            )
+        if (c.act_rows is None) != self.span.first:
+            raise ValueError(
+                f"chunk {i} ({c.request_id}): layers {self.span.lo}..{self.span.hi} take "
+                + ("token ids" if self.span.first else "the stage before's activations")
+            )
 
     def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
         """Copy whole blocks, every layer, K and V: ``dst_ids[i] <- src_ids[i]``."""

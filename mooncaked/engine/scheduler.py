@@ -18,6 +18,13 @@ flight) keeps the request waiting; others are admitted past it. What a load
 says must become of its blocks (held for a writer outside, swapped for
 fresh ones) the scheduler does through the pool.
 
+With attention offloading, a request whose KV a memory node took over
+(``kv_moved``) holds no blocks here: its decodes need none, it is never a
+preemption victim (freeing nothing), and its blocks' worth of pool serves
+other requests. If the memory node loses its KV (``kv_lost``), the request
+is preempted by recompute like any other; one whose context no longer fits
+this node's pool fails explicitly instead of waiting for ever.
+
 The scheduler emits a StepPlan and takes sampled tokens back; it never touches
 tensors. It does not decide when a request is finished (the output processor
 does: it needs the text for stop strings); ``finish`` takes a request out.
@@ -26,7 +33,7 @@ does: it needs the text for stop strings); ``finish`` takes a request out.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -81,6 +88,11 @@ class Scheduler:
         self._num_published: dict[str, int] = {}
         # Requests that cannot go on (``take_failed``).
         self._failed: list[tuple[Request, str]] = []
+        # Requests whose KV lives on a memory node only (attention offloading).
+        self.remote: set[str] = set()
+        # Told the id of each request whose KV the memory node may forget
+        # (finished, preempted): set by the engine when it offloads.
+        self.on_remote_dropped: Callable[[str], None] | None = None
         # Counters for /metrics.
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
@@ -125,6 +137,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
+        self._drop_remote(req)
         req.state = RequestState.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
@@ -150,7 +163,7 @@ class Scheduler:
                 # A pipeline stage whose next input has not arrived yet.
                 i += 1
                 continue
-            if not self._grow(req, num_new, plan, scheduled):
+            if req.request_id not in self.remote and not self._grow(req, num_new, plan, scheduled):
                 # The request itself was preempted; nothing after it remains
                 # either (preemption takes from the end).
                 break
@@ -229,9 +242,11 @@ class Scheduler:
     def _chunk(self, req: Request, num_new: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         end = start + num_new
-        return chunk_of(
+        chunk = chunk_of(
             req, req.token_slice(start, end), start, req.block_ids, end == req.num_tokens
         )
+        chunk.kv_remote = req.request_id in self.remote
+        return chunk
 
     def _blocks_needed(self, req: Request, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) - len(req.block_ids)
@@ -240,7 +255,11 @@ class Scheduler:
         """Give a running request blocks for ``num_new`` more tokens, preempting if short."""
         need = self._blocks_needed(req, req.num_computed_tokens + num_new)
         while need > 0 and not self.pool.can_allocate(need):
-            victim = self.running[-1]
+            # The latest admitted that holds blocks (one whose KV is on a
+            # memory node would free none); ``req`` itself at worst.
+            victim = next(
+                r for r in reversed(self.running) if r is req or r.request_id not in self.remote
+            )
             if victim.request_id in scheduled:
                 raise RuntimeError("preemption victim was already scheduled this step")
             self._preempt(victim)
@@ -258,6 +277,7 @@ class Scheduler:
         self.running.remove(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
+        self._drop_remote(req)
         req.num_computed_tokens = 0
         req.state = RequestState.PREEMPTED
         req.num_preemptions += 1
@@ -399,14 +419,26 @@ class Scheduler:
 
     # -- results ---------------------------------------------------------
 
-    def update(self, plan: StepPlan, results: Sequence[SampledToken | None]) -> list[Request]:
+    def update(
+        self,
+        plan: StepPlan,
+        results: Sequence[SampledToken | None],
+        *,
+        kv_moved: Sequence[str] = (),
+        kv_lost: Sequence[str] = (),
+    ) -> list[Request]:
         """Apply a step's sampled tokens; returns the requests that got a token.
 
-        A request aborted while the step ran is skipped. Whether a token ends
+        A request aborted while the step ran is skipped, and so is one whose
+        KV the step lost (``kv_lost``: preempted first). Whether a token ends
         its request is for the caller (the output processor) to say.
         """
         if len(results) != len(plan.chunks):
             raise RuntimeError(f"{len(results)} results for {len(plan.chunks)} chunks")
+        self._kv_lost(kv_lost)
+        # Before publishing: the step wrote a moved request's new KV on the
+        # memory node only, so no block of it here may enter the prefix index.
+        self._kv_moved(kv_moved)
         out: list[Request] = []
         for chunk, result in zip(plan.chunks, results, strict=True):
             req = self.requests.get(chunk.request_id)
@@ -425,7 +457,47 @@ class Scheduler:
         if token.logprob is not None:
             req.output_logprobs.append(token.logprob)
 
+    # -- attention offloading -------------------------------------------
+
+    def _kv_moved(self, request_ids: Sequence[str]) -> None:
+        """A memory node holds these requests' KV now: their blocks go back
+        to the pool (what they published stays cached for prefix hits)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if rid in self.remote:
+                continue
+            if req is None or req.state is not RequestState.RUNNING:
+                # Gone while the step ran (aborted): the memory node forgets it.
+                if self.on_remote_dropped is not None:
+                    self.on_remote_dropped(rid)
+                continue
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+            self.remote.add(rid)
+
+    def _kv_lost(self, request_ids: Sequence[str]) -> None:
+        """The memory node lost these requests' KV: recompute them here (or on
+        it again, once it is back); a context this pool cannot hold fails."""
+        lost = set(request_ids)
+        # From the newest: each goes to the queue's front, so they keep their order.
+        for req in [r for r in reversed(self.running) if r.request_id in lost]:
+            self._preempt(req)
+            if -(-(req.num_tokens + 1) // self.block_size) > self.pool.num_blocks:
+                self._fail(
+                    req,
+                    f"the memory node holding its KV failed, and its {req.num_tokens} tokens "
+                    f"need more KV blocks than this node has ({self.pool.num_blocks})",
+                )
+
+    def _drop_remote(self, req: Request) -> None:
+        if req.request_id in self.remote:
+            self.remote.discard(req.request_id)
+            if self.on_remote_dropped is not None:
+                self.on_remote_dropped(req.request_id)
+
     def _publish_full_blocks(self, req: Request) -> None:
+        if req.request_id in self.remote:
+            return
         num_published = self._num_published[req.request_id]
         num_full = req.num_computed_tokens // self.block_size
         if num_full <= num_published:

@@ -9,10 +9,16 @@ event loop, so they agree with each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from mooncaked.config import Config
 from mooncaked.engine.scheduler import DecodeEntry, PrefillEntry
 
-__all__ = ["EngineLoad", "EngineSnapshot", "ModelFacts"]
+if TYPE_CHECKING:
+    # The runner pulls in torch and the model: only the annotation needs it.
+    from mooncaked.engine.runner import ModelRunner
+
+__all__ = ["EngineLoad", "EngineSnapshot", "ModelFacts", "model_facts"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +62,21 @@ class EngineSnapshot:
     # queue order, and requests that decode or will once their KV is in.
     prefill: tuple[PrefillEntry, ...] = ()
     decode: tuple[DecodeEntry, ...] = ()
+
+
+def model_facts(config: Config, runner: ModelRunner, num_blocks: int) -> ModelFacts:
+    """The facts of an engine with ``runner`` and a pool of ``num_blocks`` blocks."""
+    loaded, arch, sched = runner.loaded, runner.arch, config.scheduler
+    return ModelFacts(
+        model_id=loaded.model_id,
+        vocab_size=arch.vocab_size,
+        max_model_len=loaded.max_model_len,
+        num_layers=arch.num_layers,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        device=str(loaded.device),
+        block_size=runner.block_size,
+        num_blocks=num_blocks,
+        kv_bytes_per_token=runner.block_bytes // runner.block_size,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs,
+    )

@@ -52,6 +52,9 @@ class GenerateBody:
     kv_ready_in_s: float = 0.0
     # Keep the prompt's KV once computed (the client asked); None: as usual.
     retain: Retain | None = None
+    # host:port of the memory node placement paired the decode node with
+    # ("": none; sent only when set, so older decode nodes read the body).
+    memory_node: str = ""
 
     def encode(self) -> bytes:
         source = self.source
@@ -66,6 +69,8 @@ class GenerateBody:
         }
         if self.retain is not None:
             doc["retain"] = encode_retain(self.retain)
+        if self.memory_node:
+            doc["memory_node"] = self.memory_node
         return orjson.dumps(doc)
 
     @classmethod
@@ -90,6 +95,7 @@ class GenerateBody:
                 unit="seconds",
             ),
             retain=decode_retain(data.get("retain")),
+            memory_node=decode_memory_node(data.get("memory_node")),
         )
 
     def handoff(self, now: float) -> Handoff:
@@ -100,7 +106,19 @@ class GenerateBody:
             kv_ready_at=kv_ready_at(ready_in_s, now),
             output_offset=self.output_offset,
             retain=self.retain,
+            memory_node=self.memory_node,
         )
+
+
+def decode_memory_node(value: Any) -> str:
+    """``memory_node`` of a generate body: absent, or host:port."""
+    if value is None:
+        return ""
+    text = fields.text(value, "memory_node")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise fields.refuse("memory_node", "host:port of a memory node", value)
+    return text
 
 
 class DecodeNodeLost(Exception):

@@ -233,6 +233,8 @@ class GossipCore:
             costs=local.costs,
             forecast=local.forecast,
             stage=local.stage,
+            memory=local.memory,
+            offload=local.offload,
         )
 
     def _bump_state(self) -> None:
