@@ -280,6 +280,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, float | int | bool]:
         with vllm(vp, args.model_dir, work / "a.log", node_url, timeout) as url:
             complete(url, warm, 2)
             complete(url, prompt, args.max_tokens)
+            # A's puts leave after its steps: B starts once the node holds them.
+            saved_on_node(node_url, prompt, timeout)
         with vllm(vp, args.model_dir, work / "b.log", node_url, timeout) as url:
             complete(url, warm, 2)
             shared = complete(url, prompt, args.max_tokens)

@@ -56,6 +56,9 @@ def test_a_prompt_computed_by_one_instance_is_loaded_by_another(tmp_path: Path) 
             alone = bench.complete(url, prompt, 8)
         with bench.vllm(VLLM_PYTHON, MODEL_DIR, tmp_path / "a.log", node_url, START_S) as url:
             bench.complete(url, prompt, 8)
+            # A's puts leave after its steps, off its path: B starts once
+            # the node holds them.
+            assert bench.saved_on_node(node_url, prompt, START_S)
         with bench.vllm(VLLM_PYTHON, MODEL_DIR, tmp_path / "b.log", node_url, START_S) as url:
             shared = bench.complete(url, prompt, 8)
     assert bench.loaded_bytes(tmp_path / "a.log") == []
