@@ -120,7 +120,14 @@ def _run_shape(
     rows.append(("local", batch * steps / secs, 0.0, 0.0, pool.num_used_blocks))
     for micro in (1, 2):
         cfg = with_overrides(
-            config, offload={"memory_node": f"127.0.0.1:{port}", "micro_batches": micro}
+            config,
+            # The memory node lays out its pool (GBs at long contexts) on
+            # the first HELLO: past the default 5 s on one core.
+            offload={
+                "memory_node": f"127.0.0.1:{port}",
+                "micro_batches": micro,
+                "timeout_s": 300.0,
+            },
         )
         offload = offload_for(cfg, runner.arch, runner.dtype, BLOCK)
         runner.offload = offload
