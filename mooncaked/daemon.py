@@ -77,7 +77,7 @@ from mooncaked.notify import Notifier
 from mooncaked.objects.service import ObjectStore, object_store
 from mooncaked.process import EXIT_FAILED, EXIT_FORCED, EXIT_OK
 from mooncaked.transfer import TransferEngine
-from mooncaked.wire.kv_io import TransferKVSegment, handoff_ports
+from mooncaked.wire.kv_io import TransferKVSegment, TransferOffloadSegments, handoff_ports
 from mooncaked.wire.peer_cache import DRAM_SEGMENT, peer_cache
 
 
@@ -163,8 +163,10 @@ class Node:
             await stack.enter_async_context(self._http())
             stack.push_async_callback(self.router.close)
             if self._config.node.role == "memory":
-                # No model, no engine: KV and attention for compute nodes.
-                server = await stack.enter_async_context(self._attention_service())
+                # No model, no engine: KV and attention for compute nodes
+                # (prefill nodes write prompts' KV into it: a transfer segment).
+                transfer = await stack.enter_async_context(self._transfer_engine())
+                server = await stack.enter_async_context(self._attention_service(transfer))
                 await stack.enter_async_context(self._memory_member(server))
                 await stack.enter_async_context(self._serving())
                 self._log.info("memory node ready", attention=self.attention_address)
@@ -233,9 +235,10 @@ class Node:
         return self.attention.address if self.attention is not None else ""
 
     @contextlib.asynccontextmanager
-    async def _attention_service(self) -> AsyncIterator[AttentionServer]:
+    async def _attention_service(self, transfer: TransferEngine) -> AsyncIterator[AttentionServer]:
         cfg = self._config
         async with AttentionServer(
+            segments=TransferOffloadSegments(transfer),
             node_id=self.node_id,
             secret=self.services.identity.secret,
             host=cfg.server.host,

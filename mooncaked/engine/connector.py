@@ -124,6 +124,9 @@ class LoadResult:
     prefill_node: str | None = None
     # What must become of blocks someone outside may still write.
     hold: BlockHold | None = None
+    # The KV went to the memory node that attends over it (a direct
+    # handoff), not into the job's blocks: they go back, unwritten.
+    kv_remote: bool = False
 
 
 class KVConnector:

@@ -147,6 +147,11 @@ class HandoffStats:
     passed_on: int = 0
     fell_back: int = 0
     cancelled: int = 0
+    # Offloaded requests whose prompt a prefill node wrote into their memory
+    # node (also counted ok), and those whose direct try failed (then asked
+    # again on this node's grant).
+    direct: int = 0
+    direct_failed: int = 0
     # Prefill side.
     sent_requests: int = 0
     sent_bytes: int = 0

@@ -26,6 +26,7 @@ and an aborted one leaves them held. The pool owns the hold and lets it go.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -39,6 +40,8 @@ from mooncaked.engine.handoff import (
     WriteGrants,
 )
 from mooncaked.engine.late_binding import PrefillWalk
+from mooncaked.engine.offload.direct import DirectHandoff
+from mooncaked.engine.offload.wire import OffloadError
 from mooncaked.engine.plan import LoadJob
 from mooncaked.handoff import (
     MAX_KV_READY_IN_S,
@@ -57,6 +60,9 @@ __all__ = ["GRANT_GRACE_S", "KVReceiver"]
 # covers the time the grant spent in flight to it.
 GRANT_GRACE_S = 2.0
 
+# The grant a prefill node is asked with, and the handles that end it.
+OpenGrant = Callable[[PrefillTarget], Awaitable[tuple[KVGrant, list[object]]]]
+
 
 class KVReceiver(KVConnector):
     def __init__(
@@ -69,9 +75,11 @@ class KVReceiver(KVConnector):
         prefill: PrefillCall,
         grant_ttl_s: float = 30.0,
         write_grants: WriteGrants | None = None,
+        direct: DirectHandoff | None = None,
     ) -> None:
         """``write_grants`` opens the granted blocks to the asked node's writes;
-        None where nothing enforces grants (tests of the engine alone)."""
+        None where nothing enforces grants (tests of the engine alone).
+        ``direct``: an offloading node's handoffs into its memory nodes."""
         self.node_id = node_id
         self.transfer_address = transfer_address
         self.segment = segment
@@ -79,6 +87,7 @@ class KVReceiver(KVConnector):
         self._prefill = prefill
         self.grant_ttl_s = grant_ttl_s
         self._write_grants = write_grants
+        self._direct = direct
         # Requests whose handoff ran already (a failed one is computed here).
         self._tried: set[str] = set()
         self.stats = HandoffStats()
@@ -106,8 +115,17 @@ class KVReceiver(KVConnector):
             block_ids=tuple(job.block_ids),
             ttl_s=self._grant_ttl(req),
         )
+        direct = self._direct_address(req, job, source)
+        if direct:
+            result = await self._load_direct(req, job, source, direct, grant.ttl_s)
+            if result is not None:
+                return result
+
+        async def open_local(target: PrefillTarget) -> tuple[KVGrant, list[object]]:
+            return grant, self._open_grants(grant, target)
+
         try:
-            reply = await self._ask(req, job, source, grant)
+            reply = await self._ask(req, job, source, open_local)
         except asyncio.CancelledError:
             # An abort: the load ends now, with a result like any other.
             task = asyncio.current_task()
@@ -128,8 +146,63 @@ class KVReceiver(KVConnector):
             prefill_node=reply.node_id,
         )
 
+    def _direct_address(self, req: Request, job: LoadJob, source: PrefillSource) -> str:
+        """The memory node a direct handoff writes into ("": none). The whole
+        prompt must come from outside (a prefix hit here is in local blocks
+        and goes up with an upload), and no pipelined group writes it."""
+        if self._direct is None or job.first_block or job.num_tokens != req.num_tokens:
+            return ""
+        if any(t.stages for t in source.targets):
+            return ""
+        return self._direct.address_for(req.memory_node or "")
+
+    async def _load_direct(
+        self, req: Request, job: LoadJob, source: PrefillSource, address: str, ttl_s: float
+    ) -> LoadResult | None:
+        """The prompt's KV written into the memory node at ``address``; None
+        when it was not (the caller goes on with a local grant)."""
+        direct = self._direct
+        if direct is None:
+            return None
+        n, rid = job.num_tokens, req.request_id
+        link = None
+        try:
+            link = await direct.open(address)
+            opened = link
+
+            async def open_remote(target: PrefillTarget) -> tuple[KVGrant, list[object]]:
+                return await opened.reserve(rid, n, target.node_id, ttl_s), []
+
+            reply = await self._ask(req, job, source, open_remote)
+            if reply is None:
+                return None
+            await link.fill(rid, n)
+        except OffloadError as exc:
+            self.stats.direct_failed += 1
+            log.warning("direct handoff failed; granting here", request_id=rid, error=str(exc))
+            return None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            # The job's blocks were never granted: nothing to hold.
+            self.stats.cancelled += 1
+            return LoadResult(0)
+        finally:
+            if link is not None:
+                await link.close()
+        direct.adopt(address, rid, n)
+        self.stats.direct += 1
+        return LoadResult(
+            num_tokens=n,
+            sampled=reply.token,
+            num_cached_tokens=reply.num_cached_tokens,
+            prefill_node=reply.node_id,
+            kv_remote=True,
+        )
+
     async def _ask(
-        self, req: Request, job: LoadJob, source: PrefillSource, grant: KVGrant
+        self, req: Request, job: LoadJob, source: PrefillSource, open_grant: OpenGrant
     ) -> PrefillReply | None:
         """Offer the request to its prefill candidates in turn; the first reply,
         or None when nobody wrote its KV."""
@@ -151,7 +224,7 @@ class KVReceiver(KVConnector):
                 continue
             t0 = self.ctx.clock()
             try:
-                opened = self._open_grants(grant, target)
+                grant, opened = await open_grant(target)
             except ValueError as exc:
                 # Nothing could write the blocks: no node is worth asking.
                 log.error("cannot open a KV grant; computing it here", error=str(exc))

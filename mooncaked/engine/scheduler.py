@@ -357,6 +357,11 @@ class Scheduler:
         if result.hold is not None:
             self._hold(req, result.hold)
         room = req.num_tokens - req.num_computed_tokens
+        if result.kv_remote and (result.num_tokens != room or result.sampled is None):
+            raise RuntimeError(
+                f"request {req.request_id}: KV on a memory node must be the whole "
+                f"prompt and a sampled token ({result.num_tokens} of {room} tokens)"
+            )
         num_tokens = max(0, min(result.num_tokens, room))
         sampled = result.sampled if num_tokens == room else None
         if sampled is None and num_tokens == room:
@@ -375,6 +380,11 @@ class Scheduler:
         # Blocks past the loaded ones stay allocated: the tail is computed
         # into them like any prefill chunk, so the request simply runs.
         req.state = RequestState.RUNNING
+        if result.kv_remote and sampled is not None:
+            # Its KV is on its memory node only: it decodes from there.
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+            self.remote.add(req.request_id)
         self.running.append(req)
         if sampled is None:
             return False

@@ -109,6 +109,7 @@ async def serving_engine(
         prefill=ports.prefill,
         grant_ttl_s=config.disagg.grant_ttl_s,
         write_grants=ports.write_grants,
+        direct=engine.offload.direct if engine.offload is not None else None,
     )
     sender = KVSender(
         ports.writer,

@@ -25,7 +25,7 @@ from mooncaked.engine.core import EngineCore
 from mooncaked.engine.handoff import HandoffPorts, KVWrite
 from mooncaked.engine.pipeline import ACT_IN_SEGMENT, ACT_OUT_SEGMENT, ChunkNotice, StagePipe
 from mooncaked.engine.serving import KV_SEGMENT
-from mooncaked.handoff import KVGrant
+from mooncaked.handoff import KVGrant, KVLayout
 from mooncaked.rpc import Target
 from mooncaked.transfer import Access, OpStatus, TransferEngine, TransferOp, WriteGrant
 from mooncaked.wire.prefill import PrefillClient
@@ -168,6 +168,43 @@ class TransferKVSegment:
             self._transfer.register(
                 KV_SEGMENT, kv_buffer.view(-1).view(torch.uint8), Access.GRANTED
             )
+
+
+# A memory node's KV pool, as prefill nodes write prompts into it.
+OFFLOAD_KV_SEGMENT = "offload-kv"
+
+
+class TransferOffloadSegments:
+    """A memory node's ``KVSegments``: its pool in a GRANTED transfer segment,
+    opened block by block to the prefill node a compute node names."""
+
+    segment = OFFLOAD_KV_SEGMENT
+
+    def __init__(self, transfer: TransferEngine) -> None:
+        self._transfer = transfer
+        self.node_id = transfer.node_id
+
+    @property
+    def address(self) -> str:
+        return self._transfer.address
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        segment = self._transfer.allocate(OFFLOAD_KV_SEGMENT, nbytes, Access.GRANTED)
+        return torch.frombuffer(segment.view.cast("B"), dtype=torch.uint8)
+
+    def grant(self, peer: str, layout: KVLayout, block_ids: list[int], ttl_s: float) -> WriteGrant:
+        return self._transfer.grant_write(
+            OFFLOAD_KV_SEGMENT,
+            peer,
+            block_bytes=layout.block_bytes,
+            blocks_per_plane=layout.num_blocks,
+            block_ids=block_ids,
+            ttl_s=ttl_s,
+        )
+
+    def revoke(self, handle: object) -> None:
+        if isinstance(handle, WriteGrant):
+            self._transfer.revoke(handle)
 
 
 @contextlib.asynccontextmanager

@@ -199,12 +199,12 @@ async def test_a_compute_node_without_the_secret_is_refused() -> None:
             await node.stop()
 
 
-async def test_kv_a_prefill_node_hands_over_moves_on_to_the_memory_node(
+async def test_a_prefill_node_writes_the_prompt_into_the_memory_node(
     cluster_factory: ClusterFactory,
 ) -> None:
-    """Disaggregated: the prefill node writes the prompt's KV into the decode
-    node's blocks (its write grant), the decode node uploads it to the
-    memory node with the first decode and frees the blocks at once."""
+    """Disaggregated and offloaded: the memory node grants the prefill node
+    its blocks and the prompt's KV lands there (a direct handoff), never on
+    the decode node: nothing is uploaded, the text is the single node's."""
     memory = Node(make_config(**memory_config()))
     await memory.start()
     try:
@@ -221,11 +221,61 @@ async def test_kv_a_prefill_node_hands_over_moves_on_to_the_memory_node(
         engine = decode.engine
         assert engine is not None and engine.offload is not None
         stats = engine.offload.stats
-        assert stats.failures == 0 and stats.uploads == len(batch)
+        assert stats.failures == 0 and stats.uploads == 0
+        assert stats.direct_handoffs == len(batch)
+        receiver = decode.services.receiver
+        assert receiver is not None
+        handoff = receiver.stats
+        assert handoff.direct == len(batch) and handoff.direct_failed == 0
+        server = memory.attention
+        assert server is not None and server.stats.direct == len(batch)
+        assert server.stats.uploads == 0
         assert engine.pool.num_used_blocks == 0 and engine.scheduler.remote == set()
         cluster.assert_clean()
+        # The decode node gone idle, the memory node holds nothing of it.
+        await wait_until(lambda: server.load()["num_seqs"] == 0, "memory node freed", 10)
+        assert server.kv is not None and server.kv.num_quarantined == 0
+        server.kv.check_integrity()
     finally:
         await memory.stop()
+
+
+async def test_memory_node_killed_during_direct_handoffs(
+    cluster_factory: ClusterFactory, tmp_path: Path
+) -> None:
+    """The memory node dies (SIGKILL) while prompts are written into it: every
+    request ends with the single-node text (its KV handed over again to the
+    decode node, or recomputed) or an explicit error; nothing hangs."""
+    port = _free_port()
+    batch = disagg_prompts(n=8)
+    solo = await cluster_factory(["both"])
+    want = await complete_all(solo, batch)
+    memory = spawn_daemon(tmp_path / "memory", to_toml({**TEST_SECTIONS, **memory_config(port)}))
+    try:
+        offload = {
+            "offload": {"memory_node": f"127.0.0.1:{port}", "micro_batches": 2, "timeout_s": 2.0}
+        }
+        cluster = await cluster_factory(["prefill", ("decode", offload)])
+        _, decode = cluster.nodes
+        engine = decode.engine
+        assert engine is not None and engine.offload is not None
+        stats = engine.offload.stats
+        task = asyncio.ensure_future(complete_all(cluster, batch))
+        await wait_until(lambda: stats.direct_handoffs >= 1, "a direct handoff done", 60)
+        os.kill(memory.pid, signal.SIGKILL)
+        async with asyncio.timeout(120):
+            got = await task
+        assert_same(got, want)
+        receiver = decode.services.receiver
+        assert receiver is not None
+        # The kill was seen: a handoff fell back here, or decodes lost their KV.
+        assert stats.failures + receiver.stats.direct_failed >= 1
+        await engine.wait_idle()
+        assert engine.pool.num_used_blocks == 0 and engine.scheduler.remote == set()
+        engine.check_integrity()
+    finally:
+        memory.proc.kill()
+        memory.proc.wait()
 
 
 def _free_port() -> int:

@@ -17,6 +17,7 @@ from mooncaked.config import Config
 from mooncaked.engine.model import ModelArch
 from mooncaked.engine.offload.client import AttentionClient, ClientStats
 from mooncaked.engine.offload.clients import ClientPool
+from mooncaked.engine.offload.direct import DirectHandoff
 from mooncaked.engine.offload.forward import OffloadedAttention
 from mooncaked.engine.offload.wire import KVShape, dtype_name
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AttentionClient",
     "ClientPool",
+    "DirectHandoff",
     "KVShape",
     "OffloadedAttention",
     "attach_offload",
@@ -65,7 +67,19 @@ def offload_for(
         )
 
     configured = "" if cfg.placed else cfg.memory_node
-    return OffloadedAttention(ClientPool(connect, keep=configured), cfg.micro_batches, configured)
+    offload = OffloadedAttention(
+        ClientPool(connect, keep=configured), cfg.micro_batches, configured
+    )
+    # Prompts prefilled elsewhere go straight to the memory node.
+    offload.direct = DirectHandoff(
+        node_id,
+        config.node.cluster_secret.encode(),
+        shape,
+        offload.clients,
+        offload.address_for,
+        cfg.timeout_s,
+    )
+    return offload
 
 
 def attach_offload(config: Config, runner: ModelRunner) -> OffloadedAttention | None:

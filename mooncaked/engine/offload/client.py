@@ -56,6 +56,8 @@ class ClientStats:
     steps: int = 0
     layers: int = 0
     uploads: int = 0
+    # Prompts a prefill node wrote straight into a memory node (no upload).
+    direct_handoffs: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     # Seconds the step thread sat waiting for replies ...
@@ -186,6 +188,13 @@ class AttentionClient:
         """Forget a finished sequence (from any thread)."""
         with self._drops_lock:
             self._drops.append(key)
+
+    def adopt(self, key: str, num_tokens: int) -> None:
+        """The memory node holds ``key``'s first ``num_tokens`` (a prefill node
+        wrote them there): its first step uploads nothing. Event loop; the
+        step thread reads ``_held`` under the same lock when it matters."""
+        with self._drops_lock:
+            self._held[key] = num_tokens
 
     @property
     def num_drops(self) -> int:

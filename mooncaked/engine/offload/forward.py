@@ -43,6 +43,7 @@ from mooncaked.engine.attention import (
 from mooncaked.engine.model import CausalLM, Rope
 from mooncaked.engine.offload.client import AttentionClient, ClientStats, memory_node_for
 from mooncaked.engine.offload.clients import ClientPool
+from mooncaked.engine.offload.direct import DirectHandoff
 from mooncaked.engine.offload.wire import OffloadError, StepSeq
 from mooncaked.engine.plan import ScheduledChunk, StepPlan
 
@@ -104,6 +105,8 @@ class OffloadedAttention:
         # The last step's report, until the runner takes it.
         self.last: OffloadedRun | None = None
         self._lost: list[str] = []
+        # Prompts a prefill node writes into the memory node (None: uploads only).
+        self.direct: DirectHandoff | None = None
 
     @property
     def stats(self) -> ClientStats:

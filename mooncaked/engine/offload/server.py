@@ -10,6 +10,13 @@ answered ``ERROR`` at its next layer and the connection stays usable; a broken
 frame closes the connection. When a peer's last connection closes, its
 sequences' blocks are freed: this node was their KV's only holder, so the
 peer recomputes them (and uploads them again when it comes back).
+
+With ``segments`` (a transfer segment for the pool), a prompt's KV may come
+straight from a prefill node (the direct handoff): ``RESERVE`` takes blocks
+and grants them to that writer alone, ``FILLED`` ends the grant and leaves
+the sequence for the peer's first step to claim. A reservation its
+connection leaves unfilled is given up (its blocks quarantined until the
+grant's deadline); one never claimed is freed at its deadline.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 import torch
@@ -36,23 +44,50 @@ from mooncaked.engine.offload.wire import (
     HEADER,
     Kind,
     KVShape,
+    Reserve,
     StepSeq,
     bytes_tensor,
     check_hello,
     decode_drop,
+    decode_filled,
     decode_step,
     decode_upload,
+    encode_granted,
     encode_json,
     frame,
     parse_header,
     tensor_bytes,
 )
+from mooncaked.handoff import KVGrant, KVLayout
 from mooncaked.tasks import TaskSet
 
 log = structlog.get_logger(__name__)
 
 # A connection must prove itself within this long.
 HELLO_TIMEOUT_S = 10.0
+# A direct handoff's sequence waits this long for its peer's first step.
+CLAIM_S = 60.0
+
+
+class KVSegments(Protocol):
+    """The pool as a transfer segment peers write under grants (the transfer
+    engine, adapted by the daemon: this layer never imports it)."""
+
+    node_id: str
+    segment: str
+
+    @property
+    def address(self) -> str: ...
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """The pool's memory: ``nbytes`` zeroed, as uint8, in the segment."""
+        ...
+
+    def grant(self, peer: str, layout: KVLayout, block_ids: list[int], ttl_s: float) -> object:
+        """Open ``block_ids`` (every layer's K and V) to ``peer``'s writes; a handle."""
+        ...
+
+    def revoke(self, handle: object) -> None: ...
 
 
 @dataclass(slots=True)
@@ -63,6 +98,8 @@ class ServerStats:
     steps: int = 0
     layers: int = 0
     uploads: int = 0
+    # Prompts a prefill node wrote here directly (no upload, no compute-node copy).
+    direct: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     refused: int = 0
@@ -84,6 +121,8 @@ class _Step:
 class _Conn:
     peer: str = ""
     step: _Step | None = None
+    # Direct handoffs this connection reserved and has not filled: their grants.
+    reserved: dict[str, object] = field(default_factory=dict)
 
 
 class AttentionServer:
@@ -96,12 +135,16 @@ class AttentionServer:
         port: int,
         pool_bytes: int,
         threads: int = 2,
+        segments: KVSegments | None = None,
     ) -> None:
+        """``segments``: the pool in a transfer segment, for direct handoffs
+        (None: only uploads fill it)."""
         self.node_id = node_id
         self._secret = secret
         self._host, self._port = host, port
         self.pool_bytes = pool_bytes
         self.kv: MemoryKV | None = None
+        self._segments = segments
         self._backend: SdpaBackend | None = None
         self.stats = ServerStats()
         self._peers: Counter[str] = Counter()
@@ -139,6 +182,8 @@ class AttentionServer:
     def load(self) -> dict[str, float]:
         """KV capacity and use, sequences and peers served."""
         kv = self.kv
+        if kv is not None:
+            kv.sweep()
         return {
             "num_blocks": float(kv.num_blocks if kv else 0),
             "num_free_blocks": float(kv.num_free if kv else 0),
@@ -170,6 +215,7 @@ class AttentionServer:
                 log.info("attention connection dropped", peer=conn.peer, reason=str(exc))
         finally:
             writer.close()
+            self._give_up(conn)
             if conn.peer:
                 self._peers[conn.peer] -= 1
                 if self._peers[conn.peer] <= 0:
@@ -204,7 +250,10 @@ class AttentionServer:
 
     def _open_pool(self, shape: KVShape) -> None:
         if self.kv is None:
-            self.kv = MemoryKV(shape, self.pool_bytes)
+            segs = self._segments
+            self.kv = MemoryKV(
+                shape, self.pool_bytes, allocate=segs.allocate if segs is not None else None
+            )
             self._backend = SdpaBackend(shape.num_heads, shape.num_kv_heads, shape.head_dim)
             log.info("memory KV laid out", shape=str(shape), blocks=self.kv.num_blocks)
         elif self.kv.shape != shape:
@@ -227,7 +276,60 @@ class AttentionServer:
             return None
         if kind is Kind.LAYER:
             return await self._layer(conn, kv, layer, payload)
+        if kind is Kind.RESERVE:
+            return self._reserve(conn, kv, Reserve.decode(payload))
+        if kind is Kind.FILLED:
+            return self._filled(conn, kv, *decode_filled(payload))
         raise ValueError(f"unexpected {kind.name} frame")
+
+    def _reserve(self, conn: _Conn, kv: MemoryKV, ask: Reserve) -> bytes:
+        segs = self._segments
+        if segs is None or not segs.address:
+            return frame(Kind.ERROR, b"this memory node takes no direct handoffs")
+        self._revoke(conn, ask.key)
+        sid = (conn.peer, ask.key)
+        seq = kv.reserve(sid, ask.num_tokens, kv.clock() + ask.ttl_s)
+        if seq is None:
+            return frame(Kind.ERROR, b"memory node full")
+        try:
+            conn.reserved[ask.key] = segs.grant(ask.writer, kv.layout, seq.block_ids, ask.ttl_s)
+        except ValueError as exc:
+            kv.drop(sid)
+            return frame(Kind.ERROR, f"cannot grant: {exc}".encode())
+        grant = KVGrant(
+            request_id=ask.key,
+            node_id=segs.node_id,
+            transfer_address=segs.address,
+            segment=segs.segment,
+            layout=kv.layout,
+            first_block=0,
+            block_ids=tuple(seq.block_ids),
+            ttl_s=ask.ttl_s,
+        )
+        return frame(Kind.OK, encode_granted(grant))
+
+    def _filled(self, conn: _Conn, kv: MemoryKV, key: str, num_tokens: int) -> bytes:
+        if key not in conn.reserved:
+            return frame(Kind.ERROR, f"no reservation of {key!r} on this connection".encode())
+        self._revoke(conn, key)
+        if not kv.fill((conn.peer, key), num_tokens, kv.clock() + CLAIM_S):
+            return frame(Kind.ERROR, f"the reservation of {key!r} is gone".encode())
+        self.stats.direct += 1
+        return frame(Kind.OK)
+
+    def _revoke(self, conn: _Conn, key: str) -> None:
+        handle = conn.reserved.pop(key, None)
+        if handle is not None and self._segments is not None:
+            self._segments.revoke(handle)
+
+    def _give_up(self, conn: _Conn) -> None:
+        """The connection closed: its unfilled reservations' grants end, their
+        blocks stay quarantined until the grants' deadlines."""
+        for key in list(conn.reserved):
+            self._revoke(conn, key)
+            if self.kv is not None and (seq := self.kv.seqs.get((conn.peer, key))) is not None:
+                if seq.filling:
+                    self.kv.drop((conn.peer, key))
 
     def _upload(self, peer: str, kv: MemoryKV, payload: bytearray) -> bytes:
         try:
@@ -250,6 +352,8 @@ class AttentionServer:
         for s in seqs:
             sid = (peer, s.key)
             seq = kv.open(sid) if s.start == 0 else kv.seqs.get(sid)
+            if seq is not None and s.start:
+                kv.claim(seq)
             if seq is None or seq.num_tokens != s.start:
                 have = None if seq is None else seq.num_tokens
                 return _failed(f"sequence {s.key!r}: holds {have} tokens, step starts at {s.start}")

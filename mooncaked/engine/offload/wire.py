@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from mooncaked.handoff import KVGrant, KVLayout
+
 HEADER = struct.Struct("!BHI")
 # A frame larger than this is refused: a batch of 16 long-context uploads of a
 # 7B model stays well under it, a corrupt length does not.
@@ -48,6 +50,11 @@ class Kind(enum.IntEnum):
     # Sequences the compute node is done with, while no step carries them
     # (its engine went idle); no reply.
     DROP = 9
+    # Direct handoff: blocks for a prompt a prefill node writes here, granted
+    # to it (answered OK with the grant's figures); and the word that its KV
+    # landed (answered OK). A prompt's KV never passes the compute node.
+    RESERVE = 10
+    FILLED = 11
 
 
 class OffloadError(RuntimeError):
@@ -214,3 +221,73 @@ def bytes_tensor(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> to
     if (isinstance(data, memoryview) and data.readonly) or isinstance(data, bytes):
         data = bytearray(data)
     return torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """A compute node's ask: ``num_tokens`` tokens of ``key``'s prompt, written
+    here by the prefill node ``writer`` within ``ttl_s``."""
+
+    key: str
+    num_tokens: int
+    writer: str
+    ttl_s: float
+
+    def encode(self) -> bytes:
+        return encode_json(asdict(self))
+
+    @classmethod
+    def decode(cls, payload: bytes | bytearray) -> Reserve:
+        try:
+            d = json.loads(payload)
+            out = cls(str(d["key"]), int(d["num_tokens"]), str(d["writer"]), float(d["ttl_s"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"bad RESERVE: {exc}") from None
+        if not out.key or not out.writer or out.num_tokens <= 0 or not 0 < out.ttl_s <= 3600:
+            raise ValueError(f"bad RESERVE: {out}")
+        return out
+
+
+def encode_filled(key: str, num_tokens: int) -> bytes:
+    return encode_json({"key": key, "num_tokens": num_tokens})
+
+
+def decode_filled(payload: bytes | bytearray) -> tuple[str, int]:
+    try:
+        d = json.loads(payload)
+        return str(d["key"]), int(d["num_tokens"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"bad FILLED: {exc}") from None
+
+
+def encode_granted(grant: KVGrant) -> bytes:
+    """The memory node's answer to RESERVE: where the prefill node writes."""
+    lay = grant.layout
+    return encode_json(
+        {
+            "key": grant.request_id,
+            "node_id": grant.node_id,
+            "transfer_address": grant.transfer_address,
+            "segment": grant.segment,
+            "layout": [lay.num_layers, lay.num_blocks, lay.block_size, lay.row_bytes],
+            "block_ids": list(grant.block_ids),
+            "ttl_s": grant.ttl_s,
+        }
+    )
+
+
+def decode_granted(payload: bytes | bytearray) -> KVGrant:
+    try:
+        d = json.loads(payload)
+        return KVGrant(
+            request_id=str(d["key"]),
+            node_id=str(d["node_id"]),
+            transfer_address=str(d["transfer_address"]),
+            segment=str(d["segment"]),
+            layout=KVLayout(*(int(x) for x in d["layout"])),
+            first_block=0,
+            block_ids=tuple(int(b) for b in d["block_ids"]),
+            ttl_s=float(d["ttl_s"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"bad RESERVE answer: {exc}") from None
