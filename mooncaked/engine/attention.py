@@ -40,6 +40,10 @@ class DecodeGroup:
     # context. Additive float: the CPU's fused SDPA kernel takes it directly,
     # where a bool mask costs a conversion per call (about 2x slower).
     mask: torch.Tensor
+    # [n] int64: the blocks every sequence of the group starts with (a shared
+    # prompt prefix), attended once for all of them; ``blocks`` and ``mask``
+    # then cover only what follows. None: nothing shared.
+    prefix: torch.Tensor | None = None
 
 
 # Decode sequences are split into at most this many groups, and groups hold
@@ -47,6 +51,12 @@ class DecodeGroup:
 # longest context wasted about half the attention work on mixed lengths.
 _MAX_DECODE_GROUPS = 4
 _MIN_DECODE_GROUP = 16
+# Decodes whose block tables start with at least this many of the same blocks
+# (a shared system prompt or few-shot prefix, held once by the prefix cache)
+# attend to those blocks together: their K/V are gathered and read once per
+# layer for the whole group instead of once per sequence (cascade attention).
+# Below it, the extra kernel call and the merge cost more than they save.
+_MIN_SHARED_BLOCKS = 4
 
 
 @dataclass(slots=True)
@@ -181,13 +191,25 @@ def _add_sdpa_indices(
     prefill_ids = [i for i, q in enumerate(meta.query_lens) if q > 1]
     meta.decode_seq_ids = decode_ids
     if decode_ids:
-        by_len = sorted(decode_ids, key=lambda i: meta.context_lens[i])
+        # The merge of a cascade needs the kernel's log-sum-exp, which only
+        # the CPU's fused kernel gives back through a public op.
+        families, rest = (
+            shared_prefixes(meta, decode_ids, block_tables)
+            if device.type == "cpu"
+            else ([], decode_ids)
+        )
+        groups = [
+            _decode_group(meta, members, block_tables, device, dtype, shared)
+            for members, shared in families
+        ]
+        by_len = sorted(rest, key=lambda i: meta.context_lens[i])
         num_groups = min(_MAX_DECODE_GROUPS, max(1, len(by_len) // _MIN_DECODE_GROUP))
-        size = -(-len(by_len) // num_groups)
-        meta.decode_groups = tuple(
+        size = max(1, -(-len(by_len) // num_groups))
+        groups += [
             _decode_group(meta, by_len[lo : lo + size], block_tables, device, dtype)
             for lo in range(0, len(by_len), size)
-        )
+        ]
+        meta.decode_groups = tuple(groups)
     meta.prefill_seq_ids = tuple(prefill_ids)
     meta.prefill_blocks = tuple(
         None
@@ -199,28 +221,67 @@ def _add_sdpa_indices(
     )
 
 
+def shared_prefixes(
+    meta: AttentionMetadata, decode_ids: list[int], block_tables: list[list[int]]
+) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """Decodes that start with the same blocks: ([(members, shared blocks)], the rest).
+
+    Only whole blocks before the one each sequence writes this step count: the
+    prefix cache shares full blocks only, so the same block id is the same
+    keys. Families form on the first block and share their common run.
+    """
+    bs = meta.block_size
+    by_first: dict[int, list[int]] = {}
+    rest: list[int] = []
+    for i in decode_ids:
+        if (meta.context_lens[i] - 1) // bs >= _MIN_SHARED_BLOCKS:
+            by_first.setdefault(block_tables[i][0], []).append(i)
+        else:
+            rest.append(i)
+    families: list[tuple[list[int], int]] = []
+    for members in by_first.values():
+        shared = min((meta.context_lens[i] - 1) // bs for i in members)
+        first = block_tables[members[0]]
+        for i in members[1:]:
+            table = block_tables[i]
+            n = 0
+            while n < shared and table[n] == first[n]:
+                n += 1
+            shared = n
+        if len(members) >= 2 and shared >= _MIN_SHARED_BLOCKS:
+            families.append((members, shared))
+        else:
+            rest.extend(members)
+    return families, rest
+
+
 def _decode_group(
     meta: AttentionMetadata,
     seq_ids: list[int],
     block_tables: list[list[int]],
     device: torch.device,
     dtype: torch.dtype,
+    shared: int = 0,
 ) -> DecodeGroup:
+    """The group's gather indices and mask; ``shared`` leading blocks, common
+    to every sequence, go in ``prefix`` and out of the rest."""
     bs = meta.block_size
-    ctxs = [meta.context_lens[i] for i in seq_ids]
+    ctxs = [meta.context_lens[i] - shared * bs for i in seq_ids]
     nblk = (max(ctxs) + bs - 1) // bs
     blocks: list[int] = []
     for i, ctx in zip(seq_ids, ctxs, strict=True):
-        table = block_tables[i][: (ctx + bs - 1) // bs]
+        table = block_tables[i][shared : shared + (ctx + bs - 1) // bs]
         blocks.extend(table)
         blocks.extend([0] * (nblk - len(table)))
     key_pos = torch.arange(nblk * bs)
     real = key_pos[None, :] < torch.tensor(ctxs)[:, None]
     bias = torch.zeros(real.shape, dtype=dtype).masked_fill_(~real, float("-inf"))
+    prefix = block_tables[seq_ids[0]][:shared]
     return DecodeGroup(
         rows=torch.tensor([meta.query_starts[i] for i in seq_ids], dtype=torch.int64).to(device),
         blocks=torch.tensor(blocks, dtype=torch.int64).to(device),
         mask=bias[:, None, None, :].to(device),
+        prefix=torch.tensor(prefix, dtype=torch.int64).to(device) if shared else None,
     )
 
 
@@ -317,7 +378,12 @@ class SdpaBackend(_HeadedBackend):
             # [Bd * nblk, bs, KVH, D] -> [Bd, KVH, nblk * bs, D]
             kd = k_cache.index_select(0, group.blocks).view(bd, -1, kvh, hd).transpose(1, 2)
             vd = v_cache.index_select(0, group.blocks).view(bd, -1, kvh, hd).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=self.scale)
+            if group.prefix is None:
+                od = F.scaled_dot_product_attention(
+                    qd, kd, vd, attn_mask=group.mask, scale=self.scale
+                )
+            else:
+                od = self._cascade(qd, kd, vd, group, k_cache, v_cache)
             out.index_copy_(0, rows, od.reshape(bd, self.num_heads, hd))
 
         cu = meta.query_starts
@@ -349,6 +415,37 @@ class SdpaBackend(_HeadedBackend):
                 )
             out[lo:hi] = op[0].transpose(0, 1)
         return out
+
+    def _cascade(
+        self,
+        qd: torch.Tensor,
+        kd: torch.Tensor,
+        vd: torch.Tensor,
+        group: DecodeGroup,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decode attention of sequences that share ``group.prefix``: every
+        query over the shared keys in one call (the sequences' query heads
+        stacked as rows of one batch), each over its own keys, and the two
+        softmaxes merged by their log-sum-exp. [Bd, KVH, G, D] like SDPA's."""
+        assert group.prefix is not None
+        bd, kvh, g, hd = qd.shape
+        kp = k_cache.index_select(0, group.prefix).view(1, -1, kvh, hd).transpose(1, 2)
+        vp = v_cache.index_select(0, group.prefix).view(1, -1, kvh, hd).transpose(1, 2)
+        # [Bd, KVH, G, D] -> [1, KVH, Bd * G, D]
+        qp = qd.transpose(0, 1).reshape(1, kvh, bd * g, hd)
+        fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        o_pre, lse_pre = fused(qp, kp, vp, scale=self.scale)
+        o_own, lse_own = fused(qd, kd, vd, attn_mask=group.mask, scale=self.scale)
+        o_pre = o_pre.view(kvh, bd, g, hd).transpose(0, 1)
+        lse_pre = lse_pre.view(kvh, bd, g).transpose(0, 1)
+        # softmax over both parts: o = (e^a o_pre + e^b o_own) / (e^a + e^b),
+        # the weight of o_pre being sigmoid(a - b). In float32, as the kernel
+        # keeps its running sums.
+        w = torch.sigmoid(lse_pre - lse_own).unsqueeze(-1)
+        own = o_own.float()
+        return own.add_(o_pre.float().sub_(own).mul_(w)).to(qd.dtype)
 
 
 class FlashBackend(_HeadedBackend):
