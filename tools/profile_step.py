@@ -2,6 +2,8 @@
 
     python tools/profile_step.py --batch 1
     python tools/profile_step.py --batch 16 --prompt-len 384 --profile-steps 3
+    python tools/profile_step.py --batch 16 --prompt-len 256 --prompt-spread 0.5
+    python tools/profile_step.py --batch 4 --prompt-len 64 --shared-prefix 1024 --cascade off
 
 The engine runs as the daemon runs it (``tune_process``, the model's
 defaults, the engine's own step thread), with no HTTP in front: ``--batch``
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import random
 import statistics
 import sys
 import time
@@ -29,6 +32,7 @@ import torch
 
 from mooncaked import process
 from mooncaked.config import config_from_dict
+from mooncaked.engine import attention
 from mooncaked.engine import runner as runner_mod
 from mooncaked.engine.bundled import default_model_path
 from mooncaked.engine.core import EngineCore
@@ -85,10 +89,16 @@ class StepProbe:
 async def drive(engine: EngineCore, probe: StepProbe, args: argparse.Namespace) -> None:
     vocab = engine.loaded.arch.vocab_size
 
+    spread = random.Random(args.seed)
+    shared = [(104729 + 31 * j) % (vocab - 1) + 1 for j in range(args.shared_prefix)]
+
     async def one(i: int, max_tokens: int) -> None:
-        # Distinct prompts: no request reuses another's cached prefix. Ids
-        # from 1 up skip the usual special tokens at 0.
-        ids = [(7919 * i + 31 * j) % (vocab - 1) + 1 for j in range(args.prompt_len)]
+        # Distinct prompts past the shared prefix: no request reuses another's
+        # cached blocks beyond it. Ids from 1 up skip the usual special tokens at 0.
+        lo = round(args.prompt_len * (1 - args.prompt_spread))
+        hi = round(args.prompt_len * (1 + args.prompt_spread))
+        n = spread.randint(max(1, lo), max(1, hi))
+        ids = shared + [(7919 * i + 31 * j) % (vocab - 1) + 1 for j in range(n)]
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         last: float | None = None
         async for _ in engine.add_request(ids, sampling, f"req-{i}"):
@@ -113,6 +123,25 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--prompt-spread",
+        type=float,
+        default=0.0,
+        help="prompt lengths drawn from prompt-len x (1 +- this), e.g. 0.5 as bench random's",
+    )
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="tokens every prompt starts with (held once by the prefix cache)",
+    )
+    parser.add_argument(
+        "--cascade",
+        choices=("on", "off"),
+        default="on",
+        help="off: decodes sharing prompt blocks attend to them one by one",
+    )
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument(
@@ -121,6 +150,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads < 0:
         parser.error(f"--threads must be 0 or more, not {args.threads}")
+    if not 0.0 <= args.prompt_spread < 1.0:
+        parser.error(f"--prompt-spread must be in [0, 1), not {args.prompt_spread}")
+    if args.shared_prefix < 0:
+        parser.error(f"--shared-prefix must be 0 or more, not {args.shared_prefix}")
+    if args.cascade == "off":
+        # No run of shared blocks is ever long enough.
+        attention._MIN_SHARED_BLOCKS = sys.maxsize
     for name in ("batch", "prompt_len", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(
@@ -143,7 +179,8 @@ def main() -> None:
         raise SystemExit(f"no step decoded exactly {args.batch} requests together")
     print(
         f"{config.model.path}: {loaded.dtype}, {process.compute_threads()} compute threads, "
-        f"batch {args.batch}, prompts of {args.prompt_len}"
+        f"batch {args.batch}, prompts of {args.prompt_len} +-{args.prompt_spread:.0%}"
+        f" after a shared prefix of {args.shared_prefix}, cascade {args.cascade}"
     )
     print(
         f"decode step: median {statistics.median(steps) * 1e3:.1f} ms, "
