@@ -89,6 +89,9 @@ class AttentionMetadata:
     # calls (groups of similar context length).
     decode_seq_ids: list[int]
     decode_groups: tuple[DecodeGroup, ...] = ()
+    # True when the step is decodes only, in one group whose rows are the
+    # step's rows in order: the queries and the output need no gather.
+    decode_whole: bool = False
     # SDPA prefill: the sequences with more than one query token, and for each
     # its blocks ([n] int64), or None when start_pos == 0 and the chunk's own
     # K/V are the whole context.
@@ -202,14 +205,17 @@ def _add_sdpa_indices(
             _decode_group(meta, members, block_tables, device, dtype, shared)
             for members, shared in families
         ]
-        by_len = sorted(rest, key=lambda i: meta.context_lens[i])
-        num_groups = min(_MAX_DECODE_GROUPS, max(1, len(by_len) // _MIN_DECODE_GROUP))
+        num_groups = min(_MAX_DECODE_GROUPS, max(1, len(rest) // _MIN_DECODE_GROUP))
+        # Sorted by length only to split: one group keeps the step's order.
+        by_len = sorted(rest, key=lambda i: meta.context_lens[i]) if num_groups > 1 else rest
         size = max(1, -(-len(by_len) // num_groups))
         groups += [
             _decode_group(meta, by_len[lo : lo + size], block_tables, device, dtype)
             for lo in range(0, len(by_len), size)
         ]
         meta.decode_groups = tuple(groups)
+        # One group of every row in step order (decode_ids are ascending).
+        meta.decode_whole = len(groups) == 1 and not families and not prefill_ids
     meta.prefill_seq_ids = tuple(prefill_ids)
     meta.prefill_blocks = tuple(
         None
@@ -232,12 +238,9 @@ def shared_prefixes(
     """
     bs = meta.block_size
     by_first: dict[int, list[int]] = {}
-    rest: list[int] = []
     for i in decode_ids:
         if (meta.context_lens[i] - 1) // bs >= _MIN_SHARED_BLOCKS:
             by_first.setdefault(block_tables[i][0], []).append(i)
-        else:
-            rest.append(i)
     families: list[tuple[list[int], int]] = []
     for members in by_first.values():
         shared = min((meta.context_lens[i] - 1) // bs for i in members)
@@ -250,9 +253,9 @@ def shared_prefixes(
             shared = n
         if len(members) >= 2 and shared >= _MIN_SHARED_BLOCKS:
             families.append((members, shared))
-        else:
-            rest.extend(members)
-    return families, rest
+    in_family = {i for members, _ in families for i in members}
+    # The rest in step order: one group of them needs no gather of its rows.
+    return families, [i for i in decode_ids if i not in in_family]
 
 
 def _decode_group(
@@ -366,24 +369,20 @@ class SdpaBackend(_HeadedBackend):
     def attend(self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
         k, v, k_cache, v_cache = kv
         kvh, hd, g = self.num_kv_heads, self.head_dim, self.group
-        out = torch.empty_like(q)
-
         if meta.decode_seq_ids and not meta.decode_groups:
             raise RuntimeError("SDPA decode metadata was not built")
+        if meta.decode_whole:
+            # [T, H, D] -> [T, KVH, G, D]: the GQA group plays the query axis.
+            # Contiguous, as the gather would give it: the fused kernel's
+            # arithmetic differs on a strided query (q is a slice of qkv).
+            qd = q.reshape(q.shape[0], kvh, g, hd).contiguous()
+            return self._decode(qd, meta.decode_groups[0], k_cache, v_cache).reshape(q.shape)
+        out = torch.empty_like(q)
         for group in meta.decode_groups:
             rows = group.rows
             bd = rows.numel()
-            # [Bd, H, D] -> [Bd, KVH, G, D]: the GQA group plays the query axis.
             qd = q.index_select(0, rows).view(bd, kvh, g, hd)
-            # [Bd * nblk, bs, KVH, D] -> [Bd, KVH, nblk * bs, D]
-            kd = k_cache.index_select(0, group.blocks).view(bd, -1, kvh, hd).transpose(1, 2)
-            vd = v_cache.index_select(0, group.blocks).view(bd, -1, kvh, hd).transpose(1, 2)
-            if group.prefix is None:
-                od = F.scaled_dot_product_attention(
-                    qd, kd, vd, attn_mask=group.mask, scale=self.scale
-                )
-            else:
-                od = self._cascade(qd, kd, vd, group, k_cache, v_cache)
+            od = self._decode(qd, group, k_cache, v_cache)
             out.index_copy_(0, rows, od.reshape(bd, self.num_heads, hd))
 
         cu = meta.query_starts
@@ -415,6 +414,18 @@ class SdpaBackend(_HeadedBackend):
                 )
             out[lo:hi] = op[0].transpose(0, 1)
         return out
+
+    def _decode(
+        self, qd: torch.Tensor, group: DecodeGroup, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """A decode group's attention: queries [Bd, KVH, G, D] -> the same shape."""
+        bd, kvh, _g, hd = qd.shape
+        # [Bd * nblk, bs, KVH, D] -> [Bd, KVH, nblk * bs, D]
+        kd = k_cache.index_select(0, group.blocks).view(bd, -1, kvh, hd).transpose(1, 2)
+        vd = v_cache.index_select(0, group.blocks).view(bd, -1, kvh, hd).transpose(1, 2)
+        if group.prefix is not None:
+            return self._cascade(qd, kd, vd, group, k_cache, v_cache)
+        return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=self.scale)
 
     def _cascade(
         self,

@@ -182,3 +182,28 @@ def test_requests_sharing_prompt_blocks_decode_as_each_alone(tiny: LoadedModel) 
         req.output_token_ids.append(tok.token_id)
         _decode_greedy(alone, [req], [table], steps)
         assert req.output_token_ids == shared.output_token_ids
+
+
+@pytest.mark.parametrize("num_seqs", [1, 5, 40])
+def test_decodes_without_shared_blocks_match_each_sequence_alone(num_seqs: int) -> None:
+    """One group of every row in step order (no gather of queries or outputs),
+    or several groups by length once there are enough sequences."""
+    torch.manual_seed(num_seqs)
+    k_cache = torch.randn(8 * num_seqs, BS, KV_HEADS, DIM)
+    v_cache = torch.randn(8 * num_seqs, BS, KV_HEADS, DIM)
+    pool = torch.randperm(8 * num_seqs).tolist()
+    # Lengths out of order, long and short mixed: a short one (too few
+    # blocks to share anything) before and after long ones.
+    contexts = [(7 * i) % 100 + 5 for i in range(num_seqs)]
+    tables = [pool[8 * i : 8 * i + -(-c // BS)] for i, c in enumerate(contexts)]
+    meta = _meta(contexts, tables)
+    assert meta.decode_whole == (num_seqs < 32)
+    assert len(meta.decode_groups) == (1 if num_seqs < 32 else 2)
+    q = torch.randn(num_seqs, HEADS, DIM)
+    # A query that is a slice of a wider projection, as the model's is.
+    q = torch.cat([q, torch.randn(num_seqs, 2, DIM)], dim=1)[:, :HEADS]
+    kv = PagedKV(torch.empty(0), torch.empty(0), k_cache, v_cache)
+    got = SdpaBackend(HEADS, KV_HEADS, DIM).attend(q, kv, meta)
+    torch.testing.assert_close(
+        got.double(), _reference(q, kv, contexts, tables), atol=1e-5, rtol=1e-5
+    )
