@@ -246,15 +246,20 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers' arithmetic (normalize in float32, round, then scale) in
-        # one fused kernel instead of six ops: a decode step runs 2 per layer.
-        h = F.rms_norm(x.to(torch.float32), self.weight.shape, eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        # transformers' arithmetic: normalize in float32, round to the input's
+        # dtype, then scale. rms_norm computes a reduced-precision input in
+        # float32 and rounds once, the same bits as casting around it, without
+        # the two casts (a decode step runs 2 norms per layer).
+        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, the same bits in four
+    ops instead of seven: rotate_half(x) (the two halves of a head swapped,
+    the new first half negated) is a roll by half a head, the negation
+    carried by ``signed_sin`` (see ``CausalLM.rope``). Not addcmul: its fused
+    multiply-add rounds once where transformers rounds twice."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class _FusedLinear:
@@ -317,8 +322,9 @@ class _FusedLinear:
         return self.project(x).split(self.sizes, dim=-1)
 
 
-# (cos, sin) of the step's positions, [T, 1, head_dim] each: the rotary
-# embedding every layer applies to q and k.
+# (cos, signed sin) of the step's positions, [T, 1, head_dim] each: the
+# rotary embedding every layer applies to q and k. The sin's first half is
+# negated, which turns rotate_half into a roll (``_apply_rope``).
 Rope = tuple[torch.Tensor, torch.Tensor]
 # One layer's (K, V) cache, [num_blocks, block_size, kv_heads, head_dim] each.
 LayerCache = tuple[torch.Tensor, torch.Tensor]
@@ -369,15 +375,15 @@ class Attention(nn.Module):
             # pass (the same elementwise arithmetic, half the ops per layer).
             qkv = self.qkv.project(x)
             qk = qkv[:, : (h + kvh) * d].view(t, h + kvh, d)
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = _apply_rope(qk, cos, sin)
             q, k = qk[:, :h], qk[:, h:]
             v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
         else:
             q = self.q_proj(x).view(t, h, d)
             k = self.k_proj(x).view(t, kvh, d)
             v = self.v_proj(x).view(t, kvh, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = _apply_rope(q, cos, sin)
+            k = _apply_rope(k, cos, sin)
         return q, k, v
 
 
@@ -569,9 +575,10 @@ class CausalLM(nn.Module):
             inv_freq = self._inv_freq_cpu.to(positions.device)
             self._inv_freq[positions.device] = inv_freq
         freqs = positions[:, None].float() * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = freqs.sin()
+        cos = torch.cat((freqs, freqs), dim=-1).cos()
         # [T, 1, head_dim]: broadcast over heads.
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        return cos.to(dtype)[:, None, :], torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
 
     def forward(
         self,
