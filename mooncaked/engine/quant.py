@@ -179,6 +179,32 @@ def time_calls(
     return best
 
 
+def time_interleaved(
+    sides: Sequence[Sequence[tuple[Callable[[torch.Tensor], object], int]]],
+    rows: int,
+    dtype: torch.dtype,
+    repeats: int,
+) -> list[float]:
+    """Best of ``repeats`` for each side, the sides run in turn within every
+    repeat: a burst of other work on the host slows one turn of each side
+    instead of every turn of one, so it cannot decide a comparison alone."""
+    inputs = {
+        width: torch.randn(rows, width, generator=torch.Generator().manual_seed(width)).to(dtype)
+        for side in sides
+        for width in {w for _, w in side}
+    }
+    best = [float("inf")] * len(sides)
+    with torch.inference_mode():
+        for turn in range(repeats + 1):  # the first is a warm-up
+            for i, side in enumerate(sides):
+                t0 = time.perf_counter()
+                for call, width in side:
+                    call(inputs[width])
+                if turn:
+                    best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
 # The first hint is kept unless another's worst ratio is this much lower:
 # nodes of one kind of machine then pick alike despite timing noise (float32
 # results differ in the last bits between layouts).
@@ -286,6 +312,11 @@ def single_row_gemv(
 
 
 SINGLE_ROW_GEMV = ("auto", "on", "off")
+# Turns of each side: timed one after the other (five of each), a load that
+# began meanwhile on the host made the GEMV look slower in about one load
+# of three here, and the packed kernel was kept for the daemon's life at
+# two thirds of the GEMV's decode speed.
+GEMV_REPEATS = 9
 # "auto" keeps the dense copy when the one-row GEMV is at least this much
 # faster than the packed kernel in the timed sample (the copy doubles the
 # linear weights' memory; a gain inside the timing noise is not worth it).
@@ -294,7 +325,7 @@ GEMV_MARGIN = 0.15
 
 @dataclass(frozen=True, slots=True)
 class GemvTiming:
-    # Best of PACK_REPEATS, seconds, one row through every sample weight.
+    # Best of GEMV_REPEATS turns, seconds, one row through every sample weight.
     packed_s: float
     gemv_s: float
 
@@ -307,17 +338,17 @@ class GemvTiming:
 
 
 def time_single_row_gemv(
-    weights: Sequence[torch.Tensor], batch_hint: int, repeats: int = PACK_REPEATS
+    weights: Sequence[torch.Tensor], batch_hint: int, repeats: int = GEMV_REPEATS
 ) -> GemvTiming:
-    """One row through ``weights``, packed at ``batch_hint`` vs the native GEMV."""
+    """One row through ``weights``, packed at ``batch_hint`` vs the native
+    GEMV, in alternating turns (``time_interleaved``)."""
     if not weights:
         raise ValueError("time_single_row_gemv needs weights")
     dtype = weights[0].dtype
     packed = [(PackedLinear(w, None, batch_hint), w.shape[1]) for w in weights]
-    packed_s = time_calls(packed, 1, dtype, repeats)
-    del packed
     gemv = [(functools.partial(single_row_gemv, weight=w, bias=None), w.shape[1]) for w in weights]
-    return GemvTiming(packed_s, time_calls(gemv, 1, dtype, repeats))
+    packed_s, gemv_s = time_interleaved([packed, gemv], 1, dtype, repeats)
+    return GemvTiming(packed_s, gemv_s)
 
 
 LINEAR_KERNELS = ("auto", "packed", "dense")

@@ -16,6 +16,7 @@ difference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -475,6 +476,28 @@ def test_gemv_is_kept_only_where_it_is_measured_faster_by_the_margin() -> None:
     assert not GemvTiming(packed_s=1.0 + GEMV_MARGIN / 2, gemv_s=1.0).worth_it()
     assert GemvTiming(packed_s=1.0 + GEMV_MARGIN, gemv_s=1.0).worth_it()
     assert GemvTiming(packed_s=1.0, gemv_s=0.0).speedup == 0.0
+
+
+def test_the_gemv_and_packed_kernels_are_timed_in_alternating_turns() -> None:
+    """Each repeat runs every side once, in turn, after one warm-up turn:
+    load that comes and goes on the host lands on both sides alike."""
+    from mooncaked.engine.quant import time_interleaved
+
+    order: list[tuple[str, int]] = []
+
+    def call(name: str) -> Callable[[torch.Tensor], None]:
+        def run(x: torch.Tensor) -> None:
+            assert x.shape == (2, 8)
+            order.append((name, x.shape[1]))
+
+        return run
+
+    best = time_interleaved(
+        [[(call("a1"), 8), (call("a2"), 8)], [(call("b"), 8)]], 2, torch.float32, 3
+    )
+    assert len(best) == 2 and all(0.0 <= t < float("inf") for t in best)
+    names = [n for n, _ in order]
+    assert names == ["a1", "a2", "b"] * 4  # a warm-up turn and three timed
 
 
 @pytest.mark.slow
