@@ -373,9 +373,7 @@ class SdpaBackend(_HeadedBackend):
             raise RuntimeError("SDPA decode metadata was not built")
         if meta.decode_whole:
             # [T, H, D] -> [T, KVH, G, D]: the GQA group plays the query axis.
-            # Contiguous, as the gather would give it: the fused kernel's
-            # arithmetic differs on a strided query (q is a slice of qkv).
-            qd = q.reshape(q.shape[0], kvh, g, hd).contiguous()
+            qd = q.view(q.shape[0], kvh, g, hd)
             return self._decode(qd, meta.decode_groups[0], k_cache, v_cache).reshape(q.shape)
         out = torch.empty_like(q)
         for group in meta.decode_groups:
