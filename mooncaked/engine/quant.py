@@ -152,31 +152,9 @@ class PackedLinear(nn.Module):
 # 15-45% slower for 4-16 rows (eight SmolLM2-135M-shaped layers, 1 and 2 threads).
 PACK_HINTS = (1, 16, 64)
 PACK_ROWS = (1, 4, 16, 64)
-# Best of five: with best of three a noisy host picked the one-row layout in
-# one load of four where the others picked 64.
+# Best of five turns: with best of three, timed hint after hint, a noisy host
+# picked the one-row layout in one load of four where the others picked 64.
 PACK_REPEATS = 5
-
-
-def time_calls(
-    calls: Sequence[tuple[Callable[[torch.Tensor], object], int]],
-    rows: int,
-    dtype: torch.dtype,
-    repeats: int = PACK_REPEATS,
-) -> float:
-    """Best of ``repeats`` after a warm-up: seconds to run every ``(call, input width)``
-    once on ``rows`` rows of fixed random inputs."""
-    inputs = {
-        width: torch.randn(rows, width, generator=torch.Generator().manual_seed(width)).to(dtype)
-        for width in {w for _, w in calls}
-    }
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats + 1):  # the first is a warm-up
-            t0 = time.perf_counter()
-            for call, width in calls:
-                call(inputs[width])
-            best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def time_interleaved(
@@ -253,11 +231,13 @@ def pick_pack_hint(
     if not weights or not hints:
         raise ValueError("pick_pack_hint needs weights and at least one hint")
     dtype = weights[0].dtype
-    timings: list[PackTiming] = []
-    for hint in hints:
-        calls = [(PackedLinear(w, None, hint), w.shape[1]) for w in weights]
-        timings.append(PackTiming(hint, tuple(time_calls(calls, n, dtype, repeats) for n in rows)))
-        del calls
+    sides = [[(PackedLinear(w, None, hint), w.shape[1]) for w in weights] for hint in hints]
+    # [row count][hint]: the hints in turns at each row count, so a burst of
+    # other work cannot favour the hint timed before or after it.
+    per_rows = [time_interleaved(sides, n, dtype, repeats) for n in rows]
+    timings = [
+        PackTiming(hint, tuple(seconds[i] for seconds in per_rows)) for i, hint in enumerate(hints)
+    ]
     return choose_pack_hint(timings), timings
 
 
