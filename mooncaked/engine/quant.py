@@ -293,9 +293,9 @@ def single_row_gemv(
 
 SINGLE_ROW_GEMV = ("auto", "on", "off")
 # Turns of each side: timed one after the other (five of each), a load that
-# began meanwhile on the host made the GEMV look slower in about one load
-# of three here, and the packed kernel was kept for the daemon's life at
-# two thirds of the GEMV's decode speed.
+# began meanwhile on the host made the GEMV look slower in one load of four
+# here, and the packed kernel was kept for the daemon's life at two thirds
+# of the GEMV's decode speed.
 GEMV_REPEATS = 9
 # "auto" keeps the dense copy when the one-row GEMV is at least this much
 # faster than the packed kernel in the timed sample (the copy doubles the
