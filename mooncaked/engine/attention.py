@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -105,6 +106,8 @@ class AttentionMetadata:
     # graph's bucket): its slot gets back the value it holds. None: every row
     # is real.
     keep: torch.Tensor | None = None
+    # What else the backend computes once per step (``AttentionBackend.prepare``).
+    extra: object | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -177,8 +180,7 @@ def build_metadata(
         query_starts=tuple(cu_q),
         backend=backend,
     )
-    if isinstance(backend, SdpaBackend):
-        _add_sdpa_indices(meta, block_tables, device, dtype)
+    backend.prepare(meta, block_tables, device, dtype)
     return meta
 
 
@@ -189,7 +191,6 @@ def _add_sdpa_indices(
     dtype: torch.dtype,
 ) -> None:
     """Precompute gather indices once per step instead of once per layer."""
-    bs = meta.block_size
     decode_ids = [i for i, q in enumerate(meta.query_lens) if q == 1]
     prefill_ids = [i for i, q in enumerate(meta.query_lens) if q > 1]
     meta.decode_seq_ids = decode_ids
@@ -216,6 +217,16 @@ def _add_sdpa_indices(
         meta.decode_groups = tuple(groups)
         # One group of every row in step order (decode_ids are ascending).
         meta.decode_whole = len(groups) == 1 and not families and not prefill_ids
+    add_prefill_blocks(meta, block_tables, device)
+
+
+def add_prefill_blocks(
+    meta: AttentionMetadata, block_tables: list[list[int]], device: torch.device
+) -> None:
+    """The sequences SDPA attends one by one (more than one query token), and
+    the blocks of each that starts past its cached context."""
+    bs = meta.block_size
+    prefill_ids = [i for i, q in enumerate(meta.query_lens) if q > 1]
     meta.prefill_seq_ids = tuple(prefill_ids)
     meta.prefill_blocks = tuple(
         None
@@ -309,6 +320,25 @@ class AttentionBackend:
     # lists, so the step can be captured in a CUDA graph (engine/graphs.py).
     static_decode: bool
 
+    def prepare(
+        self,
+        meta: AttentionMetadata,
+        block_tables: list[list[int]],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        """Once per step, before any layer: what every layer's call reuses."""
+
+    def step_done(self, meta: AttentionMetadata) -> None:
+        """Every layer of the step ran (not called when the forward failed)."""
+
+    def bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The runner's KV cache, once allocated."""
+
+    def track(self, generations: np.ndarray) -> None:
+        """The block pool's generations (``BlockPool.generations``), for a
+        backend that keeps a copy of the cache."""
+
     def forward(self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D]; writes the step's new K/V into the cache first."""
         write_kv(kv.k, kv.v, kv.k_cache, kv.v_cache, meta.slot_mapping, meta.keep)
@@ -366,8 +396,17 @@ class SdpaBackend(_HeadedBackend):
     name = "sdpa"
     static_decode = False
 
+    def prepare(
+        self,
+        meta: AttentionMetadata,
+        block_tables: list[list[int]],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        _add_sdpa_indices(meta, block_tables, device, dtype)
+
     def attend(self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
-        k, v, k_cache, v_cache = kv
+        k_cache, v_cache = kv.k_cache, kv.v_cache
         kvh, hd, g = self.num_kv_heads, self.head_dim, self.group
         if meta.decode_seq_ids and not meta.decode_groups:
             raise RuntimeError("SDPA decode metadata was not built")
@@ -382,7 +421,14 @@ class SdpaBackend(_HeadedBackend):
             qd = q.index_select(0, rows).view(bd, kvh, g, hd)
             od = self._decode(qd, group, k_cache, v_cache)
             out.index_copy_(0, rows, od.reshape(bd, self.num_heads, hd))
+        return self._prefills(q, kv, meta, out)
 
+    def _prefills(
+        self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Each prefill chunk's attention into its rows of ``out``, one call each."""
+        k, v, k_cache, v_cache = kv
+        kvh, hd, g = self.num_kv_heads, self.head_dim, self.group
         cu = meta.query_starts
         for i, blocks_i in zip(meta.prefill_seq_ids, meta.prefill_blocks, strict=True):
             lo, hi = cu[i], cu[i + 1]
@@ -524,8 +570,15 @@ def select_backend(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    vllm_cpu_library: str = "",
 ) -> AttentionBackend:
-    """``auto``: flash-attn where it can run (CUDA, fp16/bf16, block_size % 256 == 0), else SDPA."""
+    """``auto``: flash-attn where it can run (CUDA, fp16/bf16, block_size % 256 == 0), else SDPA.
+    ``vllm-cpu``: vLLM's CPU kernels for decodes (engine/vllm_cpu.py), from
+    ``vllm_cpu_library`` or the vllm package installed here."""
+    if requested == "vllm-cpu":
+        return _vllm_cpu_backend(
+            device, dtype, block_size, num_heads, num_kv_heads, head_dim, vllm_cpu_library
+        )
     flash_ok_reason: str | None = None
     if device.type != "cuda":
         flash_ok_reason = "flash-attn needs a CUDA device"
@@ -547,7 +600,30 @@ def select_backend(
         return SdpaBackend(num_heads, num_kv_heads, head_dim)
     if requested == "auto":
         return FlashBackend(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown attention backend {requested!r}; use auto, sdpa or flash")
+    raise ValueError(f"unknown attention backend {requested!r}; use auto, sdpa, flash or vllm-cpu")
+
+
+def _vllm_cpu_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    library: str,
+) -> AttentionBackend:
+    # Imported here: the module builds on this one's SDPA backend.
+    from mooncaked.engine import vllm_cpu
+
+    if device.type != "cpu":
+        raise ValueError(f"model.attention_backend = 'vllm-cpu' runs on the CPU, not {device}")
+    try:
+        ops = vllm_cpu.load_ops(vllm_cpu.library_file(library))
+        return vllm_cpu.VllmCpuBackend(
+            num_heads, num_kv_heads, head_dim, ops=ops, dtype=dtype, block_size=block_size
+        )
+    except vllm_cpu.VllmCpuUnavailable as exc:
+        raise ValueError(f"model.attention_backend = 'vllm-cpu': {exc}") from None
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:

@@ -172,11 +172,15 @@ class EngineCore:
     def _build_kv(self, kv_allocator: KVAllocator | None) -> tuple[BlockPool, ModelRunner]:
         """The block pool and the runner over a KV cache of as many blocks."""
         config, kv = self.config, self.config.kv
+        budget = self._kv_budget_bytes()
+        if config.model.attention_backend == "vllm-cpu":
+            # Half for the cache, half for the kernel's copy of it (engine/vllm_cpu.py).
+            budget //= 2
         num_blocks = kv.num_blocks or num_blocks_for_bytes(
             self.loaded.arch,
             kv.block_size,
             self.loaded.dtype,
-            self._kv_budget_bytes(),
+            budget,
             self.loaded.model.span.count,
         )
         if num_blocks <= 0:
@@ -191,7 +195,9 @@ class EngineCore:
             cuda_graphs=config.model.cuda_graphs,
             max_graph_batch=config.scheduler.max_num_seqs,
             decodes=config.node.role != "prefill",
+            vllm_cpu_library=config.model.vllm_cpu_library,
         )
+        runner.backend.track(pool.generations)
         return pool, runner
 
     def _kv_budget_bytes(self) -> int:

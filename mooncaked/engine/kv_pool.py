@@ -26,6 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from mooncaked.cache.hashing import BlockHash
 
 # (hash, stored: True | removed: False); the tiered store and gossip listen.
@@ -64,6 +66,13 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Bumped each time a block is handed out by ``allocate``: new contents
+        # (written by this node's steps, a peer, a cache tier) can only come
+        # into a block that way, so a copy of a block made at one generation
+        # holds its contents as long as the generation stands (an attention
+        # kernel's own layout of the cache, engine/vllm_cpu.py). A prefix hit
+        # that revives a cached block does not bump it: its contents stay.
+        self.generations = np.zeros(num_blocks, dtype=np.int64)
         # An OrderedDict used as a linked list: O(1) removal from the middle when
         # a prefix hit revives a free cached block.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -123,6 +132,7 @@ class BlockPool:
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block_id)
+        self.generations[out] += 1
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:

@@ -74,6 +74,7 @@ class ModelRunner:
         cuda_graphs: str = "auto",
         max_graph_batch: int = 64,
         decodes: bool = True,
+        vllm_cpu_library: str = "",
     ) -> None:
         """``kv_allocator(nbytes, device)`` gives the zeroed memory of the whole KV cache as
         a uint8 tensor on the model's device (shared memory a transfer engine
@@ -109,6 +110,7 @@ class ModelRunner:
             num_heads=arch.num_heads,
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
+            vllm_cpu_library=vllm_cpu_library,
         )
         # A pipeline stage holds the KV of its own layers only.
         self.span = self.model.span
@@ -116,6 +118,7 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = [
             (self.kv_buffer[i, 0], self.kv_buffer[i, 1]) for i in range(self.span.count)
         ]
+        self.backend.bind(self.kv_caches)
         # A stage after the first: the rows its input activations arrive in
         # ([rows, hidden], the pipeline's inbound segment), once bound.
         self.act_in: torch.Tensor | None = None
@@ -325,6 +328,7 @@ class ModelRunner:
             rows = torch.tensor(act_rows, dtype=torch.int64)
             hidden_in = self.act_in.index_select(0, rows).to(self.device, non_blocking=True)
         hidden = self.model(input_ids, pos, self.kv_caches, meta, layer_done, hidden=hidden_in)
+        self.backend.step_done(meta)
         return hidden, sample_rows
 
     def _check_chunk(self, i: int, c: ScheduledChunk) -> None:
