@@ -171,21 +171,15 @@ class EngineCore:
 
     def _build_kv(self, kv_allocator: KVAllocator | None) -> tuple[BlockPool, ModelRunner]:
         """The block pool and the runner over a KV cache of as many blocks."""
-        config, kv = self.config, self.config.kv
+        config, kv, loaded = self.config, self.config.kv, self.loaded
+        model = config.model
         backend = ModelRunner.select_backend(
-            config.model.attention_backend,
-            self.loaded,
-            kv.block_size,
-            config.model.vllm_cpu_library,
+            model.attention_backend, loaded, kv.block_size, model.vllm_cpu_library
         )
         # A backend with a copy of the cache in its own layout gets its share.
         budget = self._kv_budget_bytes() // backend.kv_copies
         num_blocks = kv.num_blocks or num_blocks_for_bytes(
-            self.loaded.arch,
-            kv.block_size,
-            self.loaded.dtype,
-            budget,
-            self.loaded.model.span.count,
+            loaded.arch, kv.block_size, loaded.dtype, budget, loaded.model.span.count
         )
         if num_blocks <= 0:
             raise ValueError("the KV memory budget is too small for one KV block (see [kv])")
