@@ -28,6 +28,10 @@ from mooncaked.engine.plan import StepPlan, chunk_of
 from mooncaked.engine.runner import ModelRunner
 from mooncaked.engine.vllm_cpu import VllmCpuBackend, load_ops
 from mooncaked.request import Request, SamplingParams
+from tests.integration import test_disagg as disagg
+from tests.integration.clusters import ClusterFactory, cluster_factory
+
+__all__ = ["cluster_factory"]
 
 
 def _library() -> str:
@@ -283,3 +287,26 @@ def test_smollm2_serves_the_same_greedy_tokens_as_with_sdpa() -> None:
     sdpa = asyncio.run(_serve("sdpa", "float32", prompts))
     vllm = asyncio.run(_serve("vllm-cpu", "float32", prompts))
     assert vllm == sdpa
+
+
+@pytest.mark.slow
+async def test_decode_nodes_on_the_kernel_serve_what_one_sdpa_node_serves(
+    cluster_factory: ClusterFactory,
+) -> None:
+    """The decode node's blocks arrive from the prefill node (granted blocks a
+    peer writes): its copy must follow them. 1P+1D and one node on the
+    kernel, against one node on SDPA; 50 prompts, most sharing prefixes."""
+    batch = disagg.prompts()
+    solo = await cluster_factory(["both"])
+    want = await disagg.complete_all(solo, batch)
+    kernel = {"model": {"attention_backend": "vllm-cpu", "vllm_cpu_library": LIBRARY}}
+    for roles in ([("prefill", {}), ("decode", kernel)], [("both", kernel)]):
+        cluster = await cluster_factory(roles)
+        decoders = [n for n in cluster.nodes if n.config.node.role != "prefill"]
+        assert all(n.engine is not None for n in decoders)
+        assert {n.engine.runner.backend.name for n in decoders if n.engine} == {"vllm-cpu"}
+        got = await disagg.complete_all(cluster, batch)
+        disagg.assert_same(got, want)
+        # Again: the decode node's blocks are handed out anew, and copied anew.
+        disagg.assert_same(await disagg.complete_all(cluster, batch), want)
+        cluster.assert_clean()
