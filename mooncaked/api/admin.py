@@ -176,6 +176,8 @@ class AdminAPI:
                 # eager, for the reason given), and the replays so far.
                 "cuda_graphs": [] if graphs is None else graphs.sizes,
                 "cuda_graphs_off": engine.runner.graphs_off_reason,
+                # The attention kernel (vllm-cpu: vLLM's, over a copy of the cache).
+                "attention_backend": engine.runner.backend.name,
                 "cuda_graph_replays": 0 if graphs is None else graphs.num_replays,
                 "cpu_threads": engine.cpu_threads,
             }
