@@ -582,13 +582,18 @@ def select_backend(
     on the CPU, vLLM's kernels where they load, else SDPA. ``vllm-cpu``:
     vLLM's CPU kernels for decodes (engine/vllm_cpu.py), from
     ``vllm_cpu_library`` or the vllm package installed here."""
+    from mooncaked.engine import vllm_cpu  # it builds on this module's SDPA backend
+
     shape = (device, dtype, block_size, num_heads, num_kv_heads, head_dim, vllm_cpu_library)
     if requested == "vllm-cpu":
-        return _vllm_cpu_backend(*shape)
+        try:
+            return _vllm_cpu_backend(*shape)
+        except vllm_cpu.VllmCpuUnavailable as exc:
+            raise ValueError(f"model.attention_backend = 'vllm-cpu': {exc}") from None
     if requested == "auto" and device.type == "cpu":
         try:
             return _vllm_cpu_backend(*shape)
-        except ValueError as exc:
+        except vllm_cpu.VllmCpuUnavailable as exc:
             # The usual case (vLLM's CPU build is not installed): SDPA.
             log.debug("vllm-cpu attention not used", reason=str(exc))
     flash_ok_reason: str | None = None
@@ -624,18 +629,14 @@ def _vllm_cpu_backend(
     head_dim: int,
     library: str,
 ) -> AttentionBackend:
-    # Imported here: the module builds on this one's SDPA backend.
     from mooncaked.engine import vllm_cpu
 
     if device.type != "cpu":
-        raise ValueError(f"model.attention_backend = 'vllm-cpu' runs on the CPU, not {device}")
-    try:
-        ops = vllm_cpu.load_ops(vllm_cpu.library_file(library))
-        return vllm_cpu.VllmCpuBackend(
-            num_heads, num_kv_heads, head_dim, ops=ops, dtype=dtype, block_size=block_size
-        )
-    except vllm_cpu.VllmCpuUnavailable as exc:
-        raise ValueError(f"model.attention_backend = 'vllm-cpu': {exc}") from None
+        raise vllm_cpu.VllmCpuUnavailable(f"vLLM's CPU kernels run on the CPU, not {device}")
+    ops = vllm_cpu.load_ops(vllm_cpu.library_file(library))
+    return vllm_cpu.VllmCpuBackend(
+        num_heads, num_kv_heads, head_dim, ops=ops, dtype=dtype, block_size=block_size
+    )
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:

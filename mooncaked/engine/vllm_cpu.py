@@ -113,7 +113,7 @@ def load_ops(path: Path) -> VllmCpuOps:
     """Load the library once per process and check its operators."""
     try:
         torch.ops.load_library(str(path))
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # not a library; built for another torch
         raise VllmCpuUnavailable(f"{path} does not load with this torch: {exc}") from None
     ops = torch.ops._C
     for name, want in _SCHEMAS.items():

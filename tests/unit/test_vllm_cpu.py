@@ -83,7 +83,7 @@ def test_auto_is_sdpa_on_the_cpu_without_vllm() -> None:
 
 
 def test_the_backend_runs_on_the_cpu_only() -> None:
-    with pytest.raises(ValueError, match="runs on the CPU"):
+    with pytest.raises(ValueError, match="run on the CPU"):
         _select("", torch.device("meta"))
 
 
