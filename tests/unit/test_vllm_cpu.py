@@ -13,7 +13,7 @@ import torch
 
 from mooncaked.cache.hashing import BlockHash
 from mooncaked.config import ConfigError, config_from_dict
-from mooncaked.engine.attention import select_backend
+from mooncaked.engine.attention import AttentionBackend, select_backend
 from mooncaked.engine.kv_pool import BlockPool
 from mooncaked.engine.vllm_cpu import (
     VllmCpuUnavailable,
@@ -25,9 +25,11 @@ from mooncaked.engine.vllm_cpu import (
 CPU = torch.device("cpu")
 
 
-def _select(library: str, device: torch.device = CPU) -> object:
+def _select(
+    library: str, device: torch.device = CPU, requested: str = "vllm-cpu"
+) -> AttentionBackend:
     return select_backend(
-        "vllm-cpu",
+        requested,
         device=device,
         dtype=torch.float32,
         block_size=16,
@@ -69,15 +71,7 @@ def test_without_vllm_installed_the_backend_says_how_to_get_it() -> None:
 
 @pytest.mark.skipif(_vllm_installed(), reason="vLLM is installed in this environment")
 def test_auto_is_sdpa_on_the_cpu_without_vllm() -> None:
-    backend = select_backend(
-        "auto",
-        device=CPU,
-        dtype=torch.float32,
-        block_size=16,
-        num_heads=6,
-        num_kv_heads=2,
-        head_dim=32,
-    )
+    backend = _select("", requested="auto")
     assert backend.name == "sdpa"
     assert backend.kv_copies == 1
 

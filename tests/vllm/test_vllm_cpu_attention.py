@@ -30,6 +30,7 @@ from mooncaked.engine.vllm_cpu import VllmCpuBackend, load_ops
 from mooncaked.request import Request, SamplingParams
 from tests.integration import test_disagg as disagg
 from tests.integration.clusters import ClusterFactory, cluster_factory
+from tests.unit.test_attention import _decode_greedy
 
 __all__ = ["cluster_factory"]
 
@@ -203,14 +204,7 @@ def _greedy(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[l
         tok = runner.execute(StepPlan([chunk_of(r, r.prompt_token_ids[start:], start, t, True)]))
         assert tok[0] is not None
         r.output_token_ids.append(tok[0].token_id)
-    for _ in range(steps):
-        chunks = [
-            chunk_of(r, [r.output_token_ids[-1]], r.num_tokens - 1, t, True)
-            for r, t in zip(reqs, tables, strict=True)
-        ]
-        for r, tok in zip(reqs, runner.execute(StepPlan(chunks)), strict=True):
-            assert tok is not None
-            r.output_token_ids.append(tok.token_id)
+    _decode_greedy(runner, reqs, tables, steps)
     return [r.output_token_ids for r in reqs]
 
 
