@@ -99,7 +99,13 @@ async def restart(trio: list[ClusterService], which: str, label: str) -> Cluster
         assert new.counters.refutations >= 1
         assert new.core.incarnation > new.core.generation
     assert new.counters.handler_errors == 0
-    assert all(m.status is MemberStatus.ALIVE for m in new.view.members.values())
+    # The new s0's own view may still carry a suspicion the old s0 spread
+    # while frozen (relayed by s1 or s2 before their refutation reached it):
+    # it must clear within the same bound, not be gone at this instant.
+    await wait_for(
+        lambda: all(m.status is MemberStatus.ALIVE for m in new.view.members.values()),
+        RECOVERY_BOUND_S,
+    )
     return new
 
 
